@@ -1,0 +1,1 @@
+"""The vLLM plugin (installed as ``triton_offload.connector``)."""

@@ -1,0 +1,1 @@
+"""Triton kernels of triton-offload and their plain-PyTorch reference (installed as ``triton_offload.kernels``)."""

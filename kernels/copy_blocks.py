@@ -1,0 +1,179 @@
+"""One Triton kernel that gathers GPU KV blocks of all layers into packed host blocks, or scatters them back.
+
+Work is a flat list of *items*, one per (GPU block, segment) pair, ordered block-major so that consecutive items are
+consecutive host bytes. A persistent grid of ``num_ctas`` programs walks tiles of ``ROWS`` items; each tile moves
+``ROWS x CHUNK`` elements per step, so small pages are batched many to a tile and large pages are streamed in chunks.
+Addresses are element offsets from two base pointers: the host buffer, and the segment table itself (the *anchor*),
+from which every KV tensor's address is stored as a difference. All address arithmetic is int64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from triton_offload.layouts import KVCacheSpec
+
+# Tuned constants. NOT YET MEASURED ON A GPU: chosen from the published H100 figures in DESIGN.md (PCIe reads need
+# roughly bandwidth x latency ~ 55 GB/s x 2 us ~ 110 KB in flight; 8 programs x 16-32 KiB tiles give 128-256 KB).
+# The benchmark (bench/bench_transfer.py) sweeps num_ctas; update these with the device and date it was measured on.
+DEFAULT_NUM_CTAS = 8
+# Bytes one program moves per step. Loads (host -> GPU) read over PCIe, whose latency wants more bytes in flight.
+TILE_BYTES = {True: 16 * 1024, False: 32 * 1024}  # keyed by GATHER
+NUM_WARPS = {True: 4, False: 8}
+# Widest access: 16 bytes per thread (one 128-bit load/store) when every address and size allows it.
+MAX_ACCESS_BYTES = 16
+_ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def _copy_blocks_kernel(
+    anchor_ptr,  # ELEM*: the segment table's own storage; GPU addresses are element offsets from it
+    host_ptr,  # ELEM*: packed host buffer
+    table_ptr,  # int64* (num_segments, 4): gpu offset, block stride, length, offset in a sub-block (elements)
+    ids_ptr,  # int64*: GPU block ids [n_blocks], then host block ids
+    n_blocks,
+    n_segs,
+    n_tiles,
+    skip,
+    blocks_per_host_block,
+    host_row_stride,  # elements between host blocks
+    block_elems,  # elements of one GPU block, all layers (one packed sub-block)
+    n_chunks,  # CHUNK-sized steps of the longest segment; shorter ones are masked
+    GATHER: tl.constexpr,  # True: GPU -> host (store); False: host -> GPU (load)
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    VEC: tl.constexpr,  # every offset and length is a multiple of VEC elements: enables 16-byte accesses
+):
+    # int64 from the start: the loop variable inherits it, so item indices never wrap.
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0)
+    rows = tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, CHUNK)
+    n_items = n_blocks.to(tl.int64) * n_segs
+    for tile in range(pid, n_tiles, nprog):
+        item = tile * ROWS + rows
+        live = item < n_items
+        blk = item // n_segs
+        seg = item - blk * n_segs
+        pos = blk + skip
+        gpu_id = tl.load(ids_ptr + blk, mask=live, other=0)
+        host_id = tl.load(ids_ptr + n_blocks + pos // blocks_per_host_block, mask=live, other=0)
+        seg_row = table_ptr + seg * 4
+        seg_base = tl.load(seg_row, mask=live, other=0)
+        seg_stride = tl.load(seg_row + 1, mask=live, other=0)
+        seg_len = tl.load(seg_row + 2, mask=live, other=0)  # dead rows get length 0: fully masked
+        seg_host = tl.load(seg_row + 3, mask=live, other=0)
+        gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)
+        host_off = tl.multiple_of(
+            host_id * host_row_stride + (pos % blocks_per_host_block) * block_elems + seg_host, VEC
+        )
+        seg_len = tl.multiple_of(seg_len, VEC)
+        for k in range(0, n_chunks):
+            col = k * CHUNK + cols
+            mask = col[None, :] < seg_len[:, None]
+            if GATHER:
+                vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)
+                tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)
+            else:
+                vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
+                tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
+
+
+_NOT_SPECIALIZED = [
+    "n_blocks",
+    "n_segs",
+    "n_tiles",
+    "skip",
+    "blocks_per_host_block",
+    "host_row_stride",
+    "block_elems",
+    "n_chunks",
+]
+_jit_kernel = triton.jit(_copy_blocks_kernel, do_not_specialize=_NOT_SPECIALIZED)
+# CPU tensors run the same kernel through Triton's interpreter, whatever TRITON_INTERPRET says: that is how the
+# kernels are tested without a GPU and how the vLLM CPU platform moves its KV cache. Without TRITON_INTERPRET=1 at
+# import time, Triton's @jit standard-library helpers (tl.max, tl.cdiv, ...) are not interpretable, so the kernel
+# uses builtins only and gets the loop bound of its segments as an argument.
+_interpreted_kernel = InterpretedFunction(_copy_blocks_kernel)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def access_width(spec: KVCacheSpec, host_buffer: torch.Tensor) -> int:
+    """Widest access (bytes, a power of two <= 16) that every address, stride and size in a transfer allows."""
+    align = spec.alignment()
+    for v in (host_buffer.data_ptr(), host_buffer.stride(0) * host_buffer.element_size()):
+        while v % align:
+            align //= 2
+    return align
+
+
+def launch_copy_blocks(
+    spec: KVCacheSpec,
+    host_buffer: torch.Tensor,
+    ids: torch.Tensor,
+    n_blocks: int,
+    *,
+    skip: int,
+    blocks_per_host_block: int,
+    gather: bool,
+    num_ctas: int | None,
+) -> None:
+    """Launches one copy of ``n_blocks`` GPU blocks (all layers) to or from packed host blocks.
+
+    Inputs are validated by the public API (:mod:`triton_offload.transfer`); only internal invariants are asserted.
+
+    Args:
+        spec: the prepared KV caches.
+        host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row.
+        ids: int64 on ``spec.device``: the GPU block ids, then the host block ids.
+        n_blocks: number of GPU blocks.
+        skip: position of the first GPU block inside the first host block.
+        blocks_per_host_block: GPU blocks per host block.
+        gather: True for GPU -> host, False for host -> GPU.
+        num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
+    """
+    assert ids.dtype == torch.int64 and ids.device == spec.device
+    width = access_width(spec, host_buffer)
+    elem = min(width, 4)
+    vec = width // elem
+    table = spec.segment_table(elem)
+    n_segs = table.shape[0]
+    max_seg = max(s.nbytes for s in spec.segments) // elem
+    tile = TILE_BYTES[gather] // elem
+    chunk = min(_next_pow2(max_seg), tile)
+    rows = tile // chunk
+    n_tiles = triton.cdiv(n_blocks * n_segs, rows)
+    grid = (max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles)),)
+    dtype = _ELEM_DTYPES[elem]
+    if spec.device.type == "cpu":
+        kernel = _interpreted_kernel
+    else:
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
+        kernel = _jit_kernel
+    kernel[grid](
+        table.view(dtype),
+        host_buffer.view(dtype),
+        table,
+        ids,
+        n_blocks,
+        n_segs,
+        n_tiles,
+        skip,
+        blocks_per_host_block,
+        host_buffer.stride(0) * host_buffer.element_size() // elem,
+        spec.bytes_per_block // elem,
+        triton.cdiv(max_seg, chunk),
+        GATHER=gather,
+        ROWS=rows,
+        CHUNK=chunk,
+        VEC=vec,
+        num_warps=NUM_WARPS[gather],
+    )

@@ -1,0 +1,94 @@
+"""Plain-PyTorch reference of the gather/scatter contract, written for clarity, not speed.
+
+It indexes the layer tensors the way a reader thinks of them (``t[0][g]`` is the K of block ``g`` in kv_first) and
+never touches addresses, so it checks the kernels' address arithmetic independently. The tests and the benchmark's
+CPU correctness pass both use it. Validation is the public API's job; the reference assumes valid input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from triton_offload.layouts import Layout, resolve_layout
+
+
+def _parts(t: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """One layer's parts in packed order (K then V, or the single latent/page), each with the block dim first."""
+    if layout is Layout.KV_FIRST:
+        parts = [t[0], t[1]]
+    elif layout is Layout.BLOCK_FIRST:
+        parts = [t[:, 0], t[:, 1]]
+    else:
+        parts = [t]
+    # A block's bytes are stored in memory order; permute its dims (outermost stride first) so indexing and
+    # reshaping see them in that order. For ordinary contiguous caches this is the identity.
+    return [p.permute(0, *sorted(range(1, p.dim()), key=lambda d: (-p.stride(d), d))) for p in parts]
+
+
+def _ids(ids) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids), dtype=torch.int64)
+
+
+def _slots(n: int, host_block_ids, blocks_per_host_block: int, skip: int, device):
+    """Host block and sub-block of each GPU block: position skip + i, as DESIGN.md defines."""
+    pos = skip + torch.arange(n)
+    return _ids(host_block_ids)[pos // blocks_per_host_block].to(device), (pos % blocks_per_host_block).to(device)
+
+
+def _host_view(host_buffer: torch.Tensor, blocks_per_host_block: int) -> torch.Tensor:
+    """(num_host_blocks, f, bytes_per_gpu_block) byte view of the host buffer."""
+    return host_buffer.view(torch.uint8).unflatten(1, (blocks_per_host_block, -1))
+
+
+def gather_blocks_ref(
+    kv_caches: Sequence[torch.Tensor],
+    layout: str | Layout,
+    gpu_block_ids: Sequence[int],
+    host_buffer: torch.Tensor,
+    host_block_ids: Sequence[int],
+    *,
+    blocks_per_host_block: int = 1,
+    skip: int = 0,
+) -> None:
+    """Reference of :func:`triton_offload.gather_blocks`."""
+    layout = resolve_layout(layout)
+    g = _ids(gpu_block_ids)
+    n = g.numel()
+    if n == 0:
+        return
+    rows, subs = _slots(n, host_block_ids, blocks_per_host_block, skip, host_buffer.device)
+    # (n, bytes_per_gpu_block): each block's parts side by side, in layer order.
+    blocks = torch.cat(
+        [p[g.to(p.device)].reshape(n, -1).view(torch.uint8) for t in kv_caches for p in _parts(t, layout)], dim=1
+    )
+    _host_view(host_buffer, blocks_per_host_block)[rows, subs] = blocks.to(host_buffer.device)
+
+
+def scatter_blocks_ref(
+    host_buffer: torch.Tensor,
+    host_block_ids: Sequence[int],
+    kv_caches: Sequence[torch.Tensor],
+    layout: str | Layout,
+    gpu_block_ids: Sequence[int],
+    *,
+    blocks_per_host_block: int = 1,
+    skip: int = 0,
+) -> None:
+    """Reference of :func:`triton_offload.scatter_blocks`."""
+    layout = resolve_layout(layout)
+    g = _ids(gpu_block_ids)
+    n = g.numel()
+    if n == 0:
+        return
+    rows, subs = _slots(n, host_block_ids, blocks_per_host_block, skip, host_buffer.device)
+    blocks = _host_view(host_buffer, blocks_per_host_block)[rows, subs]  # (n, bytes_per_gpu_block), a copy
+    offset = 0
+    for t in kv_caches:
+        for p in _parts(t, layout):
+            nbytes = p[0].numel() * p.element_size()
+            chunk = blocks[:, offset : offset + nbytes].contiguous().to(p.device)
+            p[g.to(p.device)] = chunk.view(p.dtype).view(n, *p.shape[1:])
+            offset += nbytes

@@ -1,0 +1,162 @@
+"""Gather/scatter kernels against the reference, byte for byte, on CPU under the Triton interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import triton_offload as to
+from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
+
+from kv_factory import (
+    SENTINEL,
+    copy_blocks_into,
+    host_buffer,
+    make_caches,
+    random_transfer,
+    sentinel_like,
+    snapshot,
+    storage_bytes,
+)
+
+# Small shapes: the interpreter is slow. Each layout's page is not a power of two where it can help find bugs.
+PAGES = {
+    "kv_first": dict(block_size=3, heads=2, head_dim=4),
+    "block_first": dict(block_size=2, heads=1, head_dim=6),
+    "mla": dict(block_size=2, latent=10),
+    "canonical": dict(page_bytes=40, pad=24),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+def round_trip(caches, layout, *, f, skip, n, num_host=None, seed=0, num_ctas=None):
+    """Gathers n random blocks, checks the host bytes against the reference and the sentinel, scatters them back
+    into sentinel caches and checks that exactly the addressed blocks changed. Returns the host buffer."""
+    rng = np.random.default_rng(seed)
+    spec = to.KVCacheSpec(caches, layout)
+    num_host = num_host or (skip + n) // f + 3
+    g, h = random_transfer(rng, spec.num_blocks, num_host, n, f, skip)
+    before = snapshot(caches)
+
+    host = host_buffer(spec, num_host, f)
+    expected = host.clone()
+    to.gather_blocks(caches, layout, g, host, h, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+    gather_blocks_ref(caches, layout, g, expected, h, blocks_per_host_block=f, skip=skip)
+    assert torch.equal(host, expected), "host bytes differ from the reference"
+    # Independent of the reference: sub-blocks before `skip` and rows not addressed keep the sentinel.
+    sub = spec.bytes_per_block
+    assert bool((host[h[0], : skip * sub] == SENTINEL).all())
+    untouched = np.setdiff1d(np.arange(num_host), h)
+    assert bool((host[untouched] == SENTINEL).all())
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(caches), strict=False)), "gather changed its source"
+
+    out = [sentinel_like(t) for t in caches]
+    host_before = host.clone()
+    to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+    for t, o in zip(caches, out, strict=False):
+        want = sentinel_like(t)
+        copy_blocks_into(want, t, layout, g)
+        assert torch.equal(storage_bytes(o), storage_bytes(want)), "scatter wrote other bytes than the addressed blocks"
+    assert torch.equal(host, host_before), "scatter changed its source"
+    ref_out = [sentinel_like(t) for t in caches]
+    scatter_blocks_ref(host, h, ref_out, layout, g, blocks_per_host_block=f, skip=skip)
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref_out, strict=False))
+    return host
+
+
+CASES = [
+    pytest.param(layout, dtype, f, skip, id=f"{layout}-{dtype}-f{f}-skip{skip}")
+    for layout in PAGES
+    for dtype in DTYPES
+    for f in (1, 2, 4)
+    for skip in range(f)
+    if layout != "canonical" or dtype == "fp8"  # canonical views are int8 by definition
+]
+
+
+@pytest.mark.parametrize("layout,dtype,f,skip", CASES)
+def test_round_trip(layout, dtype, f, skip):
+    dt = torch.int8 if layout == "canonical" else DTYPES[dtype]
+    caches = make_caches(layout, num_layers=2, num_blocks=11, page=PAGES[layout], dtype=dt, seed=f * 10 + skip)
+    round_trip(caches, layout, f=f, skip=skip, n=5, seed=skip)
+
+
+@pytest.mark.parametrize(
+    "layout,page,dtype,layers",
+    [
+        pytest.param("mla", dict(block_size=1, latent=1), torch.float16, 3, id="page-2-bytes"),
+        pytest.param("mla", dict(block_size=1, latent=1), torch.int8, 2, id="page-1-byte"),
+        pytest.param("kv_first", dict(block_size=1, heads=1, head_dim=3), torch.bfloat16, 1, id="heads1-one-layer"),
+        pytest.param("block_first", dict(block_size=3, heads=1, head_dim=5), torch.float16, 61, id="61-layers-odd"),
+        pytest.param("mla", dict(block_size=3, latent=7), torch.float32, 2, id="page-84-bytes"),
+        pytest.param("canonical", dict(page_bytes=13, pad=3), torch.int8, 3, id="canonical-odd-pad"),
+        pytest.param("canonical", dict(page_bytes=64, pad=64), torch.int8, 2, id="canonical-aligned-pad"),
+    ],
+)
+@pytest.mark.parametrize("n", [1, 7])
+def test_odd_sizes(layout, page, dtype, layers, n):
+    caches = make_caches(layout, num_layers=layers, num_blocks=9, page=page, dtype=dtype, seed=n)
+    round_trip(caches, layout, f=2, skip=1, n=n, seed=n)
+
+
+def test_mixed_page_sizes_across_layers():
+    """Hybrid models: layers of one layout with different page sizes (and dtypes) in one launch."""
+    caches = make_caches("block_first", 2, 8, dict(block_size=2, heads=2, head_dim=8), torch.bfloat16, seed=1)
+    caches += make_caches("block_first", 1, 8, dict(block_size=2, heads=1, head_dim=3), torch.float32, seed=2)
+    caches += make_caches("block_first", 1, 8, dict(block_size=2, heads=4, head_dim=16), torch.int8, seed=3)
+    round_trip(caches, "block_first", f=4, skip=2, n=6)
+
+
+def test_permuted_block_dims_move_in_memory_order():
+    """An engine storing heads before tokens: the block is still one byte run, copied as it lies in memory."""
+    base = make_caches("block_first", 2, 6, dict(block_size=4, heads=2, head_dim=8), torch.float16, seed=4)
+    caches = [t.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4) for t in base]
+    assert not caches[0].is_contiguous()
+    round_trip(caches, "block_first", f=1, skip=0, n=4)
+
+
+def test_many_blocks_few_ctas_multiple_tiles():
+    """More tiles than programs: the persistent loop must visit every tile exactly once."""
+    caches = make_caches("kv_first", 2, 40, dict(block_size=2, heads=1, head_dim=4), torch.float32, seed=5)
+    round_trip(caches, "kv_first", f=1, skip=0, n=33, num_ctas=3)
+
+
+def test_large_pages_span_several_chunks():
+    """Pages larger than one tile's chunk are streamed in several steps, the last one partial."""
+    caches = make_caches("mla", 2, 5, dict(block_size=4, latent=2600), torch.float16, seed=6)  # 20800-byte pages
+    round_trip(caches, "mla", f=2, skip=1, n=3)
+
+
+def test_prepared_spec_and_id_kinds():
+    """A KVCacheSpec built once; ids as lists, numpy arrays and tensors give the same bytes."""
+    caches = make_caches("kv_first", 3, 10, PAGES["kv_first"], torch.bfloat16, seed=7)
+    spec = to.KVCacheSpec(caches, "kv_first")
+    assert spec.bytes_per_block == to.host_block_bytes(caches, "kv_first") == 3 * 2 * 3 * 2 * 4 * 2
+    g, h = [4, 0, 9], [2, 0, 5]
+    outs = []
+    for kind in (list, np.array, torch.tensor):
+        host = host_buffer(spec, 6, 1)
+        to.gather_blocks(spec, None, kind(g), host, kind(h))
+        outs.append(host)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert not bool((outs[0][2] == SENTINEL).all())
+
+
+def test_empty_transfer_writes_nothing():
+    caches = make_caches("mla", 1, 4, PAGES["mla"], torch.float16)
+    host = host_buffer(to.KVCacheSpec(caches, "mla"), 2, 1)
+    to.gather_blocks(caches, "mla", [], host, [])
+    assert bool((host == SENTINEL).all())
+
+
+def test_alignment_picks_widest_safe_access():
+    """16-byte pages get 16-byte accesses; a 2-byte page, 2-byte accesses; a host buffer slice can lower it."""
+    from triton_offload.kernels.copy_blocks import access_width
+
+    wide = to.KVCacheSpec(make_caches("mla", 1, 4, dict(block_size=2, latent=8), torch.float16), "mla")
+    narrow = to.KVCacheSpec(make_caches("mla", 1, 4, dict(block_size=1, latent=1), torch.float16), "mla")
+    host = torch.zeros(4, wide.bytes_per_block + 16, dtype=torch.uint8)  # 48-byte rows
+    assert access_width(wide, host[:, : wide.bytes_per_block]) == 16
+    assert access_width(wide, host[:, 8:40]) == 8
+    assert access_width(narrow, torch.zeros(4, 2, dtype=torch.uint8)) == 2

@@ -1,0 +1,183 @@
+"""Bad input: every case raises before launch, names the bad value, and leaves every byte as it was."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import triton_offload as to
+
+from kv_factory import host_buffer, make_caches, snapshot
+
+PAGE = dict(block_size=2, heads=2, head_dim=4)
+NUM_BLOCKS, NUM_HOST = 8, 5
+
+
+@pytest.fixture
+def setup():
+    caches = make_caches("kv_first", 2, NUM_BLOCKS, PAGE, torch.float16)
+    spec = to.KVCacheSpec(caches, "kv_first")
+    return caches, spec, host_buffer(spec, NUM_HOST, 2)
+
+
+# (id, kwargs overriding a valid f=2 transfer of 3 blocks at skip 1, expected error type, message pattern)
+BAD = [
+    ("gpu-id-out-of-range", dict(g=[1, 8, 2]), ValueError, r"gpu_block_ids\[1\] = 8 is out of range \[0, 8\)"),
+    ("gpu-id-negative", dict(g=[1, -1, 2]), ValueError, r"gpu_block_ids\[1\] = -1"),
+    ("host-id-out-of-range", dict(h=[0, 5]), ValueError, r"host_block_ids\[1\] = 5 is out of range \[0, 5\)"),
+    ("host-id-negative", dict(h=[-3, 1]), ValueError, r"host_block_ids\[0\] = -3"),
+    ("too-few-host-ids", dict(h=[0]), ValueError, r"len\(host_block_ids\) = 1, expected .* = 2"),
+    ("too-many-host-ids", dict(h=[0, 1, 2]), ValueError, r"len\(host_block_ids\) = 3, expected .* = 2"),
+    ("skip-equals-factor", dict(skip=2), ValueError, r"skip = 2 must be in \[0, 2\)"),
+    ("skip-negative", dict(skip=-1), ValueError, r"skip = -1"),
+    ("factor-zero", dict(f=0), ValueError, r"blocks_per_host_block = 0 must be >= 1"),
+    ("float-ids", dict(g=[1.0, 2.0, 3.0]), TypeError, r"gpu_block_ids must hold integers"),
+    ("2d-ids", dict(g=np.array([[1, 2, 3]])), ValueError, r"gpu_block_ids must be 1-D"),
+    ("num-ctas-zero", dict(num_ctas=0), ValueError, r"num_ctas = 0 must be >= 1"),
+]
+
+
+def _call(direction, caches, host, *, g=(1, 4, 6), h=(3, 0), f=2, skip=1, num_ctas=None, layout="kv_first"):
+    if direction == "gather":
+        to.gather_blocks(caches, layout, g, host, h, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+    else:
+        to.scatter_blocks(host, h, caches, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+
+
+def _assert_nothing_written(caches, host, before_caches, before_host):
+    assert all(torch.equal(a, b) for a, b in zip(before_caches, snapshot(caches), strict=False))
+    assert torch.equal(before_host, host)
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+@pytest.mark.parametrize("case", [pytest.param(b[1:], id=b[0]) for b in BAD])
+def test_bad_input_raises_and_writes_nothing(setup, direction, case):
+    caches, _, host = setup
+    kwargs, exc, pattern = case
+    before_caches, before_host = snapshot(caches), host.clone()
+    with pytest.raises(exc, match=pattern):
+        _call(direction, caches, host, **kwargs)
+    _assert_nothing_written(caches, host, before_caches, before_host)
+
+
+def test_valid_call_in_same_setup_writes(setup):
+    """Guards the test above: the same call with its defaults does write, in both directions."""
+    caches, _, host = setup
+    before_host = host.clone()
+    _call("gather", caches, host)
+    assert not torch.equal(before_host, host)
+    before = snapshot(caches)
+    host[3].fill_(7)
+    _call("scatter", caches, host)
+    assert not all(torch.equal(a, b) for a, b in zip(before, snapshot(caches), strict=False))
+
+
+@pytest.mark.parametrize(
+    "direction,kwargs,pattern",
+    [
+        pytest.param(
+            "gather", dict(h=[3, 3]), r"host_block_ids holds destination id 3 more than once", id="gather-dup"
+        ),
+        pytest.param(
+            "scatter", dict(g=[1, 4, 1]), r"gpu_block_ids holds destination id 1 more than once", id="load-dup"
+        ),
+    ],
+)
+def test_duplicate_destinations(setup, direction, kwargs, pattern):
+    caches, _, host = setup
+    before_caches, before_host = snapshot(caches), host.clone()
+    with pytest.raises(ValueError, match=pattern):
+        _call(direction, caches, host, **kwargs)
+    _assert_nothing_written(caches, host, before_caches, before_host)
+
+
+def test_duplicate_sources_are_allowed(setup):
+    """Reading a block twice is harmless: repeated GPU ids in a store, repeated host ids in a load."""
+    caches, _, host = setup
+    _call("gather", caches, host, g=[2, 2, 2])
+    _call("scatter", caches, host, h=[3, 3])
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+@pytest.mark.parametrize(
+    "make_host,pattern",
+    [
+        pytest.param(
+            lambda s: torch.zeros(5, s.host_block_bytes(2) + 1, dtype=torch.uint8),
+            r"host_buffer must be \(num_host_blocks, 256\)",
+            id="wrong-row-bytes",
+        ),
+        pytest.param(
+            lambda s: torch.zeros(5, s.host_block_bytes(1), dtype=torch.uint8),
+            r"host_buffer must be \(num_host_blocks, 256\) for 2 block\(s\) of 128 bytes, got shape \(5, 128\)",
+            id="factor-mismatch",
+        ),
+        pytest.param(
+            lambda s: torch.zeros(5, s.host_block_bytes(2), dtype=torch.float16),
+            r"host_buffer must be uint8 or int8, got torch.float16",
+            id="wrong-dtype",
+        ),
+        pytest.param(
+            lambda s: torch.zeros(5 * s.host_block_bytes(2), dtype=torch.uint8), r"got shape \(1280,\)", id="1-d"
+        ),
+        pytest.param(
+            lambda s: torch.zeros(s.host_block_bytes(2), 5, dtype=torch.uint8).t(),
+            r"rows must be contiguous",
+            id="column-major",
+        ),
+    ],
+)
+def test_bad_host_buffer(setup, direction, make_host, pattern):
+    caches, spec, _ = setup
+    host = make_host(spec)
+    before_caches, before_host = snapshot(caches), host.clone()
+    with pytest.raises(ValueError, match=pattern):
+        _call(direction, caches, host)
+    _assert_nothing_written(caches, host, before_caches, before_host)
+
+
+def test_mismatched_layer_block_counts():
+    caches = make_caches("kv_first", 1, 8, PAGE, torch.float16) + make_caches("kv_first", 1, 9, PAGE, torch.float16)
+    with pytest.raises(ValueError, match=r"layer 1 has 9 blocks, layer 0 has 8"):
+        to.KVCacheSpec(caches, "kv_first")
+    with pytest.raises(ValueError, match=r"layer 1 has 9 blocks"):
+        to.gather_blocks(caches, "kv_first", [0], torch.zeros(1, 64, dtype=torch.uint8), [0])
+
+
+@pytest.mark.parametrize(
+    "layout,tensor,pattern",
+    [
+        pytest.param("kv_first", torch.zeros(3, 4, 2, 2, 4), r"dim 0 must be 2 \(K and V\)", id="kv-dim-not-2"),
+        pytest.param(
+            "block_first", torch.zeros(4, 2, 2, 4), r"block_first expects \(num_blocks, 2, block_size", id="wrong-ndim"
+        ),
+        pytest.param("mla", torch.zeros(4, 8, 6)[:, :, :3], r"not one contiguous run", id="sliced-latent"),
+        pytest.param(
+            "paged",
+            torch.zeros(4, 8),
+            re.escape("unknown layout 'paged'; supported: ['block_first', 'canonical', 'kv_first', 'mla']"),
+            id="unknown-layout",
+        ),
+    ],
+)
+def test_bad_layer_tensors(layout, tensor, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        to.KVCacheSpec([tensor], layout)
+
+
+def test_layers_on_different_devices_or_empty():
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        to.KVCacheSpec([], "mla")
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        to.KVCacheSpec(torch.zeros(4, 2, 3), "mla")
+    with pytest.raises(TypeError, match="layer 1: expected a torch.Tensor, got list"):
+        to.KVCacheSpec([torch.zeros(4, 2, 3), [1]], "mla")
+
+
+def test_prepared_spec_layout_mismatch(setup):
+    caches, spec, host = setup
+    with pytest.raises(ValueError, match="does not match the prepared spec's 'kv_first'"):
+        to.gather_blocks(spec, "mla", [0], host, [0], blocks_per_host_block=2)

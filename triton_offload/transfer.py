@@ -1,0 +1,204 @@
+"""Public gather/scatter API: validate a transfer completely, then launch one kernel for all blocks and layers.
+
+Validation is vectorised (NumPy on the id arrays, no Python loop over blocks or layers) and happens before anything
+is launched, so a bad call raises and writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from triton_offload.kernels.copy_blocks import launch_copy_blocks
+from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
+
+__all__ = ["gather_blocks", "scatter_blocks", "host_block_bytes", "check_transfer", "BlockIds"]
+
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
+    """Block ids as a 1-D int64 array; floats, bools and n-D arrays are a TypeError."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a tensor of {ids.dtype}")
+        arr = ids.detach().cpu().numpy()
+    else:
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got {arr.dtype} ({str(ids)[:60]})")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_range(ids: np.ndarray, name: str, limit: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        bad = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
+        raise ValueError(f"{name}[{bad}] = {int(ids[bad])} is out of range [0, {limit})")
+
+
+def _check_unique(ids: np.ndarray, name: str) -> None:
+    if ids.size > 1:
+        s = np.sort(ids)
+        dup = s[1:][s[1:] == s[:-1]]
+        if dup.size:
+            raise ValueError(
+                f"{name} holds destination id {int(dup[0])} more than once: each destination is written once"
+            )
+
+
+def _check_int(value, name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} = {value} must be {bounds}")
+    return int(value)
+
+
+def check_host_buffer(spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int) -> None:
+    """Checks the host buffer's type, shape, row layout and memory kind against the KV caches."""
+    if not isinstance(host_buffer, torch.Tensor):
+        raise TypeError(f"host_buffer must be a torch.Tensor, got {type(host_buffer).__name__}")
+    if host_buffer.dtype not in (torch.uint8, torch.int8):
+        raise ValueError(f"host_buffer must be uint8 or int8, got {host_buffer.dtype}")
+    want = spec.host_block_bytes(blocks_per_host_block)
+    if host_buffer.dim() != 2 or host_buffer.shape[1] != want:
+        raise ValueError(
+            f"host_buffer must be (num_host_blocks, {want}) for {blocks_per_host_block} block(s) of "
+            f"{spec.bytes_per_block} bytes, got shape {tuple(host_buffer.shape)}"
+        )
+    if host_buffer.stride(1) != 1 or (host_buffer.shape[0] > 1 and host_buffer.stride(0) < want):
+        raise ValueError(f"host_buffer rows must be contiguous and disjoint, got strides {host_buffer.stride()}")
+    if host_buffer.device.type != "cpu":
+        raise ValueError(f"host_buffer must be host memory, got a tensor on {host_buffer.device}")
+    if spec.device.type == "cuda" and not host_buffer.is_pinned():
+        # The kernel reads and writes host memory directly (zero-copy); pageable memory cannot be mapped.
+        raise ValueError("host_buffer must be pinned (page-locked) memory when the KV caches are on CUDA")
+
+
+def check_transfer(
+    spec: KVCacheSpec,
+    host_buffer: torch.Tensor,
+    gpu_block_ids: BlockIds,
+    host_block_ids: BlockIds,
+    *,
+    blocks_per_host_block: int,
+    skip: int,
+    gather: bool,
+) -> tuple[np.ndarray, int]:
+    """Validates one transfer; returns its ids packed for the kernel (GPU ids, then host ids, int64) and n.
+
+    Raises:
+        TypeError: ids that are not integers, a host buffer that is not a tensor.
+        ValueError: any id out of range, a duplicated destination, a host id count other than
+            ``ceil((skip + n) / blocks_per_host_block)``, ``skip >= blocks_per_host_block``, or a host buffer of the
+            wrong shape, dtype, device or memory kind. The message names the value.
+    """
+    f = _check_int(blocks_per_host_block, "blocks_per_host_block", 1)
+    skip = _check_int(skip, "skip", 0, f)
+    check_host_buffer(spec, host_buffer, f)
+    g = _as_ids(gpu_block_ids, "gpu_block_ids")
+    h = _as_ids(host_block_ids, "host_block_ids")
+    need = -(-(skip + g.size) // f) if g.size else 0
+    if h.size != need:
+        raise ValueError(
+            f"len(host_block_ids) = {h.size}, expected ceil((skip + n) / f) = ceil(({skip} + {g.size}) / {f}) = {need}"
+        )
+    _check_range(g, "gpu_block_ids", spec.num_blocks)
+    _check_range(h, "host_block_ids", host_buffer.shape[0])
+    # Sources may repeat; destinations may not (two writers of one block would race).
+    _check_unique(h if gather else g, "host_block_ids" if gather else "gpu_block_ids")
+    return np.concatenate([g, h]), g.size
+
+
+def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, num_ctas, gather):
+    if num_ctas is not None:
+        _check_int(num_ctas, "num_ctas", 1)
+    ids, n = check_transfer(
+        spec,
+        host_buffer,
+        gpu_block_ids,
+        host_block_ids,
+        blocks_per_host_block=blocks_per_host_block,
+        skip=skip,
+        gather=gather,
+    )
+    if n == 0:
+        return
+    # Pageable -> device copy: CUDA stages the ids before returning, so the NumPy array may be freed at once.
+    ids_dev = torch.from_numpy(ids).to(spec.device, non_blocking=True)
+    launch_copy_blocks(
+        spec,
+        host_buffer,
+        ids_dev,
+        n,
+        skip=skip,
+        blocks_per_host_block=blocks_per_host_block,
+        gather=gather,
+        num_ctas=num_ctas,
+    )
+
+
+def gather_blocks(
+    kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
+    layout: str | Layout | None,
+    gpu_block_ids: BlockIds,
+    host_buffer: torch.Tensor,
+    host_block_ids: BlockIds,
+    *,
+    blocks_per_host_block: int = 1,
+    skip: int = 0,
+    num_ctas: int | None = None,
+) -> None:
+    """Copies GPU blocks of every layer into packed host blocks, in one kernel launch (a store).
+
+    GPU block ``gpu_block_ids[i]`` lands at position ``p = skip + i``: host block ``host_block_ids[p // f]``,
+    sub-block ``p % f``, where ``f = blocks_per_host_block``. The launch is asynchronous on CUDA (current stream).
+
+    Args:
+        kv_caches: per layer, a tensor of ``layout``'s shape, e.g. block_first
+            ``(num_blocks, 2, block_size, num_kv_heads, head_dim)``; or a :class:`KVCacheSpec` built once.
+        layout: ``"kv_first"``, ``"block_first"``, ``"mla"``, ``"canonical"`` or a :class:`Layout`; may be None
+            with a prepared spec.
+        gpu_block_ids: n source block ids (may repeat).
+        host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, pinned when the caches are on CUDA.
+        host_block_ids: ``ceil((skip + n) / f)`` distinct destination host block ids.
+        blocks_per_host_block: f, GPU blocks per host block.
+        skip: sub-blocks of the first host block left untouched (``0 <= skip < f``).
+        num_ctas: programs (SMs) the launch may occupy; None for the tuned default.
+    """
+    spec = prepare_kv(kv_caches, layout)
+    _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, num_ctas, gather=True)
+
+
+def scatter_blocks(
+    host_buffer: torch.Tensor,
+    host_block_ids: BlockIds,
+    kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
+    layout: str | Layout | None,
+    gpu_block_ids: BlockIds,
+    *,
+    blocks_per_host_block: int = 1,
+    skip: int = 0,
+    num_ctas: int | None = None,
+) -> None:
+    """Copies packed host blocks back into GPU blocks of every layer, in one kernel launch (a load).
+
+    The inverse of :func:`gather_blocks`, with the same position rule: GPU block ``gpu_block_ids[i]`` reads
+    position ``skip + i``. GPU ids are destinations and must be distinct; host ids may repeat.
+    """
+    spec = prepare_kv(kv_caches, layout)
+    _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, num_ctas, gather=False)
+
+
+def host_block_bytes(
+    kv_caches: Sequence[torch.Tensor] | KVCacheSpec, layout: str | Layout | None, blocks_per_host_block: int = 1
+) -> int:
+    """Bytes of one packed host block: ``blocks_per_host_block`` GPU blocks of all layers."""
+    return prepare_kv(kv_caches, layout).host_block_bytes(_check_int(blocks_per_host_block, "blocks_per_host_block", 1))
