@@ -45,7 +45,7 @@ def test_round_trip_realistic(layout, page, layers, f, skip):
     to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip)
     scatter_blocks_ref(host, h, ref, layout, g, blocks_per_host_block=f, skip=skip)
     torch.cuda.synchronize()
-    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref, strict=False))
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))
 
 
 def test_pageable_host_buffer_is_rejected():

@@ -49,19 +49,19 @@ def round_trip(caches, layout, *, f, skip, n, num_host=None, seed=0, num_ctas=No
     assert bool((host[h[0], : skip * sub] == SENTINEL).all())
     untouched = np.setdiff1d(np.arange(num_host), h)
     assert bool((host[untouched] == SENTINEL).all())
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(caches), strict=False)), "gather changed its source"
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(caches))), "gather changed its source"
 
     out = [sentinel_like(t) for t in caches]
     host_before = host.clone()
     to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
-    for t, o in zip(caches, out, strict=False):
+    for t, o in zip(caches, out):
         want = sentinel_like(t)
         copy_blocks_into(want, t, layout, g)
         assert torch.equal(storage_bytes(o), storage_bytes(want)), "scatter wrote other bytes than the addressed blocks"
     assert torch.equal(host, host_before), "scatter changed its source"
     ref_out = [sentinel_like(t) for t in caches]
     scatter_blocks_ref(host, h, ref_out, layout, g, blocks_per_host_block=f, skip=skip)
-    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref_out, strict=False))
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref_out))
     return host
 
 

@@ -59,4 +59,4 @@ def test_matches_reference(t):
     out, ref = [sentinel_like(c) for c in caches], [sentinel_like(c) for c in caches]
     to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip)
     scatter_blocks_ref(host, h, ref, layout, g, blocks_per_host_block=f, skip=skip)
-    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref, strict=False))
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))

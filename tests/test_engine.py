@@ -1,0 +1,113 @@
+"""The transfer engine on CPU: round trips by job id, completions once each, wait, failures, shutdown."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import triton_offload as to
+from triton_offload import engine as engine_mod
+from triton_offload.engine import TransferEngine, TransferResult
+from triton_offload.host_cache import HostCache
+
+from kv_factory import copy_blocks_into, make_caches, sentinel_like, storage_bytes
+
+PAGE = dict(block_size=2, heads=2, head_dim=4)
+
+
+def make_engine(f=1, layout="block_first", num_blocks=16, host_blocks=12, dtype=torch.bfloat16, seed=0):
+    caches = make_caches(layout, 3, num_blocks, PAGE, dtype, seed=seed)
+    spec = to.KVCacheSpec(caches, layout)
+    cache = HostCache(spec.host_block_bytes(f), host_blocks * spec.host_block_bytes(f), pin=False)
+    return caches, spec, TransferEngine(spec, cache.buffer, blocks_per_host_block=f), cache
+
+
+@pytest.mark.parametrize("f,skip", [(1, 0), (2, 1), (4, 0), (4, 3)], ids=lambda v: str(v))
+def test_store_then_load_round_trip(f, skip):
+    caches, spec, eng, _ = make_engine(f=f)
+    rng = np.random.default_rng(f + skip)
+    n = 7
+    g = rng.permutation(spec.num_blocks)[:n]
+    h = rng.permutation(12)[: math.ceil((skip + n) / f)]
+    eng.submit_store(11, g, h, skip=skip)
+    (res,) = eng.get_finished()
+    assert res == TransferResult(11, True, "store", n * spec.bytes_per_block, res.seconds) and res.seconds >= 0
+
+    originals = [c.clone() for c in caches]
+    for c in caches:
+        c.untyped_storage().fill_(0xA5)
+    eng.submit_load(12, g, h, skip=skip)
+    (res,) = eng.get_finished()
+    assert (res.job_id, res.ok, res.direction) == (12, True, "load")
+    for c, o in zip(caches, originals):
+        want = sentinel_like(o)
+        copy_blocks_into(want, o, "block_first", g)
+        assert torch.equal(storage_bytes(c), storage_bytes(want))
+    assert eng.get_finished() == []
+    assert eng.shutdown() == []
+
+
+def test_each_completion_reported_once_in_order():
+    _, _, eng, _ = make_engine()
+    for job in range(5):
+        eng.submit_store(job, [job], [job])
+    eng.submit_load(100, [3], [0])
+    results = eng.get_finished()
+    assert [r.job_id for r in results] == [0, 1, 2, 3, 4, 100]
+    assert all(r.ok for r in results)
+    assert eng.get_finished() == []
+
+
+def test_wait_on_unknown_or_finished_ids_is_harmless():
+    _, _, eng, _ = make_engine()
+    eng.wait([42])
+    eng.submit_store(1, [0, 1], [0, 1])
+    eng.wait([1, 42])
+    assert [r.job_id for r in eng.get_finished()] == [1]
+    eng.wait([1])
+    assert eng.get_finished() == []
+
+
+def test_empty_job_completes_with_zero_bytes():
+    _, _, eng, _ = make_engine()
+    eng.submit_store(5, [], [])
+    assert eng.get_finished() == [TransferResult(5, True, "store", 0, 0.0)]
+
+
+def test_bad_ids_raise_at_submit_and_queue_nothing():
+    _, _, eng, cache = make_engine()
+    before = cache.buffer.clone()
+    with pytest.raises(ValueError, match=r"host_block_ids\[0\] = 99 is out of range"):
+        eng.submit_store(1, [0], [99])
+    assert eng.num_pending == 0 and eng.get_finished() == []
+    assert torch.equal(before, cache.buffer)
+
+
+def test_failed_launch_marks_job_failed_and_shutdown_reraises(monkeypatch):
+    _, _, eng, _ = make_engine()
+    eng.submit_store(1, [0], [0])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed: out of resources")
+
+    monkeypatch.setattr(engine_mod, "launch_copy_blocks", broken)
+    eng.submit_store(2, [1], [1])
+    eng.submit_load(3, [2], [0])
+    results = {r.job_id: r for r in eng.get_finished()}
+    assert results[1].ok and not results[2].ok and not results[3].ok
+    assert "out of resources" in results[2].error
+    with pytest.raises(RuntimeError, match="a KV transfer failed") as info:
+        eng.shutdown()
+    assert "out of resources" in str(info.value.__cause__)
+
+
+def test_shutdown_drains_unreported_work_and_refuses_more():
+    _, _, eng, _ = make_engine()
+    eng.submit_store(1, [0], [0])
+    eng.submit_load(2, [1], [0])
+    assert [r.job_id for r in eng.shutdown()] == [1, 2]
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit_store(3, [0], [0])

@@ -1,0 +1,99 @@
+"""Host cache sizing, allocation and chunked CUDA registration (the driver is faked on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_offload import host_cache
+from triton_offload.host_cache import HostCache, host_blocks_for_budget
+
+
+@pytest.mark.parametrize(
+    "budget,block,world,want",
+    [
+        pytest.param(10_000, 1000, 1, 10, id="one-rank"),
+        pytest.param(10_000, 1000, 4, 2, id="tp4-share-2500"),
+        pytest.param(10_000, 1000, 3, 3, id="tp3-share-3333"),
+        pytest.param(1000, 1000, 1, 1, id="exactly-one"),
+        pytest.param(80 * 2**30, 2 * 2**20, 8, 5120, id="80GiB-tp8-2MiB"),
+    ],
+)
+def test_blocks_from_budget(budget, block, world, want):
+    assert host_blocks_for_budget(budget, block, world) == want
+
+
+def test_budget_too_small_names_both_sizes():
+    with pytest.raises(
+        ValueError,
+        match=r"cpu_bytes_to_use = 7000 bytes gives each of 8 rank\(s\) 875 bytes, less "
+        r"than one host block of 1000 bytes",
+    ):
+        host_blocks_for_budget(7000, 1000, 8)
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        host_blocks_for_budget(7000, 1000, 0)
+
+
+def test_cpu_cache_is_plain_memory_of_the_right_shape():
+    cache = HostCache(4096 + 8, 3 * 4104 + 100, pin=False, populate_threads=2)
+    assert cache.buffer.shape == (3, 4104) and cache.buffer.dtype == torch.uint8
+    assert not cache.pinned and cache.register_seconds < 1.0
+    cache.buffer[2, -1] = 7  # the whole range is writable
+    assert int(cache.buffer[2, -1]) == 7
+    cache.close()
+    assert cache.buffer is None
+
+
+class FakeCudart:
+    """Records cudaHostRegister/Unregister calls; fails the registration numbered ``fail_at`` (1-based)."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at, self.calls, self.registered = fail_at, 0, {}
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        assert flags == 3 and ptr not in self.registered
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+
+def test_registration_in_bounded_chunks(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    cache = HostCache(10_000, 300_000, pin=True)  # 30 blocks, 300000 bytes: 5 chunks, the last partial
+    base = cache.buffer.data_ptr()
+    assert sorted(fake.registered.items()) == [(base + i * 65536, min(65536, 300_000 - i * 65536)) for i in range(5)]
+    cache.close()
+    assert fake.registered == {}
+
+
+def test_registration_failure_releases_what_was_registered(monkeypatch):
+    fake = FakeCudart(fail_at=3)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    with pytest.raises(
+        RuntimeError,
+        match=r"cudaHostRegister failed with CUDA error 2 for 65536 bytes at offset "
+        r"131072 .* \(after 131072 bytes registered, now released\)",
+    ):
+        HostCache(10_000, 300_000, pin=True)
+    assert fake.registered == {}
+
+
+@pytest.mark.gpu
+def test_pinned_cache_on_cuda(monkeypatch):
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 256 * 2**20)
+    cache = HostCache(2 * 2**20, 2 * 2**30 + 5, populate_threads=8)  # 1024 blocks, 8 chunks
+    assert cache.pinned and cache.buffer.is_pinned() and len(cache._registered) == 8
+    dev = torch.randint(0, 255, (cache.num_blocks, cache.host_block_bytes), dtype=torch.uint8, device="cuda")
+    cache.buffer.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.buffer, dev.cpu())
+    cache.close()

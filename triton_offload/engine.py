@@ -1,0 +1,251 @@
+"""Worker-side transfer engine: each store or load is one kernel launch on a side stream, polled for completion.
+
+On CUDA, stores and loads each have their own stream, so a long store never delays a load; streams, timing events
+and id buffers are pooled (no device allocation or synchronisation per call). Without CUDA the same API runs each
+transfer synchronously through the interpreter-mode kernels. The engine is not thread-safe: one worker thread
+submits and polls.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from triton_offload.kernels.copy_blocks import launch_copy_blocks
+from triton_offload.layouts import KVCacheSpec
+from triton_offload.transfer import BlockIds, check_transfer
+
+__all__ = ["TransferEngine", "TransferResult", "STORE", "LOAD"]
+
+logger = logging.getLogger(__name__)
+
+STORE, LOAD = "store", "load"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A finished job. ``seconds`` is GPU time between the launch's events (wall time on CPU)."""
+
+    job_id: int
+    ok: bool
+    direction: str
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+class _IdBuffers:
+    """A pinned staging buffer and its device twin for one job's ids, reused once the job's events complete."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity = capacity
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.device = torch.empty(capacity, dtype=torch.int64, device=device)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    direction: str
+    num_bytes: int
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    ids: _IdBuffers | None = None
+    result: TransferResult | None = field(default=None)
+
+
+class TransferEngine:
+    """Runs stores (GPU -> host) and loads (host -> GPU) of one worker's KV caches asynchronously.
+
+    Args:
+        kv: the worker's prepared KV caches.
+        host_buffer: the packed host buffer, (num_host_blocks, kv.host_block_bytes(blocks_per_host_block)); pinned
+            on CUDA (see :class:`triton_offload.host_cache.HostCache`).
+        blocks_per_host_block: GPU blocks per host block (f).
+        num_ctas: programs each launch may occupy; None for the kernel's default.
+    """
+
+    def __init__(
+        self, kv: KVCacheSpec, host_buffer: torch.Tensor, *, blocks_per_host_block: int = 1, num_ctas: int | None = None
+    ):
+        self.kv = kv
+        self.host_buffer = host_buffer
+        self.blocks_per_host_block = blocks_per_host_block
+        self.num_ctas = num_ctas
+        self.cuda = kv.device.type == "cuda"
+        self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
+        self._done: list[TransferResult] = []
+        self._first_error: BaseException | None = None
+        self._closed = False
+        if self.cuda:
+            # Chosen once here: a store stream and a load stream, so loads (on the critical path of a request
+            # waiting for its prefix) never queue behind a long store.
+            self._streams = {STORE: torch.cuda.Stream(kv.device), LOAD: torch.cuda.Stream(kv.device)}
+            self._events: list[torch.cuda.Event] = []
+            self._id_pool: list[_IdBuffers] = []
+
+    # -- submission ---------------------------------------------------------------------------------------------
+    def submit_store(self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip: int = 0) -> None:
+        """Queues a copy of GPU blocks into host blocks (position ``skip + i`` for GPU block i)."""
+        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip)
+
+    def submit_load(self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip: int = 0) -> None:
+        """Queues a copy of host blocks into GPU blocks (position ``skip + i`` for GPU block i)."""
+        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip)
+
+    def _submit(self, job_id, direction, gpu_block_ids, host_block_ids, skip) -> None:
+        if self._closed:
+            raise RuntimeError("the transfer engine is shut down")
+        gather = direction == STORE
+        # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
+        ids, n = check_transfer(
+            self.kv,
+            self.host_buffer,
+            gpu_block_ids,
+            host_block_ids,
+            blocks_per_host_block=self.blocks_per_host_block,
+            skip=skip,
+            gather=gather,
+        )
+        job = _Job(job_id, direction, n * self.kv.bytes_per_block)
+        if n == 0:
+            job.result = TransferResult(job_id, True, direction, 0, 0.0)
+        elif self.cuda:
+            self._launch_cuda(job, ids, n, skip, gather)
+        else:
+            self._run_cpu(job, ids, n, skip, gather)
+        self._pending[direction].append(job)
+
+    def _run_cpu(self, job: _Job, ids: np.ndarray, n: int, skip: int, gather: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            launch_copy_blocks(
+                self.kv,
+                self.host_buffer,
+                torch.from_numpy(ids),
+                n,
+                skip=skip,
+                blocks_per_host_block=self.blocks_per_host_block,
+                gather=gather,
+                num_ctas=self.num_ctas,
+            )
+            job.result = TransferResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
+        except Exception as e:  # reported as a failed job; shutdown re-raises the first
+            self._fail(job, e)
+
+    def _launch_cuda(self, job: _Job, ids: np.ndarray, n: int, skip: int, gather: bool) -> None:
+        stream = self._streams[job.direction]
+        bufs = self._take_ids(ids.size)
+        bufs.host_np[: ids.size] = ids
+        job.ids, job.start, job.end = bufs, self._take_event(), self._take_event()
+        try:
+            # Both directions wait for the compute stream as it is at submission: a store reads KV the model may
+            # still be writing; a load overwrites blocks the model (or the allocator's previous owner) last wrote
+            # there. Earlier transfers of the same direction are ordered by their stream, so they also complete
+            # in submission order. Stores and loads are not ordered against each other: the connector only loads
+            # into blocks no store is reading (vLLM keeps a block allocated until its store completes), and a host
+            # block is only loaded after its store completed (the manager's complete_store).
+            stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            with torch.cuda.stream(stream):
+                # The staging buffer is pinned, so this copy is truly asynchronous; the buffer is not reused until
+                # the job's end event has completed.
+                bufs.device[: ids.size].copy_(bufs.host[: ids.size], non_blocking=True)
+                job.start.record(stream)
+                launch_copy_blocks(
+                    self.kv,
+                    self.host_buffer,
+                    bufs.device[: ids.size],
+                    n,
+                    skip=skip,
+                    blocks_per_host_block=self.blocks_per_host_block,
+                    gather=gather,
+                    num_ctas=self.num_ctas,
+                )
+                job.end.record(stream)
+        except Exception as e:
+            self._fail(job, e)
+
+    def _take_ids(self, size: int) -> _IdBuffers:
+        for i, bufs in enumerate(self._id_pool):
+            if bufs.capacity >= size:
+                return self._id_pool.pop(i)
+        # Grows to the largest in-flight working set once, then reuses; powers of two keep the pool small.
+        return _IdBuffers(max(1024, 1 << (size - 1).bit_length()), self.kv.device)
+
+    def _take_event(self) -> torch.cuda.Event:
+        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
+
+    def _release(self, job: _Job) -> None:
+        if job.ids is not None:
+            self._id_pool.append(job.ids)
+        for ev in (job.start, job.end):
+            if ev is not None:
+                self._events.append(ev)
+        job.ids = job.start = job.end = None
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        logger.error("transfer job %s (%s) failed: %s", job.job_id, job.direction, error)
+        if self._first_error is None:
+            self._first_error = error
+        job.result = TransferResult(job.job_id, False, job.direction, job.num_bytes, 0.0, repr(error))
+        # Its buffers may still be referenced by work already queued on the stream: do not recycle them.
+        job.ids = job.start = job.end = None
+
+    # -- completion ---------------------------------------------------------------------------------------------
+    def _poll(self, job: _Job, block: bool) -> bool:
+        """True once the job has a result. Never blocks unless ``block``."""
+        if job.result is not None:
+            return True
+        try:
+            if block:
+                job.end.synchronize()
+            elif not job.end.query():
+                return False
+            seconds = job.start.elapsed_time(job.end) / 1e3
+            job.result = TransferResult(job.job_id, True, job.direction, job.num_bytes, seconds)
+            self._release(job)
+        except Exception as e:  # a CUDA error surfaces here: fail the job instead of hanging
+            self._fail(job, e)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of jobs finished since the last call, each reported once, without blocking."""
+        out, self._done = self._done, []
+        for queue in self._pending.values():
+            # FIFO per direction: the stream completes jobs in order, so the first unfinished one ends the scan.
+            while queue and self._poll(queue[0], block=False):
+                out.append(queue.popleft().result)
+        return out
+
+    def wait(self, job_ids) -> None:
+        """Blocks until the given jobs are finished; unknown or already reported ids are ignored."""
+        wanted = set(job_ids)
+        for queue in self._pending.values():
+            for job in list(queue):
+                if job.job_id in wanted:
+                    self._poll(job, block=True)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(q) for q in self._pending.values())
+
+    def shutdown(self) -> list[TransferResult]:
+        """Drains every job, then re-raises the first error any job hit. Returns the results not yet reported."""
+        if not self._closed:
+            self._closed = True
+            for queue in self._pending.values():
+                for job in queue:
+                    self._poll(job, block=True)
+                self._done.extend(job.result for job in queue)
+                queue.clear()
+        if self._first_error is not None:
+            error, self._first_error = self._first_error, None
+            raise RuntimeError("a KV transfer failed") from error
+        out, self._done = self._done, []
+        return out
