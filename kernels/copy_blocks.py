@@ -10,6 +10,7 @@ from which every KV tensor's address is stored as a difference. All address arit
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -107,11 +108,52 @@ def _next_pow2(x: int) -> int:
 
 def access_width(spec: KVCacheSpec, host_buffer: torch.Tensor) -> int:
     """Widest access (bytes, a power of two <= 16) that every address, stride and size in a transfer allows."""
-    align = spec.alignment()
+    align = spec.alignment
     for v in (host_buffer.data_ptr(), host_buffer.stride(0) * host_buffer.element_size()):
         while v % align:
             align //= 2
     return align
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Compile-time shape of one launch: element type, vector width, tile geometry, warps.
+
+    Attributes:
+        elem: bytes per element the kernel moves (1, 2 or 4).
+        vec: elements per widest access (``elem * vec`` bytes, at most 16).
+        rows: items (block segments) per tile.
+        chunk: elements per item per step.
+        n_chunks: steps to cover the longest segment.
+        num_warps: warps per program.
+    """
+
+    elem: int
+    vec: int
+    rows: int
+    chunk: int
+    n_chunks: int
+    num_warps: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _ELEM_DTYPES[self.elem]
+
+
+def launch_config(spec: KVCacheSpec, width: int, gather: bool) -> LaunchConfig:
+    """The launch shape for a spec and access width, cached on the spec (the hot path does no per-layer work)."""
+    key = (width, gather)
+    config = spec.launch_configs.get(key)
+    if config is None:
+        elem = min(width, 4)
+        max_seg = spec.max_segment_bytes // elem
+        tile = TILE_BYTES[gather] // elem
+        # Small pages share a tile (many rows), large ones stream through it (one row, several chunks).
+        chunk = min(_next_pow2(max_seg), tile)
+        config = LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk),
+                              NUM_WARPS[gather])
+        spec.launch_configs[key] = config
+    return config
 
 
 def launch_copy_blocks(
@@ -140,18 +182,11 @@ def launch_copy_blocks(
         num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
     """
     assert ids.dtype == torch.int64 and ids.device == spec.device
-    width = access_width(spec, host_buffer)
-    elem = min(width, 4)
-    vec = width // elem
-    table = spec.segment_table(elem)
+    cfg = launch_config(spec, access_width(spec, host_buffer), gather)
+    table = spec.segment_table(cfg.elem)
     n_segs = table.shape[0]
-    max_seg = max(s.nbytes for s in spec.segments) // elem
-    tile = TILE_BYTES[gather] // elem
-    chunk = min(_next_pow2(max_seg), tile)
-    rows = tile // chunk
-    n_tiles = triton.cdiv(n_blocks * n_segs, rows)
+    n_tiles = triton.cdiv(n_blocks * n_segs, cfg.rows)
     grid = (max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles)),)
-    dtype = _ELEM_DTYPES[elem]
     if spec.device.type == "cpu":
         kernel = _interpreted_kernel
     else:
@@ -159,8 +194,8 @@ def launch_copy_blocks(
             raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
         kernel = _jit_kernel
     kernel[grid](
-        table.view(dtype),
-        host_buffer.view(dtype),
+        table.view(cfg.dtype),
+        host_buffer.view(cfg.dtype),
         table,
         ids,
         n_blocks,
@@ -168,12 +203,12 @@ def launch_copy_blocks(
         n_tiles,
         skip,
         blocks_per_host_block,
-        host_buffer.stride(0) * host_buffer.element_size() // elem,
-        spec.bytes_per_block // elem,
-        triton.cdiv(max_seg, chunk),
+        host_buffer.stride(0) * host_buffer.element_size() // cfg.elem,
+        spec.bytes_per_block // cfg.elem,
+        cfg.n_chunks,
         GATHER=gather,
-        ROWS=rows,
-        CHUNK=chunk,
-        VEC=vec,
-        num_warps=NUM_WARPS[gather],
+        ROWS=cfg.rows,
+        CHUNK=cfg.chunk,
+        VEC=cfg.vec,
+        num_warps=cfg.num_warps,
     )

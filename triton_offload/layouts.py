@@ -154,7 +154,12 @@ class KVCacheSpec:
         self.segments = tuple(segments)
         self.num_layers = len(kv_caches)
         self.bytes_per_block = offset
+        self.max_segment_bytes = max(s.nbytes for s in segments)
+        # Largest power of two (at most 16) dividing every GPU address, stride, size and host offset: the widest
+        # access the kernel may use. Computed once: the per-call path must not loop over layers.
+        self.alignment = math.gcd(16, *(math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset) for s in segments))
         self._tables: dict = {}
+        self.launch_configs: dict = {}  # kernels/copy_blocks.py caches its launch shapes here
 
     def host_block_bytes(self, blocks_per_host_block: int = 1) -> int:
         """Bytes of one packed host block holding ``blocks_per_host_block`` GPU blocks of all layers."""
@@ -167,13 +172,6 @@ class KVCacheSpec:
         for s in self.segments:
             pages[s.layer] += s.nbytes
         return tuple(pages)
-
-    def alignment(self) -> int:
-        """Largest power of two (at most 16) dividing every GPU address, stride, size and host offset."""
-        g = 16
-        for s in self.segments:
-            g = math.gcd(g, s.base, s.block_stride, s.nbytes, s.host_offset)
-        return g
 
     def segment_table(self, anchor_align: int) -> torch.Tensor:
         """The kernels' int64 table, (num_segments, 4): gpu offset from the table's own address, block stride,

@@ -1,0 +1,78 @@
+"""The CUDA path compiles for Hopper without a GPU, with the access widths the launcher promises.
+
+Triton lowers to PTX on any machine, so this checks what the interpreter cannot: that the kernel type-checks in
+compiled mode for every launch shape the launcher picks, and that aligned pages get 16-byte loads and stores.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import triton_offload as to
+from triton_offload.kernels import copy_blocks
+
+from kv_factory import host_buffer, make_caches
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+except ImportError as e:  # pragma: no cover - a Triton without the AOT entry points
+    pytest.skip(f"this Triton has no ASTSource/GPUTarget: {e}", allow_module_level=True)
+
+HOPPER = GPUTarget("cuda", 90, 32)
+_SCALARS = ["n_blocks", "n_segs", "n_tiles", "skip", "blocks_per_host_block", "host_row_stride", "block_elems",
+            "n_chunks"]
+
+
+def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool) -> str:
+    # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
+    fn = JITFunction(copy_blocks._copy_blocks_kernel, do_not_specialize=_SCALARS)
+    ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
+    signature = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
+    signature |= {name: "i64" for name in _SCALARS}
+    constexprs = {"GATHER": gather, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
+    signature |= {name: "constexpr" for name in constexprs}
+    # torch allocations are at least 64-byte aligned: Triton specialises pointer arguments as 16-byte divisible.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER,
+                            options={"num_warps": cfg.num_warps})
+    return kernel.asm["ptx"]
+
+
+# (id, layout, page, dtype, expected access width in bytes)
+SHAPES = [
+    ("llama3-8b-64KiB", "block_first", dict(block_size=16, heads=8, head_dim=128), torch.bfloat16, 16),
+    ("small-2KiB", "kv_first", dict(block_size=8, heads=1, head_dim=64), torch.bfloat16, 16),
+    ("mla-72KiB", "mla", dict(block_size=64, latent=576), torch.bfloat16, 16),
+    ("page-20B", "mla", dict(block_size=2, latent=5), torch.float16, 4),
+    ("page-6B", "mla", dict(block_size=1, latent=3), torch.float16, 2),
+    ("canonical-13B", "canonical", dict(page_bytes=13, pad=3), torch.int8, 1),
+]
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("layout,page,dtype,width", [pytest.param(*s[1:], id=s[0]) for s in SHAPES])
+def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, width, gather):
+    caches = make_caches(layout, 2, 4, page, dtype)
+    spec = to.KVCacheSpec(caches, layout)
+    host = host_buffer(spec, 2, 1)
+    assert copy_blocks.access_width(spec, host) == width
+    cfg = copy_blocks.launch_config(spec, width, gather)
+    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == copy_blocks.TILE_BYTES[gather]
+    ptx = compile_ptx(cfg, gather)
+    data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
+    data_st = re.findall(r"st\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
+    widest = lambda found: max(int(v or 1) * int(b) // 8 for v, b in found)  # noqa: E731
+    # Stores only move data, so their widest access is the data path's; loads also read the 8-byte ids and table.
+    assert widest(data_st) == width, data_st
+    assert widest(data_ld) == max(width, 8), data_ld
+    if width == 16:
+        assert len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) >= 1
+        # Every data load is 16 bytes: ROWS*CHUNK elements over the program's threads, 4 per access.
+        threads = 32 * cfg.num_warps
+        assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == cfg.rows * cfg.chunk // (4 * threads)
