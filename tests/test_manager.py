@@ -1,0 +1,337 @@
+"""Scenario tests of the scheduler-side manager and its eviction policies (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_offload.manager import OffloadEvent, OffloadManager, PrepareStoreOutput
+from triton_offload.policies import POLICIES, ARCPolicy, LRUPolicy, make_policy
+
+BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
+
+
+def k(i: int) -> bytes:
+    """A block-hash-like key."""
+    return b"h%04d" % i
+
+
+def store(m: OffloadManager, keys: list[bytes], success: bool = True) -> PrepareStoreOutput:
+    out = m.prepare_store(keys)
+    assert out is not None, f"no room to store {keys}"
+    m.complete_store(out.keys_to_store, success=success)
+    return out
+
+
+def store_each(m: OffloadManager, keys: list[bytes]) -> None:
+    """Stores keys one call each, so the last one is the most recently used."""
+    for key in keys:
+        store(m, [key])
+
+
+@BOTH
+def test_fill_then_hit(policy):
+    """Filling the cache hands out every block exactly once; keys become hits only once their store completes."""
+    m = OffloadManager(4, policy)
+    out = m.prepare_store([k(0), k(1), k(2), k(3)])
+    assert out == PrepareStoreOutput([k(0), k(1), k(2), k(3)], [0, 1, 2, 3], [])
+    assert (m.num_free, m.num_cached, m.num_storing, len(m)) == (0, 0, 4, 4)
+    assert m.lookup([k(0)]) == 0, "an in-flight store must not be a hit"
+    m.complete_store(out.keys_to_store)
+    assert (m.num_free, m.num_cached, m.num_storing, len(m)) == (0, 4, 0, 4)
+    assert m.lookup([k(0), k(1), k(2), k(3), k(4)]) == 4
+    assert m.lookup([k(1), k(9), k(2)]) == 1, "lookup counts only the leading run of hits"
+    assert m.lookup([k(9), k(0)]) == 0
+    stats = m.stats
+    assert (stats.hits, stats.misses, stats.stores, stats.evictions) == (5, 1 + 1 + 2 + 2, 4, 0)
+
+
+@BOTH
+def test_lookup_stops_at_in_flight_key(policy):
+    """A ready prefix followed by a key still being stored counts only the prefix."""
+    m = OffloadManager(4, policy)
+    store(m, [k(0)])
+    assert m.prepare_store([k(1)]) is not None
+    assert m.lookup([k(0), k(1)]) == 1
+    m.complete_store([k(1)])
+    assert m.lookup([k(0), k(1)]) == 2
+
+
+@BOTH
+def test_prepare_load_returns_blocks_and_pins(policy):
+    """Loading returns the blocks the keys were stored in and pins them until complete_load."""
+    m = OffloadManager(4, policy)
+    out = store(m, [k(0), k(1), k(2)])
+    assert m.prepare_load([k(2), k(0)]) == [out.host_block_ids[2], out.host_block_ids[0]]
+    assert m.num_pinned == 2
+    m.complete_load([k(0), k(2)])
+    assert m.num_pinned == 0
+
+
+def test_pinned_lru_victim_is_skipped():
+    """The least recently used key is loading (pinned): eviction takes the next one, and the pin is a count."""
+    m = OffloadManager(3, "lru")
+    store_each(m, [k(0), k(1), k(2)])  # LRU order: 0, 1, 2
+    m.prepare_load([k(0)])
+    m.prepare_load([k(0)])  # a second request loads the same block
+    out = m.prepare_store([k(3)])
+    assert out is not None and out.evicted_keys == [k(1)]
+    m.complete_store([k(3)])
+    m.complete_load([k(0)])  # one load still in flight: k0 stays pinned
+    out = m.prepare_store([k(4)])
+    assert out is not None and out.evicted_keys == [k(2)]
+    m.complete_store([k(4)])
+    m.complete_load([k(0)])
+    out = m.prepare_store([k(5)])
+    assert out is not None and out.evicted_keys == [k(0)]
+
+
+@BOTH
+def test_load_of_key_not_ready_raises_and_pins_nothing(policy):
+    """Loading a missing key or one whose store is in flight is a ValueError naming it; no key gets pinned."""
+    m = OffloadManager(2, policy)
+    store(m, [k(0)])
+    with pytest.raises(ValueError, match="h0009.*not cached"):
+        m.prepare_load([k(0), k(9)])
+    assert m.prepare_store([k(1)]) is not None
+    with pytest.raises(ValueError, match="h0001.*still being stored"):
+        m.prepare_load([k(0), k(1)])
+    assert m.num_pinned == 0
+    with pytest.raises(ValueError, match="h0000.*0 load"):
+        m.complete_load([k(0)])
+
+
+def test_lru_eviction_order_and_touch():
+    """LRU evicts the oldest key first; a touch makes a key the newest, and touch applies keys in reverse."""
+    m = OffloadManager(4, "lru")
+    store_each(m, [k(0), k(1), k(2), k(3)])
+    m.touch([k(0)])  # order now 1, 2, 3, 0
+    out = m.prepare_store([k(4), k(5)])
+    assert out is not None and out.evicted_keys == [k(1), k(2)]
+    m.complete_store(out.keys_to_store)
+    # Now 3, 0, then 5, 4 (a store call applies keys in reverse too). Touching [3, 0] leaves 0 older than 3.
+    m.touch([k(3), k(0), k(99)])  # unknown keys are ignored
+    out = m.prepare_store([k(6), k(7), k(8), k(9)])
+    assert out is not None and out.evicted_keys == [k(5), k(4), k(0), k(3)]
+
+
+def test_store_call_keeps_prefix_head_longest():
+    """Keys stored in one call are evicted tail first, so what survives is still a usable prefix."""
+    m = OffloadManager(3, "lru")
+    store(m, [k(0), k(1), k(2)])
+    out = m.prepare_store([k(3)])
+    assert out is not None and out.evicted_keys == [k(2)]
+    m.complete_store([k(3)])
+    assert m.lookup([k(0), k(1), k(2)]) == 2
+
+
+@pytest.mark.parametrize("policy, survives", [("lru", False), ("arc", True)])
+def test_arc_keeps_frequent_key_through_a_scan(policy, survives):
+    """A key used twice, then a scan of once-used keys as long as the cache: LRU loses it, ARC keeps it in T2."""
+    m = OffloadManager(4, policy)
+    store_each(m, [k(0), k(1), k(2), k(3)])
+    m.touch([k(0)])  # second use of k0
+    for i in range(10, 14):
+        out = m.prepare_store([k(i)])
+        assert out is not None
+        m.complete_store(out.keys_to_store)
+    assert (m.lookup([k(0)]) == 1) is survives
+    assert m.num_cached == 4
+
+
+def test_arc_ghost_hit_moves_key_to_t2_and_adapts_target():
+    """A key evicted from T1 and stored again comes back into T2 and grows T1's target p; a B2 ghost shrinks it."""
+    m = OffloadManager(2, "arc")
+    store(m, [k(0)])
+    m.touch([k(0)])  # k0 moves to T2
+    store(m, [k(1)])
+    out = m.prepare_store([k(2)])
+    assert out is not None and out.evicted_keys == [k(1)], "T1 is over its target p=0, so its LRU key goes"
+    m.complete_store([k(2)])
+    snap = m.snapshot().policy
+    assert snap == {"t1": (k(2),), "t2": (k(0),), "b1": (k(1),), "b2": (), "p": 0}
+    out = m.prepare_store([k(1)])
+    assert out is not None and out.evicted_keys == [k(2)]
+    m.complete_store([k(1)])
+    snap = m.snapshot().policy
+    assert snap == {"t1": (), "t2": (k(0), k(1)), "b1": (k(2),), "b2": (), "p": 1}
+    store(m, [k(3)])  # T1 is empty, so T2's LRU key k0 goes (to B2)
+    out = m.prepare_store([k(4)])
+    assert out is not None and out.evicted_keys == [k(1)], "with |T1| == p the victim must come from T2"
+    m.complete_store([k(4)])
+    out = m.prepare_store([k(0)])  # k0 is a B2 ghost now
+    assert out is not None and out.evicted_keys == [k(3)], "T1 is over p again, so its LRU key goes"
+    m.complete_store([k(0)])
+    snap = m.snapshot().policy
+    assert snap == {"t1": (k(4),), "t2": (k(0),), "b1": (k(3),), "b2": (k(1),), "p": 0}, "a B2 hit shrinks p"
+
+
+def test_arc_ghost_lists_stay_bounded():
+    """Under a long stream with re-references, |T1|+|B1| <= c and all four lists <= 2c, with ghosts in use."""
+    c = 4
+    m = OffloadManager(c, "arc")
+    saw_b1 = saw_b2 = False
+    for step in range(200):
+        key = k(step % 13 if step % 3 else step % 5)  # mixes keys seen once and keys seen again
+        if m.lookup([key]):
+            m.touch([key])
+        else:
+            store(m, [key])
+        s = m.snapshot().policy
+        assert len(s["t1"]) + len(s["b1"]) <= c, s
+        assert len(s["t1"]) + len(s["t2"]) + len(s["b1"]) + len(s["b2"]) <= 2 * c, s
+        assert 0 <= s["p"] <= c
+        saw_b1 |= len(s["b1"]) > 0
+        saw_b2 |= len(s["b2"]) > 0
+    assert saw_b1 and saw_b2, "the stream never filled both ghost lists, so the bounds were not exercised"
+
+
+@BOTH
+def test_store_failure_frees_blocks(policy):
+    """A failed store frees its blocks, reports nothing as cached, and the keys can be stored again."""
+    m = OffloadManager(2, policy, enable_events=True)
+    out = m.prepare_store([k(0), k(1)])
+    m.complete_store(out.keys_to_store, success=False)
+    assert (m.num_free, m.num_cached, len(m), m.lookup([k(0)])) == (2, 0, 0, 0)
+    assert m.stats.store_failures == 2 and m.stats.stores == 0
+    assert m.take_events() == []
+    assert m.snapshot().policy in ({"order": ()}, {"t1": (), "t2": (), "b1": (), "b2": (), "p": 0})
+    out = m.prepare_store([k(0), k(1)])
+    assert out is not None and out.keys_to_store == [k(0), k(1)]
+
+
+@BOTH
+def test_store_skips_cached_and_in_flight_keys(policy):
+    """Ready keys, keys whose store is in flight, and repeats within the call are not stored (again)."""
+    m = OffloadManager(8, policy)
+    store(m, [k(0), k(1)])
+    first = m.prepare_store([k(2)])
+    out = m.prepare_store([k(0), k(2), k(3), k(1), k(3), k(4)])
+    assert out is not None
+    assert out.keys_to_store == [k(3), k(4)]
+    assert len(set(out.host_block_ids) | set(first.host_block_ids)) == 3, "blocks handed out twice"
+    assert m.num_free == 8 - 5
+    assert m.prepare_store([k(0), k(2)]) == PrepareStoreOutput([], [], [])
+    with pytest.raises(ValueError, match="h0000.*already stored"):
+        m.complete_store([k(0)])
+    with pytest.raises(ValueError, match="h0007.*not being stored"):
+        m.complete_store([k(2), k(7)])
+    assert m.num_storing == 3, "a rejected complete_store must not complete any key"
+
+
+@BOTH
+def test_eviction_spares_keys_named_in_the_call(policy):
+    """A key in the store call that is already cached is the LRU victim, but eviction takes another key."""
+    m = OffloadManager(2, policy)
+    store_each(m, [k(0), k(1)])
+    out = m.prepare_store([k(0), k(2)])
+    assert out is not None and out.keys_to_store == [k(2)] and out.evicted_keys == [k(1)]
+
+
+@BOTH
+def test_in_flight_store_is_never_evicted(policy):
+    """With the cache full of in-flight stores, a new store gets None instead of taking their blocks."""
+    m = OffloadManager(2, policy)
+    assert m.prepare_store([k(0), k(1)]) is not None
+    before = m.snapshot()
+    assert m.prepare_store([k(2)]) is None
+    assert m.snapshot() == before
+
+
+@BOTH
+def test_no_room_returns_none_and_changes_nothing(policy):
+    """Full of pinned blocks: None and identical state. Room for only part of a call: None, nothing evicted."""
+    m = OffloadManager(3, policy, enable_events=True)
+    store_each(m, [k(0), k(1), k(2)])
+    m.touch([k(1)])
+    m.prepare_load([k(0), k(1), k(2)])
+    before = m.snapshot()
+    assert m.prepare_store([k(3)]) is None
+    assert m.snapshot() == before
+
+    m.complete_load([k(2)])  # one evictable key, two needed
+    before = m.snapshot()
+    assert m.prepare_store([k(3), k(4)]) is None
+    assert m.snapshot() == before
+    assert m.prepare_store([k(2), k(3)]) is None, "the only evictable key is named in the call"
+    assert m.snapshot() == before
+    assert m.prepare_store([k(3), k(4), k(5), k(6)]) is None, "more keys than the cache holds"
+    assert m.snapshot() == before
+    assert m.lookup([k(2)]) == 1
+
+
+@pytest.mark.parametrize("name", ["LRU", "fifo", "", None])
+def test_unknown_policy_lists_supported_names(name):
+    """An unknown policy name (names are exact, case-sensitive) is a ValueError naming it and every supported one."""
+    with pytest.raises(ValueError) as err:
+        OffloadManager(4, name)
+    assert repr(name) in str(err.value)
+    for supported in POLICIES:
+        assert supported in str(err.value)
+    with pytest.raises(ValueError, match="supported: arc, lru"):
+        make_policy(name, 4)
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, 2.0, True])
+def test_bad_num_blocks(num_blocks):
+    """The block count must be a positive int; the message carries the bad value."""
+    with pytest.raises(ValueError, match=repr(num_blocks).replace(".", r"\.")):
+        OffloadManager(num_blocks)
+
+
+def test_make_policy_builds_named_class():
+    """Names map to their classes, with the given capacity."""
+    assert isinstance(make_policy("lru", 3), LRUPolicy) and make_policy("lru", 3).capacity == 3
+    assert isinstance(make_policy("arc", 5), ARCPolicy) and make_policy("arc", 5).capacity == 5
+
+
+@BOTH
+def test_policy_refuses_insert_beyond_capacity(policy):
+    """A policy never holds more resident keys than its capacity, nor a key twice."""
+    p = make_policy(policy, 2)
+    p.insert(k(0))
+    with pytest.raises(ValueError, match="already resident"):
+        p.insert(k(0))
+    p.insert(k(1))
+    with pytest.raises(ValueError, match="capacity 2"):
+        p.insert(k(2))
+    assert len(p) == 2 and k(2) not in p
+
+
+@BOTH
+def test_events(policy):
+    """Stored events at successful completion, removed events on eviction and reset; take_events clears them."""
+    m = OffloadManager(2, policy, enable_events=True)
+    out = m.prepare_store([k(0), k(1)])
+    assert m.take_events() == [], "nothing is stored before complete_store"
+    m.complete_store(out.keys_to_store)
+    store(m, [k(2)])
+    assert m.take_events() == [
+        OffloadEvent("stored", [k(0), k(1)]),
+        OffloadEvent("removed", [k(1)]),
+        OffloadEvent("stored", [k(2)]),
+    ]
+    assert m.take_events() == []
+    assert sorted(m.reset()) == [k(0), k(2)]
+    assert [(e.kind, sorted(e.keys)) for e in m.take_events()] == [("removed", [k(0), k(2)])]
+
+    quiet = OffloadManager(2, policy)
+    store(quiet, [k(0), k(1)])
+    store(quiet, [k(2)])
+    assert quiet.take_events() == []
+
+
+@BOTH
+def test_reset_keeps_pinned_and_in_flight(policy):
+    """Reset drops ready unpinned keys only; loads and stores in flight complete normally afterwards."""
+    m = OffloadManager(4, policy)
+    store(m, [k(0), k(1)])
+    m.prepare_load([k(0)])
+    assert m.prepare_store([k(2)]) is not None
+    assert m.reset() == [k(1)]
+    assert (m.num_cached, m.num_storing, m.num_free) == (1, 1, 2)
+    assert m.lookup([k(0)]) == 1 and m.lookup([k(1)]) == 0
+    assert m.stats.evictions == 0, "a reset is not an eviction"
+    m.complete_store([k(2)])
+    m.complete_load([k(0)])
+    assert m.lookup([k(2)]) == 1
+    assert sorted(m.reset()) == [k(0), k(2)] and m.num_free == 4

@@ -1,0 +1,337 @@
+"""Scheduler-side bookkeeping of the host KV cache: which key lives in which host block, and which may be evicted.
+
+Each key (a block hash: any hashable, usually ``bytes``) occupies exactly one host block id in ``[0, num_blocks)``.
+A key is in one of two states:
+
+* **storing**: :meth:`OffloadManager.prepare_store` gave it a block and the GPU-to-host copy is in flight. It is not
+  a hit, cannot be loaded, and is never evicted (the copy would land in a block given to another key).
+* **ready**: :meth:`OffloadManager.complete_store` confirmed the copy. It is a hit and can be loaded; it is evictable
+  unless pinned. :meth:`OffloadManager.prepare_load` pins it (a count: two requests may load it at once) until the
+  matching :meth:`OffloadManager.complete_load`, because the host-to-GPU copy reads its block.
+
+Order within a call: vLLM passes the blocks of a request prefix first, and :meth:`OffloadManager.lookup` counts only
+the *leading* ready keys, so losing the first block of a prefix makes the blocks after it useless while losing the
+last one costs one block. :meth:`~OffloadManager.touch` and :meth:`~OffloadManager.complete_store` therefore apply
+keys to the policy in reverse: the first key of a call ends up the most recently used and is evicted last.
+
+Costs are O(1) amortised per key (dicts, a free-list stack and the policy's ``OrderedDict``\\ s) because this runs in
+the scheduler's critical path; only :meth:`~OffloadManager.reset` and :meth:`~OffloadManager.snapshot` are O(n).
+Pure Python and stdlib only: no torch, triton or vLLM imports.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from triton_offload.policies import EvictionPolicy, make_policy
+
+__all__ = ["OffloadManager", "PrepareStoreOutput", "OffloadEvent", "ManagerStats", "ManagerSnapshot"]
+
+
+@dataclass(frozen=True)
+class PrepareStoreOutput:
+    """What a successful :meth:`OffloadManager.prepare_store` decided.
+
+    Attributes:
+        keys_to_store: the keys to copy to the host, in call order (already cached keys and repeats left out).
+        host_block_ids: the host block of each key in ``keys_to_store``, same length and order.
+        evicted_keys: keys evicted to make room, in eviction order; their blocks may be among ``host_block_ids``.
+    """
+
+    keys_to_store: list[Hashable]
+    host_block_ids: list[int]
+    evicted_keys: list[Hashable]
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    """A change in the set of cached keys, for KV-event consumers (e.g. a cache-aware router).
+
+    Attributes:
+        kind: ``"stored"`` when keys became ready, ``"removed"`` when they were evicted or dropped by a reset.
+        keys: the keys concerned, in the order they were stored or evicted.
+    """
+
+    kind: Literal["stored", "removed"]
+    keys: list[Hashable]
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """Counters since construction.
+
+    Attributes:
+        hits: keys counted by :meth:`OffloadManager.lookup` (the ready prefixes).
+        misses: keys passed to ``lookup`` past the ready prefix, per call (a repeated lookup counts again).
+        stores: keys whose store completed successfully.
+        store_failures: keys whose store completed with ``success=False``.
+        evictions: keys evicted to make room (a reset is not counted).
+    """
+
+    hits: int
+    misses: int
+    stores: int
+    store_failures: int
+    evictions: int
+
+
+@dataclass(frozen=True)
+class ManagerSnapshot:
+    """The complete state of a manager as plain values, for tests and debugging (O(n) to build).
+
+    Attributes:
+        ready: key to host block id of every ready key.
+        storing: key to host block id of every key whose store is in flight.
+        pins: key to the number of loads in flight, for pinned keys only.
+        free_block_ids: the free list, in the order blocks are handed out last to first.
+        policy: the policy's own snapshot.
+        stats: the counters.
+        pending_events: events not yet taken (empty when events are disabled).
+    """
+
+    ready: dict[Hashable, int]
+    storing: dict[Hashable, int]
+    pins: dict[Hashable, int]
+    free_block_ids: tuple[int, ...]
+    policy: dict[str, object]
+    stats: ManagerStats
+    pending_events: tuple[OffloadEvent, ...]
+
+
+class OffloadManager:
+    """Host block allocation, pinning and eviction for a cache of ``num_blocks`` host blocks.
+
+    Args:
+        num_blocks: host blocks in the cache; also the policy's capacity.
+        eviction_policy: a name in :data:`triton_offload.policies.POLICIES` (``"lru"`` or ``"arc"``).
+        enable_events: record :class:`OffloadEvent`\\ s for :meth:`take_events`.
+
+    Raises:
+        ValueError: ``num_blocks`` is not a positive int or the policy name is unknown (the message lists the
+            supported names).
+    """
+
+    def __init__(self, num_blocks: int, eviction_policy: str = "lru", *, enable_events: bool = False) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._policy: EvictionPolicy = make_policy(eviction_policy, num_blocks)
+        self._ready: dict[Hashable, int] = {}
+        self._storing: dict[Hashable, int] = {}
+        self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always a subset of _ready
+        # A stack: popping from the end hands out low ids first on a fresh cache, and a freed block is reused first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._events: list[OffloadEvent] | None = [] if enable_events else None
+        self._hits = self._misses = self._stores = self._store_failures = self._evictions = 0
+
+    # -- queries -------------------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """Returns how many leading keys are ready; a key whose store is in flight ends the run like a missing one."""
+        ready = self._ready
+        hits = 0
+        for key in keys:
+            if key not in ready:
+                break
+            hits += 1
+        self._hits += hits
+        self._misses += len(keys) - hits
+        return hits
+
+    @property
+    def policy_name(self) -> str:
+        return self._policy.name
+
+    @property
+    def num_free(self) -> int:
+        """Blocks holding no key."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Ready keys (hits); in-flight stores are not counted."""
+        return len(self._ready)
+
+    @property
+    def num_storing(self) -> int:
+        """Keys whose store is in flight."""
+        return len(self._storing)
+
+    @property
+    def num_pinned(self) -> int:
+        """Distinct keys with at least one load in flight."""
+        return len(self._pins)
+
+    def __len__(self) -> int:
+        """Keys holding a block, ready or storing, so ``len(m) + m.num_free == m.num_blocks``."""
+        return len(self._ready) + len(self._storing)
+
+    @property
+    def stats(self) -> ManagerStats:
+        return ManagerStats(self._hits, self._misses, self._stores, self._store_failures, self._evictions)
+
+    # -- loads ---------------------------------------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
+        """Pins ready keys for a load and returns their host block ids, in order.
+
+        A key may appear more than once (in one call or across calls); each occurrence is one pin and needs one
+        occurrence in :meth:`complete_load`.
+
+        Raises:
+            ValueError: a key is not ready (not cached, or its store is in flight). Nothing is pinned then.
+        """
+        ready = self._ready
+        for key in keys:  # validate everything first so a bad call pins nothing
+            if key not in ready:
+                state = "still being stored" if key in self._storing else "not cached"
+                raise ValueError(f"cannot load key {key!r}: it is {state}")
+        pins = self._pins
+        block_ids = []
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+            block_ids.append(ready[key])
+        return block_ids
+
+    def complete_load(self, keys: Sequence[Hashable]) -> None:
+        """Unpins keys loaded by :meth:`prepare_load` (one pin per occurrence).
+
+        Raises:
+            ValueError: a key has fewer loads in flight than occurrences in ``keys``. Nothing is unpinned then.
+        """
+        pins = self._pins
+        counts = Counter(keys)
+        for key, n in counts.items():
+            if pins.get(key, 0) < n:
+                raise ValueError(f"complete_load of key {key!r} x{n}, but it has {pins.get(key, 0)} load(s) in flight")
+        for key, n in counts.items():
+            left = pins[key] - n
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        """Marks ready keys as used; other keys are ignored. The first key ends up the most recently used."""
+        ready, access = self._ready, self._policy.access
+        for key in reversed(keys):  # see the module docstring: prefix heads are evicted last
+            if key in ready:
+                access(key)
+
+    # -- stores --------------------------------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[Hashable]) -> PrepareStoreOutput | None:
+        """Allocates host blocks for the keys not cached yet, evicting per the policy if the free list runs out.
+
+        Keys that are ready or storing are not stored again. Free blocks are used first; eviction never takes a
+        pinned key, a storing key (they are not in the policy) or a key named in this call.
+
+        Returns:
+            The decision, or None when room cannot be made for every key to store; then nothing changed (no
+            eviction, no allocation, no counter).
+        """
+        ready, storing = self._ready, self._storing
+        # dict.fromkeys drops repeats and keeps call order.
+        to_store = [key for key in dict.fromkeys(keys) if key not in ready and key not in storing]
+        shortfall = len(to_store) - len(self._free)
+        victims: list[Hashable] = []
+        if shortfall > 0:
+            # Pinned keys are ready and never evictable: reject in O(1) rather than walking a cache full of them.
+            if shortfall > len(ready) - len(self._pins):
+                return None
+            pins, in_call = self._pins, set(keys)
+            # Collect first, evict after: a call that cannot be satisfied must leave everything untouched.
+            for key in self._policy.evict_candidates():
+                if key in pins or key in in_call:
+                    continue
+                victims.append(key)
+                if len(victims) == shortfall:
+                    break
+            else:
+                return None
+        free = self._free
+        if victims:
+            on_evict = self._policy.on_evict
+            for key in victims:
+                on_evict(key)
+                free.append(ready.pop(key))
+            self._evictions += len(victims)
+            if self._events is not None:
+                self._events.append(OffloadEvent("removed", list(victims)))
+        block_ids = [free.pop() for _ in to_store]
+        storing.update(zip(to_store, block_ids))
+        return PrepareStoreOutput(to_store, block_ids, victims)
+
+    def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
+        """Ends stores started by :meth:`prepare_store`.
+
+        On success the keys become ready (hits) and are inserted into the policy, the first key as the most
+        recently used. On failure their blocks are freed and they are not reported as cached.
+
+        Raises:
+            ValueError: a key has no store in flight. Nothing changes then.
+        """
+        storing = self._storing
+        unique = list(dict.fromkeys(keys))
+        for key in unique:
+            if key not in storing:
+                state = "already stored" if key in self._ready else "not being stored"
+                raise ValueError(f"complete_store of key {key!r}, but it is {state}")
+        if success:
+            ready, insert = self._ready, self._policy.insert
+            for key in reversed(unique):
+                ready[key] = storing.pop(key)
+                insert(key)
+            self._stores += len(unique)
+            if self._events is not None and unique:
+                self._events.append(OffloadEvent("stored", unique))
+        else:
+            free = self._free
+            for key in unique:
+                free.append(storing.pop(key))
+            self._store_failures += len(unique)
+
+    # -- housekeeping --------------------------------------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadEvent]:
+        """Returns the events recorded since the last call, oldest first, and forgets them ([] when disabled)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> list[Hashable]:
+        """Drops every ready key that is not pinned and returns them; pinned keys and in-flight stores stay.
+
+        The dropped keys are removed from the policy without counting as evictions (ARC keeps no ghost of them)
+        and are reported in one ``"removed"`` event when events are enabled.
+        """
+        pins, ready, free, remove = self._pins, self._ready, self._free, self._policy.remove
+        dropped = [key for key in ready if key not in pins]
+        for key in dropped:
+            remove(key)
+            free.append(ready.pop(key))
+        if self._events is not None and dropped:
+            self._events.append(OffloadEvent("removed", list(dropped)))
+        return dropped
+
+    def snapshot(self) -> ManagerSnapshot:
+        """The complete state as plain values (O(n)); equal snapshots mean nothing changed (dict order aside)."""
+        return ManagerSnapshot(
+            ready=dict(self._ready),
+            storing=dict(self._storing),
+            pins=dict(self._pins),
+            free_block_ids=tuple(self._free),
+            policy=self._policy.snapshot(),
+            stats=self.stats,
+            pending_events=tuple(self._events or ()),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadManager(num_blocks={self.num_blocks}, policy={self._policy.name!r}, ready={len(self._ready)}, "
+            f"storing={len(self._storing)}, pinned={len(self._pins)}, free={len(self._free)})"
+        )

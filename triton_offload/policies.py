@@ -1,0 +1,226 @@
+"""Eviction policies for the host KV cache: which resident key gives up its block when the cache is full.
+
+A policy only orders keys. The :class:`~triton_offload.manager.OffloadManager` owns blocks, pins and in-flight
+stores; it tells the policy when a key becomes resident (:meth:`insert`), is used (:meth:`access`), is dropped
+without being evicted (:meth:`remove`) or is evicted (:meth:`on_evict`), and asks it for candidates in eviction
+order (:meth:`evict_candidates`), skipping the ones it may not evict (pinned keys). Every operation is O(1)
+amortised; all state lives in ``OrderedDict``\\ s used as linked lists (LRU end first).
+
+Pure Python on purpose: this runs in the serving scheduler's process, which must not import torch or vLLM for it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from itertools import chain, islice
+from typing import Protocol
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "POLICIES", "make_policy"]
+
+
+class EvictionPolicy(Protocol):
+    """The interface the manager drives. ``capacity`` is the most keys that may be resident at once.
+
+    Methods that name a resident key raise ``KeyError`` when it is not resident: the manager never does that, so it
+    is a bug in the caller, not an expected condition.
+    """
+
+    name: str
+    capacity: int
+
+    def insert(self, key: Hashable) -> None:
+        """Makes a newly cached key resident. ``ValueError`` if it already is or the policy is at capacity."""
+
+    def access(self, key: Hashable) -> None:
+        """Records a use (hit or touch) of a resident key."""
+
+    def remove(self, key: Hashable) -> None:
+        """Drops a resident key that is not being evicted (failed store, reset): it leaves no history behind."""
+
+    def on_evict(self, key: Hashable) -> None:
+        """Drops a resident key the manager evicted; a policy may remember it (ARC's ghost lists)."""
+
+    def evict_candidates(self) -> Iterator[Hashable]:
+        """Yields every resident key once, in eviction order, lazily (the first key costs O(1)).
+
+        The caller must stop iterating before it changes the policy (``on_evict`` and the rest): the iterator walks
+        the live lists.
+        """
+
+    def snapshot(self) -> dict[str, object]:
+        """The full internal state as plain values, O(n): for tests and debugging, not the hot path."""
+
+    def __len__(self) -> int:
+        """The number of resident keys."""
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident (ghost entries are not)."""
+
+
+def _check_capacity(capacity: int) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"eviction policy capacity must be a positive int, got {capacity!r}")
+    return capacity
+
+
+class LRUPolicy:
+    """Least recently used: evicts the key whose last insert or access is oldest."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = _check_capacity(capacity)
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
+
+    def insert(self, key: Hashable) -> None:
+        if key in self._order:
+            raise ValueError(f"key {key!r} is already resident")
+        if len(self._order) >= self.capacity:
+            raise ValueError(f"cannot insert {key!r}: {len(self._order)} keys resident, capacity {self.capacity}")
+        self._order[key] = None
+
+    def access(self, key: Hashable) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def on_evict(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def evict_candidates(self) -> Iterator[Hashable]:
+        return iter(self._order)
+
+    def snapshot(self) -> dict[str, object]:
+        return {"order": tuple(self._order)}
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+
+class ARCPolicy:
+    """Adaptive replacement cache (Megiddo & Modha, FAST 2003), with the manager owning capacity.
+
+    Resident keys live in T1 (seen once since they became resident) or T2 (used again since). B1 and B2 remember
+    keys recently evicted from T1 and T2 (ghosts: keys only, no block). A key stored again while it is a ghost
+    tells which list was too short, and the target size ``p`` of T1 moves towards it. Eviction takes T1's LRU key
+    while T1 is longer than ``p``, else T2's, so keys used twice survive a scan of keys used once that would flush
+    them out of an LRU cache.
+
+    Differences from the paper, both forced by the manager deciding *when* blocks are needed: eviction
+    (:meth:`evict_candidates`) happens at ``prepare_store``, before the incoming key is known to be a ghost, so the
+    paper's tie-break (``|T1| == p`` and the new key in B2) is not applied; and the ghost-hit adaptation happens when
+    the store completes (:meth:`insert`). Ghost lists are trimmed so that ``|T1| + |B1| <= c`` and
+    ``|T1| + |T2| + |B1| + |B2| <= 2c`` always hold.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = _check_capacity(capacity)
+        self._t1: OrderedDict[Hashable, None] = OrderedDict()
+        self._t2: OrderedDict[Hashable, None] = OrderedDict()
+        self._b1: OrderedDict[Hashable, None] = OrderedDict()
+        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+        self._p = 0  # target size of T1, 0 <= p <= capacity
+
+    @property
+    def target_t1(self) -> int:
+        """The adaptive target ``p`` for the size of T1."""
+        return self._p
+
+    def insert(self, key: Hashable) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if key in t1 or key in t2:
+            raise ValueError(f"key {key!r} is already resident")
+        if len(t1) + len(t2) >= self.capacity:
+            raise ValueError(f"cannot insert {key!r}: {len(t1) + len(t2)} keys resident, capacity {self.capacity}")
+        if key in b1:
+            # Evicted from T1 but wanted again: T1 was too short. Grow its target faster when B1 is the smaller
+            # ghost list, since a hit there is then the stronger signal.
+            self._p = min(self.capacity, self._p + max(1, len(b2) // len(b1)))
+            del b1[key]
+            t2[key] = None
+        elif key in b2:
+            self._p = max(0, self._p - max(1, len(b1) // len(b2)))
+            del b2[key]
+            t2[key] = None
+        else:
+            t1[key] = None
+            self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        c = self.capacity
+        while b1 and len(t1) + len(b1) > c:
+            b1.popitem(last=False)
+        # With at most c resident and |T1| + |B1| <= c, an excess over 2c implies |T2| + |B2| > c >= |T2|, so B2
+        # holds something to drop.
+        while b2 and len(t1) + len(self._t2) + len(b1) + len(b2) > 2 * c:
+            b2.popitem(last=False)
+
+    def access(self, key: Hashable) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        else:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            del self._t2[key]
+
+    def on_evict(self, key: Hashable) -> None:
+        # Moving a key from Ti to Bi keeps |T1| + |B1| and the total unchanged, so no trim is needed.
+        if key in self._t1:
+            del self._t1[key]
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+
+    def evict_candidates(self) -> Iterator[Hashable]:
+        # The paper's REPLACE, repeated as if every yielded key were evicted: T1 gives keys while it is longer than
+        # p; then taking from T2 leaves |T1| unchanged, so all of T2 comes next, then the rest of T1. Keys the
+        # manager skips (pinned) count as taken, which only shifts the T1/T2 balance while pins are around. Built
+        # from C iterators: no Python frame per candidate.
+        it1 = iter(self._t1)
+        return chain(islice(it1, max(0, len(self._t1) - self._p)), self._t2, it1)
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "t1": tuple(self._t1),
+            "t2": tuple(self._t2),
+            "b1": tuple(self._b1),
+            "b2": tuple(self._b2),
+            "p": self._p,
+        }
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+
+POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Builds the policy registered under ``name`` (exact match) for ``capacity`` resident keys.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`POLICIES` (the message lists the supported names), or ``capacity`` is
+            not a positive int.
+    """
+    try:
+        factory = POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown eviction policy {name!r}; supported: {', '.join(sorted(POLICIES))}") from None
+    return factory(capacity)
