@@ -34,17 +34,20 @@ _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 def _copy_blocks_kernel(
     anchor_ptr,  # ELEM*: the segment table's own storage; GPU addresses are element offsets from it
     host_ptr,  # ELEM*: packed host buffer
-    table_ptr,  # int64* (num_segments, 4): gpu offset, block stride, length, offset in a sub-block (elements)
-    ids_ptr,  # int64*: GPU block ids [n_blocks], then host block ids
+    table_ptr,  # int64* (groups * n_segs, 4): gpu offset, block stride, length, offset in a sub-block (elements)
+    ids_ptr,  # int64*: GPU ids [n_blocks], host ids [n_host]; if MULTI_GROUP also group of each block [n_blocks]
+    # and per group (first block, skip, first host id)
     n_blocks,
-    n_segs,
+    n_host,
+    n_segs,  # segments per group
     n_tiles,
-    skip,
+    skip,  # single group only; MULTI_GROUP reads each group's skip from ids_ptr
     blocks_per_host_block,
     host_row_stride,  # elements between host blocks
-    block_elems,  # elements of one GPU block, all layers (one packed sub-block)
+    block_elems,  # elements of one packed sub-block (host stride between a host block's GPU blocks)
     n_chunks,  # CHUNK-sized steps of the longest segment; shorter ones are masked
     GATHER: tl.constexpr,  # True: GPU -> host (store); False: host -> GPU (load)
+    MULTI_GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     VEC: tl.constexpr,  # every offset and length is a multiple of VEC elements: enables 16-byte accesses
@@ -60,13 +63,22 @@ def _copy_blocks_kernel(
         live = item < n_items
         blk = item // n_segs
         seg = item - blk * n_segs
-        pos = blk + skip
         gpu_id = tl.load(ids_ptr + blk, mask=live, other=0)
-        host_id = tl.load(ids_ptr + n_blocks + pos // blocks_per_host_block, mask=live, other=0)
-        seg_row = table_ptr + seg * 4
+        if MULTI_GROUP:
+            group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0)
+            group_row = ids_ptr + 2 * n_blocks + n_host + group * 3
+            first_block = tl.load(group_row, mask=live, other=0)
+            pos = blk - first_block + tl.load(group_row + 1, mask=live, other=0)
+            host_idx = tl.load(group_row + 2, mask=live, other=0) + pos // blocks_per_host_block
+            seg_row = table_ptr + (group * n_segs + seg) * 4
+        else:
+            pos = blk + skip
+            host_idx = pos // blocks_per_host_block
+            seg_row = table_ptr + seg * 4
+        host_id = tl.load(ids_ptr + n_blocks + host_idx, mask=live, other=0)
         seg_base = tl.load(seg_row, mask=live, other=0)
         seg_stride = tl.load(seg_row + 1, mask=live, other=0)
-        seg_len = tl.load(seg_row + 2, mask=live, other=0)  # dead rows get length 0: fully masked
+        seg_len = tl.load(seg_row + 2, mask=live, other=0)  # dead rows and padding get length 0: fully masked
         seg_host = tl.load(seg_row + 3, mask=live, other=0)
         gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)
         host_off = tl.multiple_of(
@@ -86,6 +98,7 @@ def _copy_blocks_kernel(
 
 _NOT_SPECIALIZED = [
     "n_blocks",
+    "n_host",
     "n_segs",
     "n_tiles",
     "skip",
@@ -150,8 +163,7 @@ def launch_config(spec: KVCacheSpec, width: int, gather: bool) -> LaunchConfig:
         tile = TILE_BYTES[gather] // elem
         # Small pages share a tile (many rows), large ones stream through it (one row, several chunks).
         chunk = min(_next_pow2(max_seg), tile)
-        config = LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk),
-                              NUM_WARPS[gather])
+        config = LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), NUM_WARPS[gather])
         spec.launch_configs[key] = config
     return config
 
@@ -161,30 +173,36 @@ def launch_copy_blocks(
     host_buffer: torch.Tensor,
     ids: torch.Tensor,
     n_blocks: int,
+    n_host: int,
     *,
     skip: int,
     blocks_per_host_block: int,
     gather: bool,
+    grouped: bool,
     num_ctas: int | None,
 ) -> None:
-    """Launches one copy of ``n_blocks`` GPU blocks (all layers) to or from packed host blocks.
+    """Launches one copy of ``n_blocks`` GPU blocks (all layers, all groups) to or from packed host blocks.
 
     Inputs are validated by the public API (:mod:`triton_offload.transfer`); only internal invariants are asserted.
 
     Args:
         spec: the prepared KV caches.
         host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row.
-        ids: int64 on ``spec.device``: the GPU block ids, then the host block ids.
+        ids: int64 on ``spec.device``: the n GPU block ids, then the host block ids; when ``grouped``, then each
+            GPU block's group and, per group, (index of its first GPU block, skip, index of its first host id).
         n_blocks: number of GPU blocks.
-        skip: position of the first GPU block inside the first host block.
+        n_host: number of host block ids.
+        skip: position of the first GPU block inside the first host block (ungrouped).
         blocks_per_host_block: GPU blocks per host block.
         gather: True for GPU -> host, False for host -> GPU.
+        grouped: the ids carry per-block groups (a spec with several KV-cache groups).
         num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
     """
     assert ids.dtype == torch.int64 and ids.device == spec.device
+    assert grouped or spec.num_groups == 1
     cfg = launch_config(spec, access_width(spec, host_buffer), gather)
     table = spec.segment_table(cfg.elem)
-    n_segs = table.shape[0]
+    n_segs = spec.segments_per_group
     n_tiles = triton.cdiv(n_blocks * n_segs, cfg.rows)
     grid = (max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles)),)
     if spec.device.type == "cpu":
@@ -199,6 +217,7 @@ def launch_copy_blocks(
         table,
         ids,
         n_blocks,
+        n_host,
         n_segs,
         n_tiles,
         skip,
@@ -207,6 +226,7 @@ def launch_copy_blocks(
         spec.bytes_per_block // cfg.elem,
         cfg.n_chunks,
         GATHER=gather,
+        MULTI_GROUP=grouped,
         ROWS=cfg.rows,
         CHUNK=cfg.chunk,
         VEC=cfg.vec,

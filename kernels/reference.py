@@ -43,6 +43,20 @@ def _host_view(host_buffer: torch.Tensor, blocks_per_host_block: int) -> torch.T
     return host_buffer.view(torch.uint8).unflatten(1, (blocks_per_host_block, -1))
 
 
+def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes):
+    """Splits a (possibly grouped) transfer into one ungrouped transfer per group: (layers, g, h, skip)."""
+    g_all, h_all = _ids(gpu_block_ids), _ids(host_block_ids)
+    if groups is None:
+        yield list(kv_caches), g_all, h_all, int(skip)
+        return
+    skips = [skip] * len(groups) if isinstance(skip, int) else list(skip)
+    g0 = h0 = 0
+    for layers, n, s in zip(groups, group_sizes, skips):
+        m = -(-(s + n) // f) if n else 0
+        yield [kv_caches[i] for i in layers], g_all[g0 : g0 + n], h_all[h0 : h0 + m], int(s)
+        g0, h0 = g0 + n, h0 + m
+
+
 def gather_blocks_ref(
     kv_caches: Sequence[torch.Tensor],
     layout: str | Layout,
@@ -51,20 +65,23 @@ def gather_blocks_ref(
     host_block_ids: Sequence[int],
     *,
     blocks_per_host_block: int = 1,
-    skip: int = 0,
+    skip: int | Sequence[int] = 0,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> None:
-    """Reference of :func:`triton_offload.gather_blocks`."""
+    """Reference of :func:`triton_offload.gather_blocks` (``groups`` as in :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
-    g = _ids(gpu_block_ids)
-    n = g.numel()
-    if n == 0:
-        return
-    rows, subs = _slots(n, host_block_ids, blocks_per_host_block, skip, host_buffer.device)
-    # (n, bytes_per_gpu_block): each block's parts side by side, in layer order.
-    blocks = torch.cat(
-        [p[g.to(p.device)].reshape(n, -1).view(torch.uint8) for t in kv_caches for p in _parts(t, layout)], dim=1
-    )
-    _host_view(host_buffer, blocks_per_host_block)[rows, subs] = blocks.to(host_buffer.device)
+    f = blocks_per_host_block
+    for layers, g, h, s in _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes):
+        n = g.numel()
+        if n == 0:
+            continue
+        rows, subs = _slots(n, h, f, s, host_buffer.device)
+        # (n, bytes of this group's block): each block's parts side by side, in layer order.
+        blocks = torch.cat(
+            [p[g.to(p.device)].reshape(n, -1).view(torch.uint8) for t in layers for p in _parts(t, layout)], dim=1
+        )
+        _host_view(host_buffer, f)[rows, subs, : blocks.shape[1]] = blocks.to(host_buffer.device)
 
 
 def scatter_blocks_ref(
@@ -75,20 +92,23 @@ def scatter_blocks_ref(
     gpu_block_ids: Sequence[int],
     *,
     blocks_per_host_block: int = 1,
-    skip: int = 0,
+    skip: int | Sequence[int] = 0,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> None:
-    """Reference of :func:`triton_offload.scatter_blocks`."""
+    """Reference of :func:`triton_offload.scatter_blocks` (``groups`` as in :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
-    g = _ids(gpu_block_ids)
-    n = g.numel()
-    if n == 0:
-        return
-    rows, subs = _slots(n, host_block_ids, blocks_per_host_block, skip, host_buffer.device)
-    blocks = _host_view(host_buffer, blocks_per_host_block)[rows, subs]  # (n, bytes_per_gpu_block), a copy
-    offset = 0
-    for t in kv_caches:
-        for p in _parts(t, layout):
-            nbytes = p[0].numel() * p.element_size()
-            chunk = blocks[:, offset : offset + nbytes].contiguous().to(p.device)
-            p[g.to(p.device)] = chunk.view(p.dtype).view(n, *p.shape[1:])
-            offset += nbytes
+    f = blocks_per_host_block
+    for layers, g, h, s in _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes):
+        n = g.numel()
+        if n == 0:
+            continue
+        rows, subs = _slots(n, h, f, s, host_buffer.device)
+        blocks = _host_view(host_buffer, f)[rows, subs]  # (n, bytes_per_gpu_block), a copy
+        offset = 0
+        for t in layers:
+            for p in _parts(t, layout):
+                nbytes = p[0].numel() * p.element_size()
+                chunk = blocks[:, offset : offset + nbytes].contiguous().to(p.device)
+                p[g.to(p.device)] = chunk.view(p.dtype).view(n, *p.shape[1:])
+                offset += nbytes

@@ -111,3 +111,22 @@ def test_shutdown_drains_unreported_work_and_refuses_more():
     assert [r.job_id for r in eng.shutdown()] == [1, 2]
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit_store(3, [0], [0])
+
+
+def test_grouped_jobs_round_trip_and_report_group_bytes():
+    """One job spanning two KV-cache groups (vLLM HMA): bytes counted per group, data back where it came from."""
+    caches = make_caches("canonical", 3, 10, dict(page_bytes=64, pad=16), torch.int8, seed=3)
+    spec = to.KVCacheSpec(caches, "canonical", groups=[[0, 1], [2]])
+    cache = HostCache(spec.host_block_bytes(2), 8 * spec.host_block_bytes(2), pin=False)
+    eng = TransferEngine(spec, cache.buffer, blocks_per_host_block=2)
+    eng.submit_store(1, [4, 7, 1, 9], [5, 2, 6], skip=[1, 0], group_sizes=[3, 1])
+    (res,) = eng.get_finished()
+    assert res.ok and res.num_bytes == 3 * 128 + 1 * 64
+    originals = [c.clone() for c in caches]
+    eng.submit_load(2, [0, 2, 3, 8], [5, 2, 6], skip=[1, 0], group_sizes=[3, 1])
+    assert eng.get_finished()[0].ok
+    for layer, (c, o) in enumerate(zip(caches, originals)):
+        src, dst = ([4, 7, 1], [0, 2, 3]) if layer < 2 else ([9], [8])
+        assert torch.equal(c[dst], o[src])
+    assert torch.equal(caches[0][[5, 6, 8]], originals[0][[5, 6, 8]])
+    assert torch.equal(caches[2][[0, 2, 3]], originals[2][[0, 2, 3]]), "group 1's load must not touch layer 2"

@@ -25,22 +25,32 @@ except ImportError as e:  # pragma: no cover - a Triton without the AOT entry po
     pytest.skip(f"this Triton has no ASTSource/GPUTarget: {e}", allow_module_level=True)
 
 HOPPER = GPUTarget("cuda", 90, 32)
-_SCALARS = ["n_blocks", "n_segs", "n_tiles", "skip", "blocks_per_host_block", "host_row_stride", "block_elems",
-            "n_chunks"]
+_SCALARS = [
+    "n_blocks",
+    "n_host",
+    "n_segs",
+    "n_tiles",
+    "skip",
+    "blocks_per_host_block",
+    "host_row_stride",
+    "block_elems",
+    "n_chunks",
+]
 
 
-def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool) -> str:
+def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool, grouped: bool) -> str:
     # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
     fn = JITFunction(copy_blocks._copy_blocks_kernel, do_not_specialize=_SCALARS)
     ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
     signature = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
     signature |= {name: "i64" for name in _SCALARS}
-    constexprs = {"GATHER": gather, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
+    constexprs = {"GATHER": gather, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
     signature |= {name: "constexpr" for name in constexprs}
     # torch allocations are at least 64-byte aligned: Triton specialises pointer arguments as 16-byte divisible.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER,
-                            options={"num_warps": cfg.num_warps})
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options={"num_warps": cfg.num_warps}
+    )
     return kernel.asm["ptx"]
 
 
@@ -55,16 +65,17 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["1group", "groups"])
 @pytest.mark.parametrize("gather", [True, False], ids=["store", "load"])
 @pytest.mark.parametrize("layout,page,dtype,width", [pytest.param(*s[1:], id=s[0]) for s in SHAPES])
-def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, width, gather):
+def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, width, gather, grouped):
     caches = make_caches(layout, 2, 4, page, dtype)
     spec = to.KVCacheSpec(caches, layout)
     host = host_buffer(spec, 2, 1)
     assert copy_blocks.access_width(spec, host) == width
     cfg = copy_blocks.launch_config(spec, width, gather)
     assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == copy_blocks.TILE_BYTES[gather]
-    ptx = compile_ptx(cfg, gather)
+    ptx = compile_ptx(cfg, gather, grouped)
     data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
     data_st = re.findall(r"st\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
     widest = lambda found: max(int(v or 1) * int(b) // 8 for v, b in found)  # noqa: E731

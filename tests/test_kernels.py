@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -160,3 +162,56 @@ def test_alignment_picks_widest_safe_access():
     assert access_width(wide, host[:, : wide.bytes_per_block]) == 16
     assert access_width(wide, host[:, 8:40]) == 8
     assert access_width(narrow, torch.zeros(4, 2, dtype=torch.uint8)) == 2
+
+
+def grouped_round_trip(caches, layout, groups, group_sizes, skips, f, seed=0):
+    """A grouped transfer (vLLM's KV-cache groups) against the reference, in both directions."""
+    rng = np.random.default_rng(seed)
+    spec = to.KVCacheSpec(caches, layout, groups=groups)
+    n = sum(group_sizes)
+    m = sum(math.ceil((s + k) / f) if k else 0 for s, k in zip(skips, group_sizes))
+    g, h = rng.permutation(spec.num_blocks)[:n], rng.permutation(m + 2)[:m]
+    host, want = host_buffer(spec, m + 2, f), host_buffer(spec, m + 2, f)
+    kw = dict(blocks_per_host_block=f, skip=skips, group_sizes=group_sizes)
+    to.gather_blocks(spec, None, g, host, h, **kw)
+    gather_blocks_ref(caches, layout, g, want, h, groups=groups, **kw)
+    assert torch.equal(host, want)
+    assert not torch.equal(host, host_buffer(spec, m + 2, f)), "nothing was written"
+    out, ref = [sentinel_like(t) for t in caches], [sentinel_like(t) for t in caches]
+    to.scatter_blocks(host, h, to.KVCacheSpec(out, layout, groups=groups), None, g, **kw)
+    scatter_blocks_ref(host, h, ref, layout, g, groups=groups, **kw)
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))
+    return spec, host
+
+
+@pytest.mark.parametrize("f,skips", [(1, [0, 0]), (2, [1, 0]), (4, [3, 2])], ids=["f1", "f2-skips-1-0", "f4-skips-3-2"])
+def test_groups_in_one_launch(f, skips):
+    """Two KV-cache groups of different layers and page sizes; each block packs only its group's layers."""
+    caches = make_caches("canonical", 2, 12, dict(page_bytes=96, pad=32), torch.int8, seed=1)
+    caches += make_caches("canonical", 1, 12, dict(page_bytes=40), torch.int8, seed=2)
+    spec, host = grouped_round_trip(caches, "canonical", [[0, 2], [1]], [4, 3], skips, f, seed=f)
+    assert spec.group_bytes == (136, 96) and spec.bytes_per_block == 136
+
+
+def test_groups_with_an_empty_group_and_a_shared_layer():
+    """A group that moves nothing takes no host ids; a layer may belong to two groups (packed layouts)."""
+    caches = make_caches("mla", 3, 10, dict(block_size=2, latent=6), torch.bfloat16, seed=3)
+    grouped_round_trip(caches, "mla", [[0, 1], [2], [1]], [3, 0, 2], [1, 0, 1], 2)
+
+
+def test_groups_match_separate_single_group_transfers():
+    """The grouped launch writes exactly what one ungrouped transfer per group would."""
+    caches = make_caches("block_first", 3, 9, dict(block_size=2, heads=1, head_dim=4), torch.float16, seed=4)
+    groups, sizes, skips, f = [[2, 0], [1]], [3, 2], [1, 0], 2
+    spec, host = grouped_round_trip(caches, "block_first", groups, sizes, skips, f, seed=5)
+    rng = np.random.default_rng(5)
+    g = rng.permutation(spec.num_blocks)[:5]
+    h = rng.permutation(3 + 2)[:3]
+    separate = host_buffer(spec, 5, f)
+    for layers, gi, hi, s in (([caches[2], caches[0]], g[:3], h[:2], 1), ([caches[1]], g[3:], h[2:], 0)):
+        sub = to.KVCacheSpec(layers, "block_first")
+        tmp = host_buffer(sub, 5, f)
+        to.gather_blocks(sub, None, gi, tmp, hi, blocks_per_host_block=f, skip=s)
+        for j in range(f):
+            separate.view(5, f, -1)[hi, j, : sub.bytes_per_block] = tmp.view(5, f, -1)[hi, j]
+    assert torch.equal(host, separate)

@@ -181,3 +181,79 @@ def test_prepared_spec_layout_mismatch(setup):
     caches, spec, host = setup
     with pytest.raises(ValueError, match="does not match the prepared spec's 'kv_first'"):
         to.gather_blocks(spec, "mla", [0], host, [0], blocks_per_host_block=2)
+
+
+@pytest.fixture
+def grouped():
+    caches = make_caches("kv_first", 3, NUM_BLOCKS, PAGE, torch.float16)
+    spec = to.KVCacheSpec(caches, "kv_first", groups=[[0, 1], [2]])
+    return caches, spec, host_buffer(spec, NUM_HOST, 2)
+
+
+# (id, kwargs of a grouped transfer of 3 + 1 blocks, f=2, expected message)
+BAD_GROUPED = [
+    ("sizes-missing", dict(group_sizes=None), r"group_sizes is required: the KV caches have 2 groups"),
+    ("sizes-wrong-length", dict(group_sizes=[4]), r"len\(group_sizes\) = 1, expected one per KV-cache group = 2"),
+    ("sizes-wrong-sum", dict(group_sizes=[2, 1]), r"group_sizes = \[2, 1\] sum to 3, but there are 4 GPU ids"),
+    ("sizes-negative", dict(group_sizes=[5, -1]), r"group_sizes = \[5, -1\] must be >= 0"),
+    ("host-count", dict(h=[0, 1, 2, 3]), r"len\(host_block_ids\) = 4, expected per group .* = \[2, 1\], 3 in all"),
+    ("skip-per-group-range", dict(skip=[1, 2]), r"skip\[1\] = 2 must be in \[0, 2\)"),
+    ("skip-wrong-length", dict(skip=[1, 0, 0]), r"len\(skip\) = 3, expected one per KV-cache group = 2"),
+]
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+@pytest.mark.parametrize("case", [pytest.param(b[1:], id=b[0]) for b in BAD_GROUPED])
+def test_bad_grouped_transfer_raises_and_writes_nothing(grouped, direction, case):
+    caches, spec, host = grouped
+    kwargs, pattern = case
+    call = dict(g=[1, 4, 6, 2], h=[3, 0, 1], skip=[1, 0], group_sizes=[3, 1]) | kwargs
+    before_caches, before_host = snapshot(caches), host.clone()
+    with pytest.raises(ValueError, match=pattern):
+        if direction == "gather":
+            to.gather_blocks(
+                spec,
+                None,
+                call["g"],
+                host,
+                call["h"],
+                blocks_per_host_block=2,
+                skip=call["skip"],
+                group_sizes=call["group_sizes"],
+            )
+        else:
+            to.scatter_blocks(
+                host,
+                call["h"],
+                spec,
+                None,
+                call["g"],
+                blocks_per_host_block=2,
+                skip=call["skip"],
+                group_sizes=call["group_sizes"],
+            )
+    _assert_nothing_written(caches, host, before_caches, before_host)
+
+
+def test_valid_grouped_call_writes(grouped):
+    """Guards the test above: its valid baseline transfer does write."""
+    caches, spec, host = grouped
+    before = host.clone()
+    to.gather_blocks(
+        spec, None, [1, 4, 6, 2], host, [3, 0, 1], blocks_per_host_block=2, skip=[1, 0], group_sizes=[3, 1]
+    )
+    assert not torch.equal(before, host)
+
+
+@pytest.mark.parametrize(
+    "groups,pattern",
+    [
+        pytest.param([[0], []], r"group 1 is empty", id="empty"),
+        pytest.param([[0, 0]], r"group 0 = \[0, 0\]: indices must be distinct layers in \[0, 3\)", id="dup"),
+        pytest.param([[0, 3]], r"group 0 = \[0, 3\]", id="out-of-range"),
+    ],
+)
+def test_bad_groups(groups, pattern):
+    caches = make_caches("kv_first", 3, NUM_BLOCKS, PAGE, torch.float16)
+    with pytest.raises(ValueError, match=pattern):
+        to.KVCacheSpec(caches, "kv_first", groups=groups)

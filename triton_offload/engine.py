@@ -18,7 +18,7 @@ import torch
 
 from triton_offload.kernels.copy_blocks import launch_copy_blocks
 from triton_offload.layouts import KVCacheSpec
-from triton_offload.transfer import BlockIds, check_transfer
+from triton_offload.transfer import BlockIds, TransferPlan, check_transfer
 
 __all__ = ["TransferEngine", "TransferResult", "STORE", "LOAD"]
 
@@ -91,20 +91,29 @@ class TransferEngine:
             self._id_pool: list[_IdBuffers] = []
 
     # -- submission ---------------------------------------------------------------------------------------------
-    def submit_store(self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip: int = 0) -> None:
-        """Queues a copy of GPU blocks into host blocks (position ``skip + i`` for GPU block i)."""
-        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip)
+    def submit_store(
+        self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip=0, group_sizes=None
+    ) -> None:
+        """Queues a copy of GPU blocks into host blocks (position ``skip + i`` for GPU block i).
 
-    def submit_load(self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip: int = 0) -> None:
-        """Queues a copy of host blocks into GPU blocks (position ``skip + i`` for GPU block i)."""
-        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip)
+        With KV-cache groups, ids are concatenated group by group, ``group_sizes`` gives the GPU ids per group and
+        ``skip`` may be one per group (see :func:`triton_offload.transfer.check_transfer`). Bad input raises here,
+        before anything is queued.
+        """
+        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes)
 
-    def _submit(self, job_id, direction, gpu_block_ids, host_block_ids, skip) -> None:
+    def submit_load(
+        self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip=0, group_sizes=None
+    ) -> None:
+        """Queues a copy of host blocks into GPU blocks; arguments as :meth:`submit_store`."""
+        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip, group_sizes)
+
+    def _submit(self, job_id, direction, gpu_block_ids, host_block_ids, skip, group_sizes) -> None:
         if self._closed:
             raise RuntimeError("the transfer engine is shut down")
         gather = direction == STORE
         # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
-        ids, n = check_transfer(
+        plan = check_transfer(
             self.kv,
             self.host_buffer,
             gpu_block_ids,
@@ -112,34 +121,49 @@ class TransferEngine:
             blocks_per_host_block=self.blocks_per_host_block,
             skip=skip,
             gather=gather,
+            group_sizes=group_sizes,
         )
-        job = _Job(job_id, direction, n * self.kv.bytes_per_block)
-        if n == 0:
+        job = _Job(job_id, direction, self._moved_bytes(plan))
+        if plan.n_blocks == 0:
             job.result = TransferResult(job_id, True, direction, 0, 0.0)
         elif self.cuda:
-            self._launch_cuda(job, ids, n, skip, gather)
+            self._launch_cuda(job, plan, gather)
         else:
-            self._run_cpu(job, ids, n, skip, gather)
+            self._run_cpu(job, plan, gather)
         self._pending[direction].append(job)
 
-    def _run_cpu(self, job: _Job, ids: np.ndarray, n: int, skip: int, gather: bool) -> None:
+    def _moved_bytes(self, plan: TransferPlan) -> int:
+        if not plan.grouped:
+            return plan.n_blocks * self.kv.bytes_per_block
+        sizes = np.bincount(
+            plan.ids[plan.n_blocks + plan.n_host : 2 * plan.n_blocks + plan.n_host], minlength=self.kv.num_groups
+        )
+        return int(sizes @ np.asarray(self.kv.group_bytes))
+
+    def _launch(self, plan: TransferPlan, ids: torch.Tensor, gather: bool) -> None:
+        launch_copy_blocks(
+            self.kv,
+            self.host_buffer,
+            ids,
+            plan.n_blocks,
+            plan.n_host,
+            skip=plan.skip,
+            blocks_per_host_block=self.blocks_per_host_block,
+            gather=gather,
+            grouped=plan.grouped,
+            num_ctas=self.num_ctas,
+        )
+
+    def _run_cpu(self, job: _Job, plan: TransferPlan, gather: bool) -> None:
         t0 = time.perf_counter()
         try:
-            launch_copy_blocks(
-                self.kv,
-                self.host_buffer,
-                torch.from_numpy(ids),
-                n,
-                skip=skip,
-                blocks_per_host_block=self.blocks_per_host_block,
-                gather=gather,
-                num_ctas=self.num_ctas,
-            )
+            self._launch(plan, torch.from_numpy(plan.ids), gather)
             job.result = TransferResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
-    def _launch_cuda(self, job: _Job, ids: np.ndarray, n: int, skip: int, gather: bool) -> None:
+    def _launch_cuda(self, job: _Job, plan: TransferPlan, gather: bool) -> None:
+        ids = plan.ids
         stream = self._streams[job.direction]
         bufs = self._take_ids(ids.size)
         bufs.host_np[: ids.size] = ids
@@ -157,16 +181,7 @@ class TransferEngine:
                 # the job's end event has completed.
                 bufs.device[: ids.size].copy_(bufs.host[: ids.size], non_blocking=True)
                 job.start.record(stream)
-                launch_copy_blocks(
-                    self.kv,
-                    self.host_buffer,
-                    bufs.device[: ids.size],
-                    n,
-                    skip=skip,
-                    blocks_per_host_block=self.blocks_per_host_block,
-                    gather=gather,
-                    num_ctas=self.num_ctas,
-                )
+                self._launch(plan, bufs.device[: ids.size], gather)
                 job.end.record(stream)
         except Exception as e:
             self._fail(job, e)

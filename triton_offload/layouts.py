@@ -113,18 +113,23 @@ class KVCacheSpec:
         kv_caches: per layer, a tensor of ``layout``'s shape; all on one device, all with the same ``num_blocks``.
             Layers may differ in page size (hybrid models). Any dtype; bytes are moved.
         layout: a :class:`Layout` or its name (``kv_first``, ``block_first``, ``mla``, ``canonical``).
+        groups: KV-cache groups (vLLM's hybrid-model groups), as lists of indices into ``kv_caches``. A GPU block
+            of group g holds exactly the layers of group g, and its packed host sub-block holds those layers in
+            the order given. Every group's sub-block has the same stride on the host, ``bytes_per_block``, the
+            largest group's. Default: one group of all layers in order.
     """
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: str | Layout):
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: str | Layout, *, groups: Sequence[Sequence[int]] | None = None
+    ):
         self.layout = resolve_layout(layout)
         if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
             raise ValueError("kv_caches must be a non-empty sequence of per-layer tensors")
         dims = self.layout.dims
-        first = kv_caches[0]
-        self.device = first.device
+        self.device = kv_caches[0].device
         self.num_blocks = None
-        segments: list[Segment] = []
-        offset = 0
+        # Per layer: its (base, block stride, bytes) byte runs, K then V.
+        runs: list[list[tuple[int, int, int]]] = []
         for i, t in enumerate(kv_caches):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"layer {i}: expected a torch.Tensor, got {type(t).__name__}")
@@ -146,18 +151,38 @@ class KVCacheSpec:
             nbytes = _dense_block_bytes(t, inner, i)
             esize = t.element_size()
             halves = [0] if dims.kv_dim is None else [0, 1]
-            for half in halves:
-                base = t.data_ptr() + (half * t.stride(dims.kv_dim) * esize if dims.kv_dim is not None else 0)
-                segments.append(Segment(i, base, t.stride(dims.block_dim) * esize, nbytes, offset))
-                offset += nbytes
+            kv_step = 0 if dims.kv_dim is None else t.stride(dims.kv_dim) * esize
+            runs.append([(t.data_ptr() + half * kv_step, t.stride(dims.block_dim) * esize, nbytes) for half in halves])
+        groups = [list(range(len(kv_caches)))] if groups is None else [list(g) for g in groups]
+        group_segments = []
+        for gi, layers in enumerate(groups):
+            if not layers:
+                raise ValueError(f"group {gi} is empty: every group needs at least one layer")
+            if len(set(layers)) != len(layers) or not all(0 <= i < len(kv_caches) for i in layers):
+                raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(kv_caches)})")
+            offset, segs = 0, []
+            for i in layers:
+                for base, stride, nbytes in runs[i]:
+                    segs.append(Segment(i, base, stride, nbytes, offset))
+                    offset += nbytes
+            group_segments.append(tuple(segs))
         self.kv_caches = list(kv_caches)
-        self.segments = tuple(segments)
         self.num_layers = len(kv_caches)
-        self.bytes_per_block = offset
-        self.max_segment_bytes = max(s.nbytes for s in segments)
+        self.groups = tuple(tuple(g) for g in groups)
+        self.num_groups = len(groups)
+        self.group_segments = tuple(group_segments)
+        self.segments = tuple(s for segs in group_segments for s in segs)
+        self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in group_segments)
+        self.bytes_per_block = max(self.group_bytes)
+        self.max_segment_bytes = max(s.nbytes for s in self.segments)
+        self._layer_page_bytes = tuple(sum(r[2] for r in layer_runs) for layer_runs in runs)
         # Largest power of two (at most 16) dividing every GPU address, stride, size and host offset: the widest
         # access the kernel may use. Computed once: the per-call path must not loop over layers.
-        self.alignment = math.gcd(16, *(math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset) for s in segments))
+        self.alignment = math.gcd(
+            16,
+            self.bytes_per_block,
+            *(math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset) for s in self.segments),
+        )
         self._tables: dict = {}
         self.launch_configs: dict = {}  # kernels/copy_blocks.py caches its launch shapes here
 
@@ -168,18 +193,25 @@ class KVCacheSpec:
     @property
     def page_bytes(self) -> tuple[int, ...]:
         """Bytes per block of each layer (K+V), in layer order."""
-        pages = [0] * self.num_layers
-        for s in self.segments:
-            pages[s.layer] += s.nbytes
-        return tuple(pages)
+        return self._layer_page_bytes
+
+    @property
+    def segments_per_group(self) -> int:
+        """Rows per group in the segment table: the largest group's segment count (others are padded)."""
+        return max(len(segs) for segs in self.group_segments)
 
     def segment_table(self, anchor_align: int) -> torch.Tensor:
-        """The kernels' int64 table, (num_segments, 4): gpu offset from the table's own address, block stride,
-        bytes, host offset -- all in units of ``anchor_align`` bytes. Built once per unit size and cached.
+        """The kernels' int64 table, (num_groups * segments_per_group, 4): gpu offset from the table's own address,
+        block stride, bytes, host offset -- all in units of ``anchor_align`` bytes. Groups with fewer segments are
+        padded with zero-length rows, which the kernel masks out entirely. Built once per unit size and cached.
         """
         table = self._tables.get(anchor_align)
         if table is None:
-            rows = [[s.base, s.block_stride, s.nbytes, s.host_offset] for s in self.segments]
+            width = self.segments_per_group
+            rows = []
+            for segs in self.group_segments:
+                rows += [[s.base, s.block_stride, s.nbytes, s.host_offset] for s in segs]
+                rows += [[self.segments[0].base, 0, 0, 0]] * (width - len(segs))
             table = torch.tensor(rows, dtype=torch.int64, device=self.device)
             # GPU addresses are stored relative to the table itself, which the kernel receives as its anchor
             # pointer: Triton then needs no integer-to-pointer cast, and the interpreter sees plain addresses.
@@ -195,6 +227,7 @@ class KVCacheSpec:
         return (
             f"KVCacheSpec(layout={self.layout.label}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
             f"page_bytes={pages if len(pages) > 1 else pages[0]}, bytes_per_block={self.bytes_per_block}, "
+            f"groups={self.num_groups}, "
             f"device={self.device})"
         )
 

@@ -7,6 +7,7 @@ is launched, so a bad call raises and writes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ import torch
 from triton_offload.kernels.copy_blocks import launch_copy_blocks
 from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
 
-__all__ = ["gather_blocks", "scatter_blocks", "host_block_bytes", "check_transfer", "BlockIds"]
+__all__ = ["gather_blocks", "scatter_blocks", "host_block_bytes", "check_transfer", "TransferPlan", "BlockIds"]
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -82,6 +83,51 @@ def check_host_buffer(spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_h
         raise ValueError("host_buffer must be pinned (page-locked) memory when the KV caches are on CUDA")
 
 
+@dataclass(frozen=True)
+class TransferPlan:
+    """A validated transfer, ready for one launch.
+
+    Attributes:
+        ids: int64, packed for the kernel: GPU ids, host ids and, when ``grouped``, each GPU block's group and per
+            group (index of its first GPU block, skip, index of its first host id).
+        n_blocks: GPU blocks moved.
+        n_host: host block ids.
+        skip: the skip of an ungrouped transfer.
+        grouped: whether ``ids`` carries groups.
+    """
+
+    ids: np.ndarray
+    n_blocks: int
+    n_host: int
+    skip: int
+    grouped: bool
+
+
+def _group_layout(spec, n, skip, group_sizes, f):
+    """Per-group sizes and skips as arrays, checked against the spec's groups and n."""
+    if group_sizes is None:
+        if spec.num_groups != 1:
+            raise ValueError(f"group_sizes is required: the KV caches have {spec.num_groups} groups")
+        sizes = np.array([n], dtype=np.int64)
+    else:
+        sizes = _as_ids(group_sizes, "group_sizes")
+        if sizes.size != spec.num_groups:
+            raise ValueError(f"len(group_sizes) = {sizes.size}, expected one per KV-cache group = {spec.num_groups}")
+        if sizes.size and sizes.min() < 0:
+            raise ValueError(f"group_sizes = {sizes.tolist()} must be >= 0")
+        if int(sizes.sum()) != n:
+            raise ValueError(f"group_sizes = {sizes.tolist()} sum to {int(sizes.sum())}, but there are {n} GPU ids")
+    if isinstance(skip, (int, np.integer)) and not isinstance(skip, bool):
+        skips = np.full(sizes.size, _check_int(skip, "skip", 0, f), dtype=np.int64)
+    else:
+        skips = _as_ids(skip, "skip")
+        if skips.size != sizes.size:
+            raise ValueError(f"len(skip) = {skips.size}, expected one per KV-cache group = {sizes.size}")
+        for gi, s in enumerate(skips.tolist()):
+            _check_int(s, f"skip[{gi}]", 0, f)
+    return sizes, skips
+
+
 def check_transfer(
     spec: KVCacheSpec,
     host_buffer: torch.Tensor,
@@ -89,58 +135,75 @@ def check_transfer(
     host_block_ids: BlockIds,
     *,
     blocks_per_host_block: int,
-    skip: int,
+    skip: int | Sequence[int],
     gather: bool,
-) -> tuple[np.ndarray, int]:
-    """Validates one transfer; returns its ids packed for the kernel (GPU ids, then host ids, int64) and n.
+    group_sizes: Sequence[int] | None = None,
+) -> TransferPlan:
+    """Validates one transfer and packs its ids for the kernel.
+
+    With several KV-cache groups, ``gpu_block_ids`` and ``host_block_ids`` are concatenated group by group:
+    ``group_sizes[g]`` GPU ids and ``ceil((skip[g] + group_sizes[g]) / f)`` host ids for group g (none when it moves
+    no block), and ``skip`` is an int or one skip per group.
 
     Raises:
         TypeError: ids that are not integers, a host buffer that is not a tensor.
         ValueError: any id out of range, a duplicated destination, a host id count other than
-            ``ceil((skip + n) / blocks_per_host_block)``, ``skip >= blocks_per_host_block``, or a host buffer of the
-            wrong shape, dtype, device or memory kind. The message names the value.
+            ``ceil((skip + n) / blocks_per_host_block)`` (per group), ``skip >= blocks_per_host_block``, group sizes
+            that do not match the spec or the ids, or a host buffer of the wrong shape, dtype, device or memory
+            kind. The message names the value.
     """
     f = _check_int(blocks_per_host_block, "blocks_per_host_block", 1)
-    skip = _check_int(skip, "skip", 0, f)
     check_host_buffer(spec, host_buffer, f)
     g = _as_ids(gpu_block_ids, "gpu_block_ids")
     h = _as_ids(host_block_ids, "host_block_ids")
-    need = -(-(skip + g.size) // f) if g.size else 0
-    if h.size != need:
-        raise ValueError(
-            f"len(host_block_ids) = {h.size}, expected ceil((skip + n) / f) = ceil(({skip} + {g.size}) / {f}) = {need}"
-        )
+    sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
+    need = np.where(sizes > 0, -(-(skips + sizes) // f), 0)
+    if h.size != int(need.sum()):
+        if sizes.size == 1:
+            expect = f"ceil((skip + n) / f) = ceil(({int(skips[0])} + {g.size}) / {f}) = {int(need[0])}"
+        else:
+            expect = f"per group ceil((skip + n) / f) = {need.tolist()}, {int(need.sum())} in all"
+        raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
     _check_range(g, "gpu_block_ids", spec.num_blocks)
     _check_range(h, "host_block_ids", host_buffer.shape[0])
     # Sources may repeat; destinations may not (two writers of one block would race).
     _check_unique(h if gather else g, "host_block_ids" if gather else "gpu_block_ids")
-    return np.concatenate([g, h]), g.size
+    if spec.num_groups == 1:
+        return TransferPlan(np.concatenate([g, h]), g.size, h.size, int(skips[0]), False)
+    block_group = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+    first_block = np.cumsum(sizes) - sizes
+    first_host = np.cumsum(need) - need
+    groups = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
+    return TransferPlan(np.concatenate([g, h, block_group, groups]), g.size, h.size, 0, True)
 
 
-def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, num_ctas, gather):
+def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, f, skip, group_sizes, num_ctas, gather):
     if num_ctas is not None:
         _check_int(num_ctas, "num_ctas", 1)
-    ids, n = check_transfer(
+    plan = check_transfer(
         spec,
         host_buffer,
         gpu_block_ids,
         host_block_ids,
-        blocks_per_host_block=blocks_per_host_block,
+        blocks_per_host_block=f,
         skip=skip,
         gather=gather,
+        group_sizes=group_sizes,
     )
-    if n == 0:
+    if plan.n_blocks == 0:
         return
     # Pageable -> device copy: CUDA stages the ids before returning, so the NumPy array may be freed at once.
-    ids_dev = torch.from_numpy(ids).to(spec.device, non_blocking=True)
+    ids_dev = torch.from_numpy(plan.ids).to(spec.device, non_blocking=True)
     launch_copy_blocks(
         spec,
         host_buffer,
         ids_dev,
-        n,
-        skip=skip,
-        blocks_per_host_block=blocks_per_host_block,
+        plan.n_blocks,
+        plan.n_host,
+        skip=plan.skip,
+        blocks_per_host_block=f,
         gather=gather,
+        grouped=plan.grouped,
         num_ctas=num_ctas,
     )
 
@@ -153,8 +216,9 @@ def gather_blocks(
     host_block_ids: BlockIds,
     *,
     blocks_per_host_block: int = 1,
-    skip: int = 0,
+    skip: int | Sequence[int] = 0,
     num_ctas: int | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> None:
     """Copies GPU blocks of every layer into packed host blocks, in one kernel launch (a store).
 
@@ -172,9 +236,13 @@ def gather_blocks(
         blocks_per_host_block: f, GPU blocks per host block.
         skip: sub-blocks of the first host block left untouched (``0 <= skip < f``).
         num_ctas: programs (SMs) the launch may occupy; None for the tuned default.
+        group_sizes: with KV-cache groups (``KVCacheSpec(..., groups=...)``), GPU ids per group; the ids are then
+            concatenated group by group and ``skip`` may be one per group (see :func:`check_transfer`).
     """
     spec = prepare_kv(kv_caches, layout)
-    _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, num_ctas, gather=True)
+    _transfer(
+        spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, group_sizes, num_ctas, True
+    )
 
 
 def scatter_blocks(
@@ -185,8 +253,9 @@ def scatter_blocks(
     gpu_block_ids: BlockIds,
     *,
     blocks_per_host_block: int = 1,
-    skip: int = 0,
+    skip: int | Sequence[int] = 0,
     num_ctas: int | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> None:
     """Copies packed host blocks back into GPU blocks of every layer, in one kernel launch (a load).
 
@@ -194,7 +263,9 @@ def scatter_blocks(
     position ``skip + i``. GPU ids are destinations and must be distinct; host ids may repeat.
     """
     spec = prepare_kv(kv_caches, layout)
-    _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, num_ctas, gather=False)
+    _transfer(
+        spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, group_sizes, num_ctas, False
+    )
 
 
 def host_block_bytes(
