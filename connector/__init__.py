@@ -1,1 +1,74 @@
-"""The vLLM plugin (installed as ``triton_offload.connector``)."""
+"""The vLLM plugin (installed as ``triton_offload.connector``): ``TritonOffloadingSpec`` for vLLM's
+``OffloadingConnector``.
+
+Use it with ``kv_connector_extra_config={"spec_name": "TritonOffloadingSpec", "cpu_bytes_to_use": "8GiB", ...}``.
+The name resolves through :func:`register`, which vLLM calls in each of its processes through the
+``vllm.general_plugins`` entry point of this package; ``"spec_module_path": "triton_offload.connector"`` also works
+without the entry point.
+
+Importing this package does not import vLLM: the core never needs it, and the configuration parser
+(:mod:`triton_offload.connector.config`) works without it. The spec classes import vLLM when first used.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+__all__ = ["SPEC_NAME", "register", "route_logs_through_vllm", "TritonOffloadingSpec"]
+
+SPEC_NAME = "TritonOffloadingSpec"
+_SPEC_MODULE = "triton_offload.connector.spec"
+
+
+def _require_vllm() -> None:
+    try:
+        import vllm.v1.kv_offload.base  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"{SPEC_NAME} needs vLLM >= 0.32 (the vllm.v1.kv_offload API): pip install 'triton-offload[vllm]' ({e})"
+        ) from e
+
+
+def route_logs_through_vllm() -> None:
+    """Sends our package's log records to vLLM's handlers, at vLLM's level.
+
+    vLLM configures only its own ``vllm`` logger, so without this our INFO lines (host cache size, counters) would be
+    dropped inside vLLM's processes. Does nothing when vLLM's logging is off or ours is configured already.
+    """
+    ours, theirs = logging.getLogger("triton_offload"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+def register() -> None:
+    """Registers ``TritonOffloadingSpec`` with vLLM's ``OffloadingSpecFactory``; safe to call more than once.
+
+    vLLM calls general plugins once per process, sometimes more than once, and ``register_spec`` refuses a name
+    that is already taken, so an existing registration is left as it is.
+    """
+    _require_vllm()
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    route_logs_through_vllm()
+    if SPEC_NAME in getattr(OffloadingSpecFactory, "_registry", {}):
+        return
+    try:
+        OffloadingSpecFactory.register_spec(SPEC_NAME, _SPEC_MODULE, SPEC_NAME)
+    except ValueError:  # registered meanwhile under the same name: nothing to do
+        pass
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import triton_offload.connector` works without vLLM while vLLM's factory can still resolve
+    # getattr(module, "TritonOffloadingSpec") for spec_module_path="triton_offload.connector".
+    if name == SPEC_NAME:
+        _require_vllm()
+        from triton_offload.connector.spec import TritonOffloadingSpec
+
+        return TritonOffloadingSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

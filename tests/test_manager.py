@@ -335,3 +335,20 @@ def test_reset_keeps_pinned_and_in_flight(policy):
     m.complete_load([k(0)])
     assert m.lookup([k(2)]) == 1
     assert sorted(m.reset()) == [k(0), k(2)] and m.num_free == 4
+
+
+@BOTH
+def test_key_state_tells_pending_from_missing(policy):
+    """key_state follows a key through storing, ready, failed and evicted, and changes nothing it reads."""
+    m = OffloadManager(1, policy)
+    assert m.key_state(k(0)) is None
+    assert m.prepare_store([k(0)]) is not None
+    assert m.key_state(k(0)) == "storing"
+    m.complete_store([k(0)], success=False)
+    assert m.key_state(k(0)) is None, "a failed store leaves nothing behind"
+    store(m, [k(0)])
+    before = m.snapshot()
+    assert m.key_state(k(0)) == "ready"
+    assert m.snapshot() == before, "a state query must not count a hit or touch the policy"
+    store(m, [k(1)])  # evicts k0: the cache holds one block
+    assert (m.key_state(k(0)), m.key_state(k(1))) == (None, "ready")

@@ -141,6 +141,16 @@ class OffloadManager:
         self._misses += len(keys) - hits
         return hits
 
+    def key_state(self, key: Hashable) -> Literal["ready", "storing"] | None:
+        """One key's state in O(1): ``"ready"``, ``"storing"`` (store in flight) or None (not cached).
+
+        For callers that look keys up one at a time and must tell a pending store from a miss (vLLM's
+        ``HIT_PENDING``). Changes nothing: no counter, no policy access.
+        """
+        if key in self._ready:
+            return "ready"
+        return "storing" if key in self._storing else None
+
     @property
     def policy_name(self) -> str:
         return self._policy.name

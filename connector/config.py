@@ -1,0 +1,160 @@
+"""The plugin's configuration: ``kv_connector_extra_config`` parsed once into a frozen dataclass.
+
+No vLLM import here: the parsing is plain Python so it can be tested and reused without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from triton_offload.policies import POLICIES
+
+__all__ = ["TritonOffloadConfig", "parse_size", "OUR_KEYS", "VLLM_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+# Decimal units are powers of 1000 and binary ones powers of 1024, as everywhere else ("1.5GB" is 1.5e9 bytes).
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+
+# Keys this spec reads.
+OUR_KEYS = frozenset({"cpu_bytes_to_use", "eviction_policy", "num_ctas"})
+# Keys vLLM's OffloadingConnector reads itself, whatever the spec (block_size becomes blocks_per_chunk).
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "canonical_layout",
+        "sync_load_budget_bytes",
+    }
+)
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes from an int, a whole float, a digit string or a human-readable size (``"40GiB"``, ``"1.5GB"``).
+
+    Raises:
+        ValueError: anything else, a non-positive size, or a size that is not a whole number of bytes; the message
+            names ``key`` and the accepted forms.
+    """
+    accepted = f"a positive number of bytes, or a string such as '40GiB' or '1.5GB' (units: {_UNIT_NAMES})"
+    if isinstance(value, bool):
+        raise ValueError(f"{key} = {value!r} is not a size; expected {accepted}")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, float):
+        # JSON on a command line turns 4e10 into a float; accept it when it is a whole number of bytes.
+        if not value.is_integer():
+            raise ValueError(f"{key} = {value!r} is not a whole number of bytes; expected {accepted}")
+        nbytes = int(value)
+    elif isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        unit = match and _UNITS.get(match.group(2).lower())
+        if unit is None:
+            raise ValueError(f"{key} = {value!r} is not a size; expected {accepted}")
+        try:
+            exact = Decimal(match.group(1)) * unit
+        except InvalidOperation:  # pragma: no cover - the pattern only admits decimal numbers
+            raise ValueError(f"{key} = {value!r} is not a size; expected {accepted}") from None
+        if exact != exact.to_integral_value():
+            raise ValueError(f"{key} = {value!r} is {exact} bytes, not a whole number of bytes")
+        nbytes = int(exact)
+    else:
+        raise ValueError(f"{key} = {value!r} ({type(value).__name__}) is not a size; expected {accepted}")
+    if nbytes <= 0:
+        raise ValueError(f"{key} = {value!r} must be positive; expected {accepted}")
+    return nbytes
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} = {value!r} must be a positive int")
+    return value
+
+
+@dataclass(frozen=True)
+class TritonOffloadConfig:
+    """What ``TritonOffloadingSpec`` takes from ``kv_connector_extra_config``, validated.
+
+    Attributes:
+        cpu_bytes_to_use: host cache budget for the whole instance, split evenly across ranks (required).
+        blocks_per_host_block: GPU blocks per host block (f), as vLLM derived it from ``block_size`` (or
+            ``blocks_per_chunk``); 1 when neither is set.
+        eviction_policy: ``"lru"`` or ``"arc"``.
+        num_ctas: programs one transfer launch may occupy (the SMs taken from the model); None for the kernel's
+            default.
+    """
+
+    cpu_bytes_to_use: int
+    blocks_per_host_block: int = 1
+    eviction_policy: str = "lru"
+    num_ctas: int | None = None
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any], *, blocks_per_host_block: int, gpu_block_tokens: int | None = None
+    ) -> TritonOffloadConfig:
+        """Parses and checks the keys; unknown keys are logged as ignored (a typo must not pass silently).
+
+        Args:
+            extra: ``kv_connector_extra_config`` as vLLM passes it to the spec.
+            blocks_per_host_block: vLLM's ``blocks_per_chunk``, the block-size factor it derived.
+            gpu_block_tokens: tokens per GPU block, to cross-check ``block_size``; None skips the check.
+
+        Raises:
+            ValueError: a missing ``cpu_bytes_to_use`` or a bad value of any key, naming the key and what is
+                accepted.
+        """
+        if extra.get("cpu_bytes_to_use") is None:
+            raise ValueError(
+                "kv_connector_extra_config needs 'cpu_bytes_to_use': the host cache budget for the whole instance, "
+                "in bytes or as a string such as '40GiB'"
+            )
+        cpu_bytes = parse_size(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
+        policy = extra.get("eviction_policy", "lru")
+        if not isinstance(policy, str) or policy.lower() not in POLICIES:
+            raise ValueError(f"eviction_policy = {policy!r} is not supported; accepted: {', '.join(sorted(POLICIES))}")
+        num_ctas = extra.get("num_ctas")
+        if num_ctas is not None:
+            num_ctas = _positive_int(num_ctas, "num_ctas")
+        f = _positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
+        block_size = extra.get("block_size")
+        if block_size is not None:
+            if isinstance(block_size, bool) or not isinstance(block_size, (int, str)) or not str(block_size).isdigit():
+                raise ValueError(f"block_size = {block_size!r} must be a positive int (tokens per host block)")
+            block_size = int(block_size)
+        if block_size is not None and gpu_block_tokens is not None and block_size != f * gpu_block_tokens:
+            # vLLM derives f from block_size itself; a mismatch means the config was assembled inconsistently.
+            raise ValueError(
+                f"block_size = {block_size!r} tokens, but vLLM passed blocks_per_chunk = {f} for GPU blocks of "
+                f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
+            )
+        unknown = sorted(set(extra) - OUR_KEYS - VLLM_KEYS)
+        if unknown:
+            logger.warning(
+                "kv_connector_extra_config keys ignored by TritonOffloadingSpec: %s (it reads %s)",
+                unknown,
+                sorted(OUR_KEYS | {"block_size"}),
+            )
+        return cls(cpu_bytes, f, policy.lower(), num_ctas)

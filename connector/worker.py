@@ -1,0 +1,187 @@
+"""Worker side: vLLM's ``OffloadingWorker`` over our :class:`~triton_offload.engine.TransferEngine` and host cache.
+
+vLLM hands the worker its KV caches once, canonicalised (``CanonicalKVCaches``): a list of int8 tensors
+``(num_blocks, page_size_bytes)`` (stride(0) may exceed the page) and, per offloaded KV-cache group, one ref per
+layer naming a tensor and the un-padded bytes to move. They become one grouped ``canonical``
+:class:`~triton_offload.layouts.KVCacheSpec`; after that every job is one engine submission, so one kernel launch
+for all groups, layers and blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from triton_offload.engine import LOAD, TransferEngine
+from triton_offload.host_cache import HostCache
+from triton_offload.layouts import KVCacheSpec
+
+__all__ = ["canonical_kv_spec", "TritonOffloadingWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+def canonical_kv_spec(kv_caches: CanonicalKVCaches) -> KVCacheSpec:
+    """One grouped ``canonical`` spec for vLLM's canonical KV caches.
+
+    Each distinct (tensor, un-padded page) pair becomes one entry, sliced to the page so padding is never moved.
+    Refs of one group that name the same tensor (layers aliasing one allocation) are moved once, with the largest
+    page any of them names; the same tensor may appear in several groups (HMA groups overlaying one another).
+
+    Raises:
+        ValueError: a group without refs, a ref to a tensor that does not exist, or a page larger than its tensor.
+    """
+    tensors = kv_caches.tensors
+    views: list[torch.Tensor] = []
+    index: dict[tuple[int, int], int] = {}
+    groups: list[list[int]] = []
+    for gi, refs in enumerate(kv_caches.group_data_refs):
+        pages: dict[int, int] = {}  # tensor index -> bytes to move, in first-seen (layer) order
+        for ref in refs:
+            if not 0 <= ref.tensor_idx < len(tensors):
+                raise ValueError(f"group {gi}: ref to tensor {ref.tensor_idx}, but there are {len(tensors)} tensors")
+            pages[ref.tensor_idx] = max(pages.get(ref.tensor_idx, 0), ref.page_size_bytes)
+        if not pages:
+            raise ValueError(f"KV-cache group {gi} has no layers to offload")
+        members = []
+        for ti, page in pages.items():
+            tensor = tensors[ti].tensor
+            if not 0 < page <= tensor.shape[1]:
+                raise ValueError(
+                    f"group {gi}: page of {page} bytes for tensor {ti} of shape {tuple(tensor.shape)}; expected "
+                    f"0 < page <= {tensor.shape[1]}"
+                )
+            key = (ti, page)
+            if key not in index:
+                index[key] = len(views)
+                views.append(tensor[:, :page])
+            members.append(index[key])
+        groups.append(members)
+    return KVCacheSpec(views, "canonical", groups=groups)
+
+
+class TritonOffloadingWorker(OffloadingWorker):
+    """Stores and loads of one worker, each as ONE launch of our kernel, into a packed host cache.
+
+    Args:
+        kv_caches: the worker's canonical KV caches.
+        num_host_blocks: host blocks, the same number the scheduler's manager hands out.
+        blocks_per_host_block: GPU blocks per host block (vLLM's ``blocks_per_chunk``).
+        num_ctas: programs per launch; None for the kernel's default.
+        budget_block_bytes: the bytes per host block the budget was divided by; a larger packed block is warned of.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        num_host_blocks: int,
+        blocks_per_host_block: int,
+        num_ctas: int | None = None,
+        budget_block_bytes: int | None = None,
+    ) -> None:
+        self.kv = canonical_kv_spec(kv_caches)
+        self.blocks_per_host_block = f = blocks_per_host_block
+        host_block_bytes = self.kv.host_block_bytes(f)
+        if budget_block_bytes is not None and host_block_bytes > budget_block_bytes:
+            logger.warning(
+                "a packed host block takes %d bytes, more than the %d bytes per block the budget was divided by: "
+                "the host cache exceeds its share of cpu_bytes_to_use",
+                host_block_bytes,
+                budget_block_bytes,
+            )
+        # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
+        # HostCache sizes itself from a budget, so hand it exactly num_host_blocks blocks' worth.
+        self.host_cache = HostCache(
+            host_block_bytes, num_host_blocks * host_block_bytes, pin=self.kv.device.type == "cuda"
+        )
+        assert self.host_cache.num_blocks == num_host_blocks
+        self.engine = TransferEngine(self.kv, self.host_cache.buffer, blocks_per_host_block=f, num_ctas=num_ctas)
+        self.num_ctas = num_ctas
+        self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
+        logger.info(
+            "triton-offload worker: host cache %.3f GiB = %d blocks x %d bytes (%d GPU blocks of %d bytes each), "
+            "%s; %s; num_ctas=%s",
+            self.host_cache.nbytes / 2**30,
+            num_host_blocks,
+            host_block_bytes,
+            f,
+            self.kv.bytes_per_block,
+            "pinned" if self.host_cache.pinned else "pageable (no CUDA)",
+            self.kv,
+            "kernel default" if num_ctas is None else num_ctas,
+        )
+
+    def _host_ids(self, spec: LoadStoreSpec):
+        if not isinstance(spec, BlockIDsLoadStoreSpec) or isinstance(spec, GPULoadStoreSpec):
+            raise TypeError(f"expected the host block ids of TritonOffloadingSpec's manager, got {spec!r}")
+        return spec.block_ids
+
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool) -> bool:
+        f = self.blocks_per_host_block
+        # block_indices[g] is the position of group g's first GPU block in its request: mid host block when the
+        # device prefix cache already holds part of a host block (loads) or the leading blocks are null (stores).
+        skips = [int(b) % f for b in gpu.block_indices]
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "%s job %d: gpu %s, group_sizes %s, skips %s, host %s",
+                "store" if store else "load",
+                job_id,
+                gpu.block_ids.tolist(),
+                list(gpu.group_sizes),
+                skips,
+                self._host_ids(host).tolist(),
+            )
+        submit = self.engine.submit_store if store else self.engine.submit_load
+        submit(job_id, gpu.block_ids, self._host_ids(host), skip=skips, group_sizes=list(gpu.group_sizes))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        # vLLM 0.33 marks sync loads expedited and waits for them before the forward pass. Our loads have their own
+        # stream and never queue behind stores; they do queue behind earlier loads, which vLLM also waits for.
+        return self._submit(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        for r in self.engine.get_finished():
+            is_load = r.direction == LOAD
+            if not r.ok:
+                # vLLM cannot handle a failed job (it asserts success), and reporting success would hand the model
+                # garbage KV: stop loudly instead.
+                logger.error("triton-offload %s job %d failed: %s", r.direction, r.job_id, r.error)
+                raise RuntimeError(f"triton-offload {r.direction} job {r.job_id} failed: {r.error}")
+            self.stats["load_jobs" if is_load else "store_jobs"] += 1
+            self.stats["loaded_bytes" if is_load else "stored_bytes"] += r.num_bytes
+            self.stats["seconds"] += r.seconds
+            out.append(
+                TransferResult(job_id=r.job_id, success=True, transfer_size=r.num_bytes, transfer_time=r.seconds)
+            )
+        return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        # vLLM may pass ids of jobs this worker never saw or already reported; the engine ignores those.
+        self.engine.wait(job_ids)
+
+    def shutdown(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.engine.shutdown()
+        finally:
+            self.host_cache.close()
+            logger.info("triton-offload worker totals: %s (drained in %.3f s)", self.stats, time.perf_counter() - t0)

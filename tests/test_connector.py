@@ -1,0 +1,440 @@
+"""TritonOffloadingSpec through vLLM's real classes, without an engine (runs against vLLM 0.32 and 0.33).
+
+The configuration is built by hand as vLLM's connector would build it; the manager is driven the way vLLM's
+scheduler drives it and the worker the way vLLM's worker does, on CPU tensors (kernels under the interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
+
+from vllm.v1.kv_offload import config as vcfg  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+import triton_offload.connector as plugin  # noqa: E402
+from triton_offload.connector.manager import HostBlocksSpec, TritonOffloadingManager  # noqa: E402
+from triton_offload.connector.spec import TritonOffloadingSpec  # noqa: E402
+from triton_offload.engine import TransferResult as EngineResult  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SENTINEL = 0x5A
+
+
+def build(cls, **kw):
+    """Constructs a vLLM config dataclass from the fields this vLLM version has (0.33 added some with defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def make_config(extra, *, groups=((0, 1),), worker_bytes=1024, f=2, tokens=16, world_size=1, rank=0, events=False):
+    """An OffloadingConfig as vLLM's connector builds it: one group config per KV-cache group."""
+    return vcfg.OffloadingConfig(
+        groups=tuple(
+            build(
+                vcfg.OffloadingGroupConfig, tokens_per_block=tokens, layer_names=tuple(f"l{i}" for i in g), group_id=gi
+            )
+            for gi, g in enumerate(groups)
+        ),
+        worker_kv_bytes_per_block=worker_bytes,
+        enable_kv_cache_events=events,
+        extra_config={"spec_name": plugin.SPEC_NAME, **extra},
+        engine_id="test",
+        model=build(vcfg.OffloadingModelConfig, name="tiny", dtype="float16", max_model_len=1024),
+        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=tokens, blocks_per_chunk=f),
+        parallel=vcfg.OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return make_offload_key(i.to_bytes(4, "big") * 8, group)
+
+
+def ctx(name: str = "r", positions: dict | None = None) -> ReqContext:
+    rc = ReqContext(req_id=name)
+    for k, pos in (positions or {}).items():
+        rc.set_offload_key_position(k, pos)
+    return rc
+
+
+def finished(worker) -> list:
+    worker.wait(set(range(1000)))
+    return worker.get_finished()
+
+
+# -- registration and sizing -----------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_resolves_by_name():
+    plugin.register()
+    plugin.register()  # vLLM may call plugins again in the same process: must not raise
+    assert OffloadingSpecFactory.get_spec_cls({"spec_name": plugin.SPEC_NAME}) is TritonOffloadingSpec
+    by_path = {"spec_name": plugin.SPEC_NAME, "spec_module_path": "triton_offload.connector"}
+    assert OffloadingSpecFactory.get_spec_cls(by_path) is TritonOffloadingSpec
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    values = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "triton_offload"]
+    assert values == ["triton_offload.connector:register"], "reinstall the package: pip install -e ."
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_host_blocks_are_the_same_on_every_rank(world_size):
+    """The scheduler (rank 0) and each worker compute the block count alone, from the same inputs."""
+    extra = {"cpu_bytes_to_use": "1MiB"}
+    counts = {
+        rank: OffloadingSpecFactory.create_spec(make_config(extra, world_size=world_size, rank=rank)).num_host_blocks
+        for rank in range(world_size)
+    }
+    assert set(counts.values()) == {(1 << 20) // world_size // (1024 * 2)}
+
+
+def test_manager_from_spec_publishes_the_declared_info_labels():
+    """vLLM 0.33 reads config_info() once and keeps only the labels config_info_keys() declared."""
+    spec = OffloadingSpecFactory.create_spec(make_config({"cpu_bytes_to_use": "1MiB", "eviction_policy": "arc"}))
+    (info,) = spec.get_manager().config_info()
+    assert set(info) == set(TritonOffloadingSpec.config_info_keys({}))
+    assert sorted(info.values(), key=str) == sorted([512, 2, "arc"], key=str)
+
+
+@pytest.mark.parametrize(
+    ("extra", "worker_bytes", "match"),
+    [
+        pytest.param({}, 1024, "needs 'cpu_bytes_to_use'", id="missing-budget"),
+        pytest.param({"cpu_bytes_to_use": "1KiB"}, 1024, "less than one host block of 2048 bytes", id="too-small"),
+        pytest.param({"cpu_bytes_to_use": "1MiB", "eviction_policy": "mru"}, 1024, "accepted: arc, lru", id="policy"),
+        pytest.param({"cpu_bytes_to_use": "1MiB", "block_size": 16}, 1024, "block_size = 16", id="block-size"),
+        pytest.param({"cpu_bytes_to_use": "1MiB"}, 0, "no KV cache to offload", id="no-kv"),
+    ],
+)
+def test_spec_rejects_bad_config(extra, worker_bytes, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadingSpecFactory.create_spec(make_config(extra, worker_bytes=worker_bytes))
+
+
+# -- scheduler side: the manager adapter -----------------------------------------------------------------------------
+
+
+def test_lookup_states_follow_the_store():
+    m = TritonOffloadingManager(4)
+    rc = ctx()
+    m.on_new_request(rc)
+    assert m.lookup(key(0), rc) is LookupResult.MISS
+    out = m.prepare_store([key(0), key(1)], rc)
+    assert m.lookup(key(0), rc) is LookupResult.HIT_PENDING, "a store in flight is pending, not a miss"
+    m.complete_store({key(1)}, rc)
+    assert (m.lookup(key(0), rc), m.lookup(key(1), rc)) == (LookupResult.HIT_PENDING, LookupResult.HIT)
+    m.complete_store([key(0)], rc, success=False)
+    assert m.lookup(key(0), rc) is LookupResult.MISS
+    assert out.keys_to_store == [key(0), key(1)]
+
+
+def test_ids_follow_the_order_of_the_keys():
+    """Store and load specs carry one host id per key, in the order of the keys vLLM passed."""
+    m = TritonOffloadingManager(8)
+    rc = ctx()
+    first = m.prepare_store([key(5), key(6)], rc)
+    m.complete_store(first.keys_to_store, rc)
+    out = m.prepare_store([key(5), key(7), key(6), key(8)], rc)  # cached keys are left out, order kept
+    assert out.keys_to_store == [key(7), key(8)] and out.evicted_keys == []
+    assert isinstance(out.store_spec, HostBlocksSpec) and out.store_spec.block_ids.dtype == np.int32
+    m.complete_store(out.keys_to_store, rc)
+    where = dict(zip(first.keys_to_store + out.keys_to_store, [*first.store_spec.block_ids, *out.store_spec.block_ids]))
+    order = [key(8), key(5), key(7), key(6)]
+    assert m.prepare_load(order, rc).block_ids.tolist() == [where[k] for k in order]
+    assert len(set(where.values())) == 4
+
+
+def test_prepare_store_returns_none_when_nothing_can_be_evicted():
+    m = TritonOffloadingManager(2)
+    rc = ctx()
+    m.complete_store(m.prepare_store([key(0)], rc).keys_to_store, rc)
+    m.prepare_load([key(0)], rc)  # pinned by a load in flight
+    assert m.prepare_store([key(1)], rc) is not None  # the free block; its store stays in flight
+    assert m.prepare_store([key(2)], rc) is None
+    assert m.lookup(key(2), rc) is LookupResult.MISS
+
+
+def test_events_become_vllm_offloading_events():
+    m = TritonOffloadingManager(1, enable_events=True)
+    rc = ctx()
+    m.complete_store(m.prepare_store([key(0)], rc).keys_to_store, rc)
+    out = m.prepare_store([key(1)], rc)
+    assert out.evicted_keys == [key(0)]
+    m.complete_store(out.keys_to_store, rc)
+    events = list(m.take_events())
+    assert events == [
+        OffloadingEvent(keys=[key(0)], medium=Medium.CPU, removed=False),
+        OffloadingEvent(keys=[key(0)], medium=Medium.CPU, removed=True),
+        OffloadingEvent(keys=[key(1)], medium=Medium.CPU, removed=False),
+    ]
+    assert list(m.take_events()) == []
+    quiet = TritonOffloadingManager(1)
+    quiet.complete_store(quiet.prepare_store([key(0)], rc).keys_to_store, rc)
+    assert list(quiet.take_events()) == []
+
+
+def test_a_load_protects_the_request_head_from_its_own_stores():
+    """Seen in the e2e run: vLLM never calls touch(), so a load must count as a use, or the request that loads a
+    prefix head and stores its tail would evict its own head (the least recently stored) instead of older data."""
+    m = TritonOffloadingManager(4)
+    a, b = ctx("a"), ctx("b")
+    m.complete_store(m.prepare_store([key(0), key(1)], a).keys_to_store, a)  # a's prefix
+    m.complete_store(m.prepare_store([key(10), key(11)], b).keys_to_store, b)  # b, stored later
+    m.prepare_load([key(0)], a)  # a comes back: its head is loaded...
+    m.complete_load([key(0)], a)
+    out = m.prepare_store([key(2), key(3)], a)  # ...and its tail stored, which needs two blocks
+    # LRU order was 1, 0, 11, 10 (a call's first key is its most recent); the load moved 0 to the end.
+    assert out.evicted_keys == [key(1), key(11)], "a's unused tail, then b's tail; not a's head just loaded"
+    m.complete_store(out.keys_to_store, a)
+    m.on_request_finished(a)
+    assert m.lookup(key(0), a) is LookupResult.HIT
+
+
+def test_complete_store_restores_prefix_order_from_positions():
+    """vLLM completes a job's keys as a set; the recorded end positions put the head last in line for eviction."""
+    keys = [key(i) for i in range(3)]
+    m = TritonOffloadingManager(3)
+    rc = ctx(positions={k: 16 * (i + 1) for i, k in enumerate(keys)})
+    m.prepare_store(keys, rc)
+    m.complete_store(list(reversed(keys)), rc)  # the worst order a set could come in
+    out = m.prepare_store([key(9)], rc)
+    assert out.evicted_keys == [key(2)], "the tail goes first, the head stays"
+
+
+def test_reset_drops_everything_in_flight_too():
+    """vLLM never completes jobs in flight at a reset, so pinned and storing keys must not survive it."""
+    m = TritonOffloadingManager(3)
+    rc = ctx()
+    m.complete_store(m.prepare_store([key(0)], rc).keys_to_store, rc)
+    m.prepare_load([key(0)], rc)
+    m.prepare_store([key(1)], rc)
+    m.reset_cache()
+    assert [m.lookup(key(i), rc) for i in range(2)] == [LookupResult.MISS] * 2
+    out = m.prepare_store([key(2), key(3), key(4)], rc)
+    assert sorted(out.store_spec.block_ids.tolist()) == [0, 1, 2] and out.evicted_keys == []
+
+
+def test_stats_report_deltas_and_counters_survive_reset():
+    m = TritonOffloadingManager(2, info={"triton_offload_host_blocks": 2})
+    rc = ctx()
+    m.complete_store(m.prepare_store([key(0), key(1)], rc).keys_to_store, rc)
+    m.prepare_load([key(0)], rc)
+    first = m.get_stats().reduce()
+    assert first == {
+        "vllm:triton_offload_hit_blocks": 1,
+        "vllm:triton_offload_stored_blocks": 2,
+        "vllm:triton_offload_cached_blocks": 2,
+    }
+    assert m.get_stats().reduce() == {"vllm:triton_offload_cached_blocks": 2}, "counters are reported as deltas"
+    m.reset_cache()
+    assert m.counters == {
+        "hit_blocks": 1,
+        "stored_blocks": 2,
+        "evicted_blocks": 0,
+        "cached_blocks": 0,
+        "host_blocks": 2,
+    }
+    assert m.config_info() == [{"triton_offload_host_blocks": 2}]
+    assert set(TritonOffloadingSpec.build_metric_definitions({})) >= set(first)
+
+
+def test_host_spec_survives_pickling():
+    """Load/store specs travel to the workers pickled inside vLLM's connector metadata."""
+    spec = pickle.loads(pickle.dumps(HostBlocksSpec([7, 3, 5])))
+    assert isinstance(spec, HostBlocksSpec) and spec.block_ids.tolist() == [7, 3, 5]
+
+
+# -- worker side: canonical KV caches through the spec's worker ------------------------------------------------------
+
+
+def canonical(num_blocks: int, pages: list[int], pad: int = 0, seed: int = 0):
+    """vLLM's layout: one backing allocation, layer-major, one (num_blocks, page + pad) int8 view per layer; pages
+    that differ (hybrid models) get a backing allocation each."""
+    gen = torch.Generator().manual_seed(seed)
+    if len(set(pages)) == 1:
+        stride = pages[0] + pad
+        backing = torch.randint(-128, 128, (len(pages) * num_blocks, stride), dtype=torch.int8, generator=gen)
+        views = [backing[i * num_blocks : (i + 1) * num_blocks] for i in range(len(pages))]
+    else:
+        views = [torch.randint(-128, 128, (num_blocks, p + pad), dtype=torch.int8, generator=gen) for p in pages]
+    return [CanonicalKVCacheTensor(v, v.shape[1]) for v in views]
+
+
+def spec_and_worker(kv: CanonicalKVCaches, *, f: int, worker_bytes: int, num_groups: int = 1, blocks=64):
+    groups = tuple((gi,) for gi in range(num_groups))
+    config = make_config({"cpu_bytes_to_use": blocks * worker_bytes * f}, groups=groups, worker_bytes=worker_bytes, f=f)
+    spec = OffloadingSpecFactory.create_spec(config)
+    return spec, spec.get_manager(), spec.get_worker(kv)
+
+
+def submit_load(worker, job_id, src, dst):
+    kwargs = {"expedited": True} if "expedited" in inspect.signature(type(worker).submit_load).parameters else {}
+    assert worker.submit_load(job_id, src, dst, **kwargs)
+
+
+def test_store_f2_then_load_with_skip_into_other_blocks():
+    """6 GPU blocks stored into 3 host blocks (f=2); the load skips the first one (the device holds it) and writes
+    5 other blocks. Source and unaddressed blocks stay as they were."""
+    tensors = canonical(16, [512, 512])
+    kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)]])
+    spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1024)
+    assert worker.kv.num_groups == 1 and worker.kv.bytes_per_block == 1024
+    before = [t.tensor.clone() for t in tensors]
+    rc = ctx()
+    mgr.on_new_request(rc)
+    keys = [key(c) for c in range(3)]
+    out = mgr.prepare_store(keys, rc)
+    src = [3, 7, 1, 9, 4, 12]
+    assert worker.submit_store(0, GPULoadStoreSpec(src, [6], [0]), out.store_spec)
+    stores = finished(worker)
+    assert [(r.job_id, r.success, r.transfer_size) for r in stores] == [(0, True, 6 * 1024)]
+    assert stores[0].transfer_time >= 0
+    mgr.complete_store(keys, rc)
+    dst = [13, 14, 15, 0, 2]
+    submit_load(worker, 1, mgr.prepare_load(keys, rc), GPULoadStoreSpec(dst, [5], [1]))
+    assert [(r.job_id, r.success, r.transfer_size) for r in finished(worker)] == [(1, True, 5 * 1024)]
+    assert finished(worker) == [], "every job is reported exactly once"
+    mgr.complete_load(keys, rc)
+    for t, old in zip(tensors, before):
+        expect = old.clone()
+        expect[dst] = old[src[1:]]
+        assert torch.equal(t.tensor, expect)
+    worker.shutdown()
+
+
+def test_two_groups_with_different_layers_and_pages():
+    """HMA: group 0 has layers 0 and 1 (512-byte pages), group 1 layer 2 (256 bytes); one job moves both groups,
+    each with its own skip, in one submission."""
+    tensors = canonical(16, [512, 512, 256])
+    kv = CanonicalKVCaches(
+        tensors,
+        [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)], [CanonicalKVCacheRef(2, 256)]],
+    )
+    spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1280, num_groups=2)
+    assert worker.kv.groups == ((0, 1), (2,)) and worker.kv.bytes_per_block == 1024
+    before = [t.tensor.clone() for t in tensors]
+    rc = ctx()
+    g0, g1 = [key(c, 0) for c in range(2)], [key(c, 1) for c in range(2)]
+    out = mgr.prepare_store(g0 + g1, rc)
+    src0, src1 = [1, 2, 3, 4], [5, 6, 7]  # group 1's first block is null: it starts at block index 1 (skip 1)
+    assert worker.submit_store(0, GPULoadStoreSpec(src0 + src1, [4, 3], [0, 1]), out.store_spec)
+    assert [r.transfer_size for r in finished(worker)] == [4 * 1024 + 3 * 256]
+    mgr.complete_store(g0 + g1, rc)
+    dst0, dst1 = [10, 11, 12], [13, 14]  # the device holds group 0's first block and group 1's first two
+    load = mgr.prepare_load([g0[0], g0[1], g1[1]], rc)
+    submit_load(worker, 1, load, GPULoadStoreSpec(dst0 + dst1, [3, 2], [1, 2]))
+    assert [r.transfer_size for r in finished(worker)] == [3 * 1024 + 2 * 256]
+    expect = [b.clone() for b in before]
+    for layer in (0, 1):
+        expect[layer][dst0] = before[layer][src0[1:]]
+    expect[2][dst1] = before[2][src1[1:]]
+    for t, e in zip(tensors, expect):
+        assert torch.equal(t.tensor, e)
+    worker.shutdown()
+
+
+def test_padded_pages_move_only_the_unpadded_bytes():
+    """stride(0) exceeds the page: the refs name 384 un-padded bytes of 512-byte rows; padding is never moved."""
+    tensors = canonical(8, [384, 384], pad=128)
+    kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 384), CanonicalKVCacheRef(1, 384)]])
+    spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024)
+    assert worker.kv.bytes_per_block == 768
+    rc = ctx()
+    out = mgr.prepare_store([key(0), key(1)], rc)
+    src = torch.stack([t.tensor[[2, 5]].clone() for t in tensors])
+    assert worker.submit_store(0, GPULoadStoreSpec([2, 5], [2], [0]), out.store_spec)
+    finished(worker)
+    mgr.complete_store([key(0), key(1)], rc)
+    for t in tensors:
+        t.tensor[[6, 7]] = SENTINEL
+    submit_load(worker, 1, mgr.prepare_load([key(0), key(1)], rc), GPULoadStoreSpec([6, 7], [2], [0]))
+    assert [r.transfer_size for r in finished(worker)] == [2 * 768]
+    for t, s in zip(tensors, src):
+        assert torch.equal(t.tensor[[6, 7], :384], s[:, :384])
+        assert bool((t.tensor[[6, 7], 384:] == SENTINEL).all()), "padding bytes must not be written"
+    worker.shutdown()
+
+
+def test_aliased_refs_are_moved_once():
+    """Two layers of group 0 alias tensor 0 (moved once, the larger page wins); group 1 overlays the same tensor,
+    as vLLM's packed layouts do (one ref per group to tensor 0)."""
+    tensors = canonical(8, [512, 256])
+    kv = CanonicalKVCaches(
+        tensors,
+        [
+            [CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 256)],
+            [CanonicalKVCacheRef(0, 512)],
+        ],
+    )
+    spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024, num_groups=2)
+    assert worker.kv.num_layers == 2 and worker.kv.groups == ((0, 1), (0,))
+    assert worker.kv.group_bytes == (768, 512)
+    before = [t.tensor.clone() for t in tensors]
+    rc = ctx()
+    out = mgr.prepare_store([key(0, 0), key(0, 1)], rc)
+    assert worker.submit_store(0, GPULoadStoreSpec([1, 2], [1, 1], [0, 0]), out.store_spec)
+    finished(worker)
+    mgr.complete_store([key(0, 0), key(0, 1)], rc)
+    submit_load(worker, 1, mgr.prepare_load([key(0, 0), key(0, 1)], rc), GPULoadStoreSpec([5, 6], [1, 1], [0, 0]))
+    assert [r.transfer_size for r in finished(worker)] == [768 + 512]
+    expect = [b.clone() for b in before]
+    expect[0][5], expect[1][5], expect[0][6] = before[0][1], before[1][1], before[0][2]
+    for t, e in zip(tensors, expect):
+        assert torch.equal(t.tensor, e)
+    worker.shutdown()
+
+
+def test_worker_reports_a_failed_job_loudly(caplog):
+    """vLLM asserts success; reporting a failure as success would feed the model garbage. So: log and raise."""
+    tensors = canonical(4, [256])
+    _, _, worker = spec_and_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]), f=1, worker_bytes=256)
+    worker.engine.get_finished = lambda: [EngineResult(7, False, "load", 256, 0.0, "CUDA error: illegal address")]
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="load job 7 failed: CUDA error"):
+        worker.get_finished()
+    assert "load job 7 failed" in caplog.text
+
+
+def test_worker_rejects_foreign_specs_and_tolerates_unknown_waits():
+    tensors = canonical(4, [256])
+    _, _, worker = spec_and_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]), f=1, worker_bytes=256)
+    worker.wait({123, 456})  # vLLM may wait on ids this worker never saw
+    with pytest.raises(TypeError, match="expected the host block ids"):
+        worker.submit_store(0, GPULoadStoreSpec([1], [1], [0]), GPULoadStoreSpec([2], [1], [0]))
+    with pytest.raises(ValueError, match="out of range"):
+        worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), HostBlocksSpec([10**6]))
+    assert finished(worker) == []
+    worker.shutdown()

@@ -1,0 +1,120 @@
+"""The plugin's configuration parsing and its import without vLLM (plain Python: runs with or without vLLM)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from triton_offload.connector.config import TritonOffloadConfig, parse_size
+
+
+def parse(extra: dict, f: int = 1, gpu_block_tokens: int | None = 16) -> TritonOffloadConfig:
+    return TritonOffloadConfig.from_extra_config(extra, blocks_per_host_block=f, gpu_block_tokens=gpu_block_tokens)
+
+
+@pytest.mark.parametrize(
+    ("value", "nbytes"),
+    [
+        pytest.param(1 << 30, 1 << 30, id="int"),
+        pytest.param(4e10, 40_000_000_000, id="whole-float"),
+        pytest.param("1073741824", 1 << 30, id="digit-string"),
+        pytest.param("40GiB", 40 << 30, id="GiB"),
+        pytest.param("512MiB", 512 << 20, id="MiB"),
+        pytest.param("1.5GB", 1_500_000_000, id="decimal-GB"),
+        pytest.param(" 2 kib ", 2048, id="spaces-lowercase"),
+        pytest.param("64KB", 64_000, id="KB"),
+        pytest.param("3B", 3, id="B"),
+        pytest.param("1TiB", 1 << 40, id="TiB"),
+        pytest.param(".5MiB", 512 << 10, id="leading-dot"),
+    ],
+)
+def test_parse_size_accepts(value, nbytes):
+    assert parse_size(value, "cpu_bytes_to_use") == nbytes
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        pytest.param(0, "must be positive", id="zero"),
+        pytest.param(-5, "must be positive", id="negative"),
+        pytest.param("0GiB", "must be positive", id="zero-unit"),
+        pytest.param(True, "is not a size", id="bool"),
+        pytest.param(1.5, "not a whole number of bytes", id="fractional-float"),
+        pytest.param("1.3B", "not a whole number of bytes", id="fractional-bytes"),
+        pytest.param("40GX", "is not a size", id="unknown-unit"),
+        pytest.param("40 G", "is not a size", id="ambiguous-unit"),
+        pytest.param("GiB", "is not a size", id="no-number"),
+        pytest.param("-1GiB", "is not a size", id="negative-string"),
+        pytest.param("", "is not a size", id="empty"),
+        pytest.param([1], "is not a size", id="list"),
+        pytest.param(None, "is not a size", id="none"),
+    ],
+)
+def test_parse_size_rejects_with_key_and_accepted_forms(value, match):
+    with pytest.raises(ValueError, match=match) as info:
+        parse_size(value, "cpu_bytes_to_use")
+    assert "cpu_bytes_to_use" in str(info.value)
+
+
+def test_defaults_and_full_config():
+    assert parse({"cpu_bytes_to_use": "1GiB"}) == TritonOffloadConfig(1 << 30, 1, "lru", None)
+    cfg = parse({"cpu_bytes_to_use": 4096, "block_size": 64, "eviction_policy": "ARC", "num_ctas": 12}, f=4)
+    assert cfg == TritonOffloadConfig(4096, 4, "arc", 12)
+    with pytest.raises(AttributeError):
+        cfg.num_ctas = 3  # frozen: parsed once, never changed
+
+
+@pytest.mark.parametrize(
+    ("extra", "f", "match"),
+    [
+        pytest.param({}, 1, "needs 'cpu_bytes_to_use'", id="missing-budget"),
+        pytest.param({"cpu_bytes_to_use": None}, 1, "needs 'cpu_bytes_to_use'", id="null-budget"),
+        pytest.param({"cpu_bytes_to_use": "lots"}, 1, "cpu_bytes_to_use = 'lots'", id="bad-budget"),
+        pytest.param({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, 1, "accepted: arc, lru", id="bad-policy"),
+        pytest.param({"cpu_bytes_to_use": 1, "eviction_policy": 3}, 1, "eviction_policy = 3", id="policy-type"),
+        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": 0}, 1, "num_ctas = 0 must be a positive int", id="ctas-0"),
+        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": "8"}, 1, "num_ctas = '8'", id="ctas-str"),
+        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": True}, 1, "num_ctas = True", id="ctas-bool"),
+        pytest.param({"cpu_bytes_to_use": 1, "block_size": 48}, 2, "block_size = 48 tokens", id="block-size-vs-f"),
+        pytest.param({"cpu_bytes_to_use": 1, "block_size": "big"}, 1, "block_size = 'big'", id="block-size-type"),
+        pytest.param({"cpu_bytes_to_use": 1}, 0, "blocks_per_chunk", id="factor-0"),
+    ],
+)
+def test_bad_values_name_the_key(extra, f, match):
+    with pytest.raises(ValueError, match=match):
+        parse(extra, f=f)
+
+
+def test_unknown_keys_are_logged_not_dropped_silently(caplog):
+    with caplog.at_level(logging.WARNING, logger="triton_offload.connector.config"):
+        parse({"cpu_bytes_to_use": 1, "eviction_polcy": "arc", "spec_name": "x", "offload_prompt_only": False})
+    assert "eviction_polcy" in caplog.text
+    assert "spec_name" not in caplog.text and "offload_prompt_only" not in caplog.text, "vLLM's own keys are known"
+
+
+def test_block_size_is_not_checked_without_gpu_block_size():
+    assert parse({"cpu_bytes_to_use": 1, "block_size": 48}, f=2, gpu_block_tokens=None).blocks_per_host_block == 2
+
+
+def test_package_imports_without_vllm():
+    """`import triton_offload.connector` must not need vLLM; using the spec then says what is missing."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"  # makes every `import vllm...` fail, as if not installed
+        "import triton_offload, triton_offload.connector as c\n"
+        "from triton_offload.connector.config import TritonOffloadConfig\n"
+        "try:\n"
+        "    c.TritonOffloadingSpec\n"
+        "except ImportError as e:\n"
+        "    print('IMPORT_ERROR', e)\n"
+        "try:\n"
+        "    c.register()\n"
+        "except ImportError as e:\n"
+        "    print('REGISTER_ERROR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "IMPORT_ERROR TritonOffloadingSpec needs vLLM >= 0.32" in out.stdout
+    assert "REGISTER_ERROR" in out.stdout

@@ -1,0 +1,148 @@
+"""End to end: a real vLLM engine (CPU platform) offloading through TritonOffloadingSpec.
+
+Each configuration runs once, in a subprocess (tests/vllm_e2e_driver.py), through all its scenarios with one
+``vllm.LLM``; the tests below check its report. Prompts are 200 tokens, so a prompt fully on the host gives 192
+cached tokens (vLLM always recomputes the last prompt token, and offloads whole blocks only). Greedy tokens of
+every repeated prompt must equal those of its first (cold) run: a wrong byte loaded back changes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
+pytest.importorskip("transformers", reason="the e2e test builds its tiny model with transformers")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
+if not _platform():
+    # An imports-only install (vLLM's CUDA wheel on a machine without a GPU): the API tests still run, an engine can't.
+    pytest.skip("vLLM found no platform to run an engine on (no GPU and not the CPU build)", allow_module_level=True)
+
+DRIVER = pathlib.Path(__file__).with_name("vllm_e2e_driver.py")
+GPU_BLOCK_BYTES = 65536  # 2 layers x K,V x 2 heads x 32 tokens x 64 dims x fp32
+
+
+def run_driver(config: str, *extra_args: str) -> dict:
+    env = dict(os.environ)
+    # Deliberately unset: the kernels pick Triton's interpreter for CPU tensors themselves (tests/conftest.py sets it
+    # for this process). VLLM_CPU_KVCACHE_SPACE would override the driver's KV-cache size.
+    for name in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE"):
+        env.pop(name, None)
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # the startup lines are checked below
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), "--config", config, *extra_args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("E2E_RESULT ")]
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0 and lines, f"driver failed (rc={proc.returncode}):\n{tail}"
+    result = json.loads(lines[-1][len("E2E_RESULT ") :])
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+def cached(result: dict) -> dict[str, int]:
+    return {p["label"]: p["cached"] for p in result["probes"]}
+
+
+@pytest.fixture(scope="module")
+def f1():
+    """Host block = GPU block (32 tokens), 14 host blocks; the spec found by name through the plugin entry point."""
+    names = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "triton_offload"]
+    assert names, "the vllm.general_plugins entry point is not installed: pip install -e ."
+    return run_driver("f1")
+
+
+@pytest.fixture(scope="module")
+def f2():
+    """Host block = 2 GPU blocks (64 tokens); the spec found through spec_module_path."""
+    return run_driver("f2", "--spec-module-path", "triton_offload.connector")
+
+
+def test_every_repeated_prompt_gives_the_cold_tokens(f1, f2):
+    for result in (f1, f2):
+        mismatched = [p["label"] for p in result["probes"] if not p["match"]]
+        assert not mismatched, f"{result['config']}: greedy tokens differ from the cold run in {mismatched}"
+
+
+def test_cold_runs_hit_nothing(f1, f2):
+    assert [cached(f1)[k] for k in ("a_cold", "b_cold", "c_cold")] == [0, 0, 0]
+    assert cached(f2)["p_cold"] == 0
+
+
+@pytest.mark.parametrize("config", ["f1", "f2"])
+def test_reset_device_cache_then_same_prompt_hits_the_whole_offloaded_prefix(config, request):
+    """Cold run, reset of the device prefix cache, same prompt: everything offloaded comes back from the host."""
+    result = request.getfixturevalue(config)
+    label = {"f1": "a_offload_hit", "f2": "p_offload_hit"}[config]
+    assert cached(result)[label] == 192
+
+
+def test_partial_prefix_hits_exactly_the_shared_whole_host_blocks(f2):
+    """100 shared tokens are 3 GPU blocks but 1 whole host block of 64 tokens: only that one is a hit."""
+    assert cached(f2)["q_shares_100"] == 64
+
+
+def test_load_starting_mid_host_block(f2):
+    """The device prefix cache holds the first GPU block, so the load starts at position 1 of host block 0 (skip 1):
+    32 tokens from the device plus 160 from the host, with the cold run's tokens."""
+    got = cached(f2)
+    assert (got["s_shares_32"], got["p_load_skip_1"]) == (0, 192)
+
+
+def test_connector_reset_empties_the_host_cache(f2):
+    assert cached(f2)["p_after_connector_reset"] == 0
+
+
+def test_eviction_follows_lru_under_a_small_budget(f1):
+    """14 host blocks, three prompts of 6 blocks. c's store evicts a's tail (least recently used); a's re-store
+    evicts b's tail, not a's own head just loaded; b's re-store then evicts c's tail. Every request afterwards
+    recomputes what was evicted and gives the cold tokens (checked above)."""
+    got = cached(f1)
+    assert got["c_after_eviction"] == 192
+    assert (got["a_after_eviction"], got["b_after_a_restored"], got["c_last"]) == (64, 64, 64)
+
+
+def test_counters_and_bytes_reach_vllm_metrics(f1, f2):
+    """Our counters and the bytes the workers report are visible through vLLM's metrics (LLM.get_metrics())."""
+    m1, m2 = f1["metrics"], f2["metrics"]
+    assert m1["vllm:triton_offload_hit_blocks"] == 6 + 6 + 2 + 2 + 2
+    assert m1["vllm:triton_offload_stored_blocks"] == 6 * 3 + 4 * 3
+    assert m1["vllm:triton_offload_evicted_blocks"] == 4 * 4
+    assert m1["vllm:triton_offload_cached_blocks"] == 14
+    assert m1["vllm:kv_offload_load_bytes"] == 18 * GPU_BLOCK_BYTES
+    assert m1["vllm:kv_offload_store_bytes"] == 30 * GPU_BLOCK_BYTES
+    # f2, in GPU blocks: loads 6 + 2 + 5; stores 6 (p) + 4 (q past its shared block) + 6 (s) + 6 (p after reset).
+    assert m2["vllm:kv_offload_load_bytes"] == 13 * GPU_BLOCK_BYTES
+    assert m2["vllm:kv_offload_store_bytes"] == 22 * GPU_BLOCK_BYTES
+    # vLLM's own prefix-cache metrics split the hits: tokens from the host ("external") and from the device.
+    assert (m1["vllm:external_prefix_cache_hits"], m1["vllm:prefix_cache_hits"]) == (192 * 2 + 64 * 3, 0)
+    assert (m2["vllm:external_prefix_cache_hits"], m2["vllm:prefix_cache_hits"]) == (192 + 64 + 160, 32)
+
+
+def test_startup_is_logged_once_per_process(f1):
+    log = f1["log"]
+    assert log.count("triton-offload scheduler: 14 host blocks of 1 GPU block(s)") == 1
+    assert log.count("triton-offload worker: host cache") == 1
+    import torch
+
+    assert ("pinned" if torch.cuda.is_available() else "pageable (no CUDA)") in log
+    assert "num_ctas=kernel default" in log
