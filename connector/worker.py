@@ -102,11 +102,7 @@ class TritonOffloadingWorker(OffloadingWorker):
                 budget_block_bytes,
             )
         # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
-        # HostCache sizes itself from a budget, so hand it exactly num_host_blocks blocks' worth.
-        self.host_cache = HostCache(
-            host_block_bytes, num_host_blocks * host_block_bytes, pin=self.kv.device.type == "cuda"
-        )
-        assert self.host_cache.num_blocks == num_host_blocks
+        self.host_cache = HostCache(host_block_bytes, num_blocks=num_host_blocks, pin=self.kv.device.type == "cuda")
         self.engine = TransferEngine(self.kv, self.host_cache.buffer, blocks_per_host_block=f, num_ctas=num_ctas)
         self.num_ctas = num_ctas
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}

@@ -97,3 +97,14 @@ def test_pinned_cache_on_cuda(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(cache.buffer, dev.cpu())
     cache.close()
+
+
+def test_exact_block_count_instead_of_a_budget():
+    cache = HostCache(1000, num_blocks=7, pin=False)
+    assert cache.buffer.shape == (7, 1000)
+    with pytest.raises(ValueError, match="exactly one of cpu_bytes_to_use"):
+        HostCache(1000, 7000, num_blocks=7, pin=False)
+    with pytest.raises(ValueError, match="exactly one of cpu_bytes_to_use"):
+        HostCache(1000, pin=False)
+    with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
+        HostCache(1000, num_blocks=0, pin=False)

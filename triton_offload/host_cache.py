@@ -56,6 +56,7 @@ class HostCache:
         host_block_bytes: bytes of one host block (``KVCacheSpec.host_block_bytes(f)``).
         cpu_bytes_to_use: the budget for the whole instance; each of ``world_size`` ranks takes its share.
         world_size: ranks sharing the budget (tensor parallelism).
+        num_blocks: instead of a budget, the exact number of host blocks.
         pin: page-lock and register with CUDA; None pins exactly when CUDA is available.
         populate_threads: threads touching pages up front (None: the CPU count, at most 16).
     """
@@ -63,12 +64,20 @@ class HostCache:
     def __init__(
         self,
         host_block_bytes: int,
-        cpu_bytes_to_use: int,
+        cpu_bytes_to_use: int | None = None,
         *,
         world_size: int = 1,
+        num_blocks: int | None = None,
         pin: bool | None = None,
         populate_threads: int | None = None,
     ):
+        if (cpu_bytes_to_use is None) == (num_blocks is None):
+            raise ValueError("give exactly one of cpu_bytes_to_use (a budget) and num_blocks (an exact count)")
+        if num_blocks is not None:
+            # An exact count: a worker whose scheduler already divided the budget must match it block for block.
+            if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+                raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+            cpu_bytes_to_use, world_size = num_blocks * host_block_bytes, 1
         self.num_blocks = host_blocks_for_budget(cpu_bytes_to_use, host_block_bytes, world_size)
         self.host_block_bytes = host_block_bytes
         self.nbytes = self.num_blocks * host_block_bytes
