@@ -1,0 +1,146 @@
+"""The benchmark's summary: the result tables, and the targets evaluated against the rows (PASS / FAIL / n/a)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+
+# isort: split
+# Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from baselines import BASELINE_NAMES
+from report import print_table
+
+__all__ = ["print_results", "print_extras", "print_targets", "evaluate_targets"]
+
+
+def _fmt(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _cases(rows: list[dict]) -> dict:
+    out: dict = defaultdict(dict)
+    for r in rows:
+        key = (r["workload"], r["layout"], r["page_bytes"], r["blocks"], r["blocks_per_host_block"], r["skip"])
+        out[(*key, r["direction"])][(r["method"], r["num_ctas"])] = r
+    return out
+
+
+def print_results(rows: list[dict], sweep: list[int]) -> None:
+    cases = _cases(rows)
+    main, sweep_rows = [], []
+    for (w, layout, page, n, f, skip, direction), by in cases.items():
+        tri = by.get(("triton", DEFAULT_NUM_CTAS))
+        best = max(
+            (r for (m, c), r in by.items() if m == "triton" and r["gbps"]), key=lambda r: r["gbps"], default=None
+        )
+        peak = by.get(("peak", None))
+        base = {name: by.get((name, None)) for name in BASELINE_NAMES}
+        prefix = [w, layout, f"{page // 1024}K" if page >= 1024 else str(page), n, f"{f}/{skip}", direction]
+        main.append(
+            prefix
+            + [
+                _fmt(next(iter(by.values()))["total_bytes"] / 2**20, ".1f"),
+                _fmt(peak and peak["gbps"]),
+                _fmt(tri and tri["gbps"]),
+                _fmt(tri and tri["fraction_of_peak"] and 100 * tri["fraction_of_peak"], ".0f"),
+                f"{best['gbps']:.1f} ({best['num_ctas']})" if best else "-",
+                *(_fmt(base[name] and base[name]["gbps"]) for name in BASELINE_NAMES),
+                *(_fmt(tri and tri[f"speedup_vs_{name}"], ".2f") for name in BASELINE_NAMES),
+            ]
+        )
+        sweep_rows.append(prefix + [_fmt(by.get(("triton", c), {}).get("gbps")) for c in sweep])
+    print_table(
+        "GB/s per method (same blocks, same bytes, same GPU)",
+        ["workload", "layout", "page", "blocks", "f/skip", "dir", "MiB", "peak", f"triton@{DEFAULT_NUM_CTAS}",
+         "%peak", "best (ctas)", "batch", "per-blk", "staged", "x batch", "x per-blk", "x staged"],
+        main,
+        note="peak: one contiguous pinned copy of the same bytes. x: speedup of triton at the default num_ctas.",
+    )  # fmt: skip
+    print_table(
+        "Triton GB/s by num_ctas",
+        ["workload", "layout", "page", "blocks", "f/skip", "dir", *(f"ctas={c}" for c in sweep)],
+        sweep_rows,
+    )
+
+
+def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None) -> list[dict]:
+    """The issue's targets, each PASS/FAIL (or n/a when not measured), with the worst case as the detail."""
+    targets = []
+
+    def add(name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True):
+        if not values:
+            targets.append({"target": name, "result": "n/a", "detail": "not measured in this run"})
+            return
+        worst = min(values) if worst_is_min else max(values)
+        failed = [v for v in values if not ok(v[0])]
+        targets.append(
+            {
+                "target": name,
+                "result": "FAIL" if failed else "PASS",
+                "detail": f"worst {worst[0]:.3g} at {worst[1]}; {len(failed)} of {len(values)} cases miss",
+            }
+        )
+
+    cases = _cases(rows)
+    frac, vs_batch_small, vs_batch_all, vs_block = [], [], [], []
+    for (w, layout, page, n, f, skip, direction), by in cases.items():
+        where = f"{w}/{layout} {page}B n={n} f/skip={f}/{skip} {direction}"
+        best = [r["fraction_of_peak"] for (m, c), r in by.items() if m == "triton" and c <= 8 and r["fraction_of_peak"]]
+        if n in (128, 1024) and page >= 2048 and best:
+            frac.append((max(best), where))
+        tri = by.get(("triton", DEFAULT_NUM_CTAS))
+        if not tri:
+            continue
+        if tri["speedup_vs_memcpy_batch"] is not None:
+            vs_batch_all.append((tri["speedup_vs_memcpy_batch"], where))
+            if page <= 16384:
+                vs_batch_small.append((tri["speedup_vs_memcpy_batch"], where))
+        if tri["speedup_vs_memcpy_per_block"] is not None and page <= 16384:
+            vs_block.append((tri["speedup_vs_memcpy_per_block"], where))
+    add("triton >= 90% of peak, both directions, pages >= 2 KiB, 128/1024 blocks, <= 8 CTAs", frac, lambda v: v >= 0.9)
+    add(f"triton@{DEFAULT_NUM_CTAS} >= 5x memcpy_batch at pages <= 16 KiB", vs_batch_small, lambda v: v >= 5.0)
+    add(f"triton@{DEFAULT_NUM_CTAS} >= 1.0x memcpy_batch at every page size", vs_batch_all, lambda v: v >= 1.0)
+    add(f"triton@{DEFAULT_NUM_CTAS} >= 10x memcpy_per_block at pages <= 16 KiB", vs_block, lambda v: v >= 10.0)
+    cpu = [(overhead[k]["median_us"], k) for k in ("gather", "scatter")] if overhead else []
+    add("CPU cost per call <= 50 us at 1024 blocks x 80 layers", cpu, lambda v: v <= 50.0, worst_is_min=False)
+    slow = []
+    for r in (inter or {}).get("rows", []):
+        if r["method"] == "triton" and r["num_ctas"] == DEFAULT_NUM_CTAS and "slowdown_pct" in r:
+            slow.append((r["slowdown_pct"], r["direction"]))
+    add(f"GEMM slowdown at num_ctas={DEFAULT_NUM_CTAS} <= 5%", slow, lambda v: v <= 5.0, worst_is_min=False)
+    return targets
+
+
+def print_extras(overhead: dict | None, inter: dict | None, setup: str) -> None:
+    """The CPU cost per call and the interference tables; ``setup`` names the workload they ran on."""
+    if overhead:
+        print_table(
+            f"CPU cost of one call, {setup}, us",
+            ["call", "", "median", "p20", "p80", "min", "validation only"],
+            [[k, "", v["median_us"], v["p20_us"], v["p80_us"], v["min_us"], v["validation_median_us"]]
+             for k, v in overhead.items()],
+        )  # fmt: skip
+    if inter:
+        rows = [["-", "none", "-", inter["gemm_ms_alone"], "0.0", "-", "-", "-"]]
+        for r in inter["rows"]:
+            if "error" in r:
+                rows.append([r["direction"], r["method"], _fmt(r["num_ctas"], "d"), f"ERROR: {r['error'][:80]}"])
+                continue
+            rows.append(
+                [r["direction"], r["method"], _fmt(r["num_ctas"], "d"), r["gemm_ms"], f"{r['slowdown_pct']:.1f}",
+                 r["transfer_gbps_during"], r["transfer_gbps_alone"], "yes" if r["covered"] else "NO"]
+            )  # fmt: skip
+        g = inter["gemm"]
+        print_table(
+            f"Interference: bf16 GEMM {g['m']}^3 x {g['iters']} on the compute stream, transfers on a side stream",
+            ["dir", "method", "ctas", "GEMM ms", "slowdown %", "GB/s during", "GB/s alone", "covered"],
+            rows,
+            note="covered: the transfers outlasted the whole GEMM loop (otherwise the slowdown is understated).",
+        )
+
+
+def print_targets(targets: list[dict]) -> None:
+    rows = [[t["target"], t["result"], t["detail"]] for t in targets]
+    print_table("Targets (reported, not asserted)", ["target", "result", "detail"], rows, left=3)

@@ -1,0 +1,80 @@
+"""The benchmark's CPU mode (bench/bench_transfer.py without CUDA): every method that exists on CPU moves the right
+bytes, the CUDA-only baselines' copy plans replay correctly with memmove, no bandwidth number is ever written, and
+a method that moves wrong bytes fails the run instead of reporting anything.
+
+Run as subprocesses with --cpu-check, so the same test holds on a CUDA machine (and the bench's sibling modules
+never land on this process's sys.path)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TIMING_FIELDS = (
+    "median_ms", "p20_ms", "p80_ms", "gbps", "fraction_of_peak",
+    "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged",
+)  # fmt: skip
+RUNS_ON_CPU = {"triton", "torch_staged", "peak"}
+CUDA_ONLY = {"memcpy_per_block", "memcpy_batch"}
+
+
+def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+    )
+
+
+def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
+    out = tmp_path / "cpu.json"
+    proc = _run([str(BENCH / "bench_transfer.py"), "--quick", "--cpu-check", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "NO BANDWIDTH IS MEASURED" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["mode"] == "cpu-interpreter-check"
+    assert data["failures"] == []
+    rows = data["rows"]
+    assert {r["method"] for r in rows} == RUNS_ON_CPU | CUDA_ONLY
+    # Every workload and every layout took part, in both directions, with a non-zero skip.
+    assert {r["workload"] for r in rows} == {"llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla", "small-page"}
+    assert {r["layout"] for r in rows} >= {"kv_first", "mla"}
+    assert {r["direction"] for r in rows} == {"store", "load"}
+    assert all(r["skip"] == 1 and r["blocks_per_host_block"] == 4 for r in rows)
+    for r in rows:
+        assert all(r[k] is None for k in TIMING_FIELDS), f"a number was reported without a GPU: {r}"
+        if r["method"] in RUNS_ON_CPU:
+            assert r["status"] == "pass", r
+        else:
+            # Not runnable without CUDA, but the copy plan they would issue moved the right bytes.
+            assert r["status"] == "n/a" and "memmove" in r["note"], r
+
+
+_BROKEN_PLAN = """
+import sys
+sys.path.insert(0, {bench!r})
+import baselines, bench_transfer
+original = baselines.TransferCase.copy_plan
+def shifted(self, host_ids):
+    src, dst, sizes = original(self, host_ids)
+    sizes = sizes.copy()
+    sizes[-1] -= 16  # the last copy stops 16 bytes short: never writes out of bounds, leaves a sentinel tail
+    return src, dst, sizes
+baselines.TransferCase.copy_plan = shifted
+sys.exit(bench_transfer.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
+"""
+
+
+def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
+    out = tmp_path / "broken.json"
+    proc = _run(["-c", _BROKEN_PLAN.format(bench=str(BENCH), out=str(out))])
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    failed = {(f["method"], f["direction"]) for f in data["failures"]}
+    assert failed == {(m, d) for m in CUDA_ONLY for d in ("store", "load")}
+    assert all("differ" in f["note"] for f in data["failures"])
+    # The methods whose bytes are right still pass, and still nothing is measured.
+    assert all(r["status"] == "pass" for r in data["rows"] if r["method"] in RUNS_ON_CPU)
+    assert all(r["gbps"] is None for r in data["rows"])
