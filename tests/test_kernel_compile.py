@@ -43,7 +43,9 @@ def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool, grouped: bool) -> s
     fn = JITFunction(copy_blocks._copy_blocks_kernel, do_not_specialize=_SCALARS)
     ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
     signature = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
-    signature |= {name: "i64" for name in _SCALARS}
+    # Python ints below 2**31 reach the kernel as i32 (do_not_specialize keeps the type, not the value), which is
+    # what a real launch passes; the kernel widens them itself.
+    signature |= {name: "i32" for name in _SCALARS}
     constexprs = {"GATHER": gather, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
     signature |= {name: "constexpr" for name in constexprs}
     # torch allocations are at least 64-byte aligned: Triton specialises pointer arguments as 16-byte divisible.
