@@ -43,17 +43,19 @@ def _host_view(host_buffer: torch.Tensor, blocks_per_host_block: int) -> torch.T
     return host_buffer.view(torch.uint8).unflatten(1, (blocks_per_host_block, -1))
 
 
-def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes):
-    """Splits a (possibly grouped) transfer into one ungrouped transfer per group: (layers, g, h, skip)."""
+def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, device):
+    """Splits a (possibly grouped) transfer into one ungrouped transfer per group that moves blocks:
+    (its layers, GPU ids, host block and sub-block of each GPU block)."""
     g_all, h_all = _ids(gpu_block_ids), _ids(host_block_ids)
     if groups is None:
-        yield list(kv_caches), g_all, h_all, int(skip)
-        return
+        groups, group_sizes, skip = [range(len(kv_caches))], [g_all.numel()], [skip]
     skips = [skip] * len(groups) if isinstance(skip, int) else list(skip)
     g0 = h0 = 0
     for layers, n, s in zip(groups, group_sizes, skips):
         m = -(-(s + n) // f) if n else 0
-        yield [kv_caches[i] for i in layers], g_all[g0 : g0 + n], h_all[h0 : h0 + m], int(s)
+        if n:
+            rows, subs = _slots(n, h_all[h0 : h0 + m], f, int(s), device)
+            yield [kv_caches[i] for i in layers], g_all[g0 : g0 + n], rows, subs
         g0, h0 = g0 + n, h0 + m
 
 
@@ -72,11 +74,9 @@ def gather_blocks_ref(
     """Reference of :func:`triton_offload.gather_blocks` (``groups`` as in :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
     f = blocks_per_host_block
-    for layers, g, h, s in _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes):
+    parts = _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, host_buffer.device)
+    for layers, g, rows, subs in parts:
         n = g.numel()
-        if n == 0:
-            continue
-        rows, subs = _slots(n, h, f, s, host_buffer.device)
         # (n, bytes of this group's block): each block's parts side by side, in layer order.
         blocks = torch.cat(
             [p[g.to(p.device)].reshape(n, -1).view(torch.uint8) for t in layers for p in _parts(t, layout)], dim=1
@@ -99,11 +99,9 @@ def scatter_blocks_ref(
     """Reference of :func:`triton_offload.scatter_blocks` (``groups`` as in :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
     f = blocks_per_host_block
-    for layers, g, h, s in _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes):
+    parts = _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, host_buffer.device)
+    for layers, g, rows, subs in parts:
         n = g.numel()
-        if n == 0:
-            continue
-        rows, subs = _slots(n, h, f, s, host_buffer.device)
         blocks = _host_view(host_buffer, f)[rows, subs]  # (n, bytes_per_gpu_block), a copy
         offset = 0
         for t in layers:

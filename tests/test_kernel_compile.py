@@ -25,17 +25,7 @@ except ImportError as e:  # pragma: no cover - a Triton without the AOT entry po
     pytest.skip(f"this Triton has no ASTSource/GPUTarget: {e}", allow_module_level=True)
 
 HOPPER = GPUTarget("cuda", 90, 32)
-_SCALARS = [
-    "n_blocks",
-    "n_host",
-    "n_segs",
-    "n_tiles",
-    "skip",
-    "blocks_per_host_block",
-    "host_row_stride",
-    "block_elems",
-    "n_chunks",
-]
+_SCALARS = copy_blocks._NOT_SPECIALIZED  # the launch's runtime scalars, in signature order
 
 
 def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool, grouped: bool) -> str:
