@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
 from triton_offload.layouts import KVCacheSpec
 
 # Tuned constants. NOT YET MEASURED ON A GPU: chosen from the published H100 figures in DESIGN.md (PCIe reads need
@@ -40,7 +41,7 @@ def _copy_blocks_kernel(
     n_blocks,
     n_host,
     n_segs,  # segments per group
-    n_tiles,
+    tiles_per_program,  # ceil(tiles / programs): the last round is partly masked
     skip,  # single group only; MULTI_GROUP reads each group's skip from ids_ptr
     blocks_per_host_block,
     host_row_stride,  # elements between host blocks
@@ -58,7 +59,10 @@ def _copy_blocks_kernel(
     rows = tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, CHUNK)
     n_items = n_blocks.to(tl.int64) * n_segs
-    for tile in range(pid, n_tiles, nprog):
+    # A fixed trip count rather than range(pid, n_tiles, nprog): older Triton interpreters cannot take a program id
+    # as a Python range bound, and a round past the last tile is simply all masked.
+    for i in range(0, tiles_per_program):
+        tile = pid + i * nprog
         item = tile * ROWS + rows
         live = item < n_items
         blk = item // n_segs
@@ -100,7 +104,7 @@ _NOT_SPECIALIZED = [
     "n_blocks",
     "n_host",
     "n_segs",
-    "n_tiles",
+    "tiles_per_program",
     "skip",
     "blocks_per_host_block",
     "host_row_stride",
@@ -113,6 +117,7 @@ _jit_kernel = triton.jit(_copy_blocks_kernel, do_not_specialize=_NOT_SPECIALIZED
 # import time, Triton's @jit standard-library helpers (tl.max, tl.cdiv, ...) are not interpretable, so the kernel
 # uses builtins only and gets the loop bound of its segments as an argument.
 _interpreted_kernel = InterpretedFunction(_copy_blocks_kernel)
+patch_interpreter_scalar_index()
 
 
 def _next_pow2(x: int) -> int:
@@ -204,14 +209,14 @@ def launch_copy_blocks(
     table = spec.segment_table(cfg.elem)
     n_segs = spec.segments_per_group
     n_tiles = triton.cdiv(n_blocks * n_segs, cfg.rows)
-    grid = (max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles)),)
+    programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
     if spec.device.type == "cpu":
         kernel = _interpreted_kernel
     else:
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
             raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
         kernel = _jit_kernel
-    kernel[grid](
+    kernel[(programs,)](
         table.view(cfg.dtype),
         host_buffer.view(cfg.dtype),
         table,
@@ -219,7 +224,7 @@ def launch_copy_blocks(
         n_blocks,
         n_host,
         n_segs,
-        n_tiles,
+        triton.cdiv(n_tiles, programs),
         skip,
         blocks_per_host_block,
         host_buffer.stride(0) * host_buffer.element_size() // cfg.elem,
