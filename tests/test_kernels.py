@@ -215,3 +215,28 @@ def test_groups_match_separate_single_group_transfers():
         for j in range(f):
             separate.view(5, f, -1)[hi, j, : sub.bytes_per_block] = tmp.view(5, f, -1)[hi, j]
     assert torch.equal(host, separate)
+
+
+class _NoWalk(tuple):
+    """A tuple that refuses iteration: stands in for per-layer data the per-call path must not walk."""
+
+    def __iter__(self):
+        raise AssertionError("the per-call path walked a per-layer sequence")
+
+
+def test_per_call_path_does_not_walk_layers():
+    """With a prepared spec, a call's Python work is independent of the layer count (it must not loop over layers):
+    after the first call has built the cached table and launch shape, per-layer data is never touched again."""
+    caches = make_caches("kv_first", 61, 6, dict(block_size=1, heads=1, head_dim=4), torch.float16, seed=8)
+    spec = to.KVCacheSpec(caches, "kv_first", groups=[list(range(61))])
+    host = host_buffer(spec, 4, 2)
+    to.gather_blocks(spec, None, [1, 2, 3], host, [0, 3], blocks_per_host_block=2, skip=1)
+    to.scatter_blocks(host, [0, 3], spec, None, [4, 5, 0], blocks_per_host_block=2, skip=1)
+    want = [c.clone() for c in caches]
+    for name in ("segments", "group_segments", "kv_caches", "groups", "group_bytes"):
+        setattr(spec, name, _NoWalk(getattr(spec, name)))
+    host2 = host_buffer(spec, 4, 2)
+    to.gather_blocks(spec, None, [1, 2, 3], host2, [0, 3], blocks_per_host_block=2, skip=1)
+    to.scatter_blocks(host2, [0, 3], spec, None, [4, 5, 0], blocks_per_host_block=2, skip=1)
+    assert torch.equal(host, host2)
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(caches, want))

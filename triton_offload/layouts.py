@@ -171,6 +171,8 @@ class KVCacheSpec:
         self.groups = tuple(tuple(g) for g in groups)
         self.num_groups = len(groups)
         self.group_segments = tuple(group_segments)
+        # Rows per group in the segment table: the largest group's segment count (others are padded).
+        self.segments_per_group = max(len(segs) for segs in group_segments)
         self.segments = tuple(s for segs in group_segments for s in segs)
         self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in group_segments)
         self.bytes_per_block = max(self.group_bytes)
@@ -195,10 +197,6 @@ class KVCacheSpec:
         """Bytes per block of each layer (K+V), in layer order."""
         return self._layer_page_bytes
 
-    @property
-    def segments_per_group(self) -> int:
-        """Rows per group in the segment table: the largest group's segment count (others are padded)."""
-        return max(len(segs) for segs in self.group_segments)
 
     def segment_table(self, anchor_align: int) -> torch.Tensor:
         """The kernels' int64 table, (num_groups * segments_per_group, 4): gpu offset from the table's own address,
