@@ -81,3 +81,28 @@ def test_pooled_events_and_id_buffers_are_reused():
     (res,) = eng.get_finished()
     assert res.ok and res.num_bytes == 3 * spec.bytes_per_block and res.seconds > 0
     assert eng._id_pool == [pooled]
+
+
+def test_kernel_reaches_every_registration_chunk(monkeypatch):
+    """The kernel addresses the host cache from its base, across separately registered chunks: that holds only if
+    registered memory is mapped at its host address (unified addressing). Stores and loads hit blocks in each chunk."""
+    from triton_offload import host_cache
+
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 1 << 20)
+    caches = make_caches("block_first", 4, 64, PAGE, torch.bfloat16, device="cuda")  # 256 KiB host blocks
+    spec = to.KVCacheSpec(caches, "block_first")
+    cache = HostCache(spec.host_block_bytes(1), num_blocks=32)  # 8 MiB: 8 chunks of 4 blocks
+    assert len(cache._registered) == 8
+    eng = TransferEngine(spec, cache.buffer)
+    hosts = list(range(31, -1, -1))
+    eng.submit_store(1, list(range(32)), hosts)
+    eng.wait([1])
+    want = torch.cat([c[:32].reshape(32, -1).view(torch.uint8) for c in caches], dim=1).cpu()
+    assert torch.equal(cache.buffer[hosts], want)
+    eng.submit_load(2, list(range(32, 64)), hosts)
+    eng.wait([2])
+    assert all(r.ok for r in eng.get_finished())
+    for c in caches:
+        assert torch.equal(c[32:64].view(torch.uint8), c[:32].view(torch.uint8))
+    eng.shutdown()
+    cache.close()

@@ -63,9 +63,15 @@ class FakeCudart:
         return 0
 
 
+def _fake_driver(monkeypatch, fake):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    # The real address check needs a GPU (tested under -m gpu); the fake driver maps nothing.
+    monkeypatch.setattr(HostCache, "_check_mapped_at_host_address", lambda self, base: None)
+
+
 def test_registration_in_bounded_chunks(monkeypatch):
     fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    _fake_driver(monkeypatch, fake)
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
     cache = HostCache(10_000, 300_000, pin=True)  # 30 blocks, 300000 bytes: 5 chunks, the last partial
     base = cache.buffer.data_ptr()
@@ -76,7 +82,7 @@ def test_registration_in_bounded_chunks(monkeypatch):
 
 def test_registration_failure_releases_what_was_registered(monkeypatch):
     fake = FakeCudart(fail_at=3)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    _fake_driver(monkeypatch, fake)
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
     with pytest.raises(
         RuntimeError,

@@ -129,6 +129,28 @@ class HostCache:
                     f"cpu_bytes_to_use or raise the locked-memory limit (ulimit -l)"
                 )
             self._registered.append((base + start, size))
+        self._check_mapped_at_host_address(base)
+
+    def _check_mapped_at_host_address(self, base: int) -> None:
+        """The kernels address the whole buffer from its base pointer, across separately registered chunks: that
+        needs registered memory mapped at its host address (cudaDevAttrCanUseHostPointerForRegisteredMem, true on
+        Linux x86-64 GPUs). Verified through cuda-python where it is installed."""
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            try:
+                from cuda import cudart as rt
+            except ImportError:
+                logger.info("cuda-python not installed: not verifying that the host cache is mapped at its address")
+                return
+        for ptr, _ in self._registered:
+            err, dev_ptr = rt.cudaHostGetDevicePointer(ptr, 0)
+            if int(err) != 0 or int(dev_ptr) != ptr:
+                self._unregister()
+                raise RuntimeError(
+                    f"registered host memory at {ptr:#x} maps to device address {int(dev_ptr):#x} (error {int(err)}): "
+                    "this platform does not map registered memory at its host address, which the kernels need"
+                )
 
     def _unregister(self) -> None:
         cudart = torch.cuda.cudart() if self._registered else None
