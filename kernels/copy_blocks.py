@@ -4,7 +4,9 @@ Work is a flat list of *items*, one per (GPU block, segment) pair, ordered block
 consecutive host bytes. A persistent grid of ``num_ctas`` programs walks tiles of ``ROWS`` items; each tile moves
 ``ROWS x CHUNK`` elements per step, so small pages are batched many to a tile and large pages are streamed in chunks.
 Addresses are element offsets from two base pointers: the host buffer, and the segment table itself (the *anchor*),
-from which every KV tensor's address is stored as a difference. All address arithmetic is int64.
+from which every KV tensor's address is stored as a difference. All address arithmetic is int64. With KV-cache
+groups (``MULTI_GROUP``), each block reads its group, and the group's skip and first host id, from the id buffer,
+and its segments from the group's rows of the table; one launch still moves every group.
 """
 
 from __future__ import annotations
