@@ -13,7 +13,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from triton_offload.kernels.copy_blocks import launch_copy_blocks
@@ -123,7 +122,7 @@ class TransferEngine:
             gather=gather,
             group_sizes=group_sizes,
         )
-        job = _Job(job_id, direction, self._moved_bytes(plan))
+        job = _Job(job_id, direction, plan.num_bytes)
         if plan.n_blocks == 0:
             job.result = TransferResult(job_id, True, direction, 0, 0.0)
         elif self.cuda:
@@ -131,14 +130,6 @@ class TransferEngine:
         else:
             self._run_cpu(job, plan, gather)
         self._pending[direction].append(job)
-
-    def _moved_bytes(self, plan: TransferPlan) -> int:
-        if not plan.grouped:
-            return plan.n_blocks * self.kv.bytes_per_block
-        sizes = np.bincount(
-            plan.ids[plan.n_blocks + plan.n_host : 2 * plan.n_blocks + plan.n_host], minlength=self.kv.num_groups
-        )
-        return int(sizes @ np.asarray(self.kv.group_bytes))
 
     def _launch(self, plan: TransferPlan, ids: torch.Tensor, gather: bool) -> None:
         launch_copy_blocks(

@@ -197,7 +197,6 @@ class KVCacheSpec:
         """Bytes per block of each layer (K+V), in layer order."""
         return self._layer_page_bytes
 
-
     def segment_table(self, anchor_align: int) -> torch.Tensor:
         """The kernels' int64 table, (num_groups * segments_per_group, 4): gpu offset from the table's own address,
         block stride, bytes, host offset -- all in units of ``anchor_align`` bytes. Groups with fewer segments are

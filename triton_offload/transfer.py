@@ -94,6 +94,7 @@ class TransferPlan:
         n_host: host block ids.
         skip: the skip of an ungrouped transfer.
         grouped: whether ``ids`` carries groups.
+        num_bytes: bytes moved (each group's blocks times that group's bytes per block).
     """
 
     ids: np.ndarray
@@ -101,29 +102,31 @@ class TransferPlan:
     n_host: int
     skip: int
     grouped: bool
+    num_bytes: int
 
 
-def _group_layout(spec, n, skip, group_sizes, f):
-    """Per-group sizes and skips as arrays, checked against the spec's groups and n."""
+def _group_layout(spec, n, skip, group_sizes, f) -> tuple[list[int], list[int]]:
+    """Per-group sizes and skips as short lists (groups are few: plain Python is cheaper than NumPy here), checked
+    against the spec's groups and n."""
     if group_sizes is None:
         if spec.num_groups != 1:
             raise ValueError(f"group_sizes is required: the KV caches have {spec.num_groups} groups")
-        sizes = np.array([n], dtype=np.int64)
+        sizes = [n]
     else:
-        sizes = _as_ids(group_sizes, "group_sizes")
-        if sizes.size != spec.num_groups:
-            raise ValueError(f"len(group_sizes) = {sizes.size}, expected one per KV-cache group = {spec.num_groups}")
-        if sizes.size and sizes.min() < 0:
-            raise ValueError(f"group_sizes = {sizes.tolist()} must be >= 0")
-        if int(sizes.sum()) != n:
-            raise ValueError(f"group_sizes = {sizes.tolist()} sum to {int(sizes.sum())}, but there are {n} GPU ids")
+        sizes = _as_ids(group_sizes, "group_sizes").tolist()
+        if len(sizes) != spec.num_groups:
+            raise ValueError(f"len(group_sizes) = {len(sizes)}, expected one per KV-cache group = {spec.num_groups}")
+        if sizes and min(sizes) < 0:
+            raise ValueError(f"group_sizes = {sizes} must be >= 0")
+        if sum(sizes) != n:
+            raise ValueError(f"group_sizes = {sizes} sum to {sum(sizes)}, but there are {n} GPU ids")
     if isinstance(skip, (int, np.integer)) and not isinstance(skip, bool):
-        skips = np.full(sizes.size, _check_int(skip, "skip", 0, f), dtype=np.int64)
+        skips = [_check_int(skip, "skip", 0, f)] * len(sizes)
     else:
-        skips = _as_ids(skip, "skip")
-        if skips.size != sizes.size:
-            raise ValueError(f"len(skip) = {skips.size}, expected one per KV-cache group = {sizes.size}")
-        for gi, s in enumerate(skips.tolist()):
+        skips = _as_ids(skip, "skip").tolist()
+        if len(skips) != len(sizes):
+            raise ValueError(f"len(skip) = {len(skips)}, expected one per KV-cache group = {len(sizes)}")
+        for gi, s in enumerate(skips):
             _check_int(s, f"skip[{gi}]", 0, f)
     return sizes, skips
 
@@ -157,24 +160,25 @@ def check_transfer(
     g = _as_ids(gpu_block_ids, "gpu_block_ids")
     h = _as_ids(host_block_ids, "host_block_ids")
     sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
-    need = np.where(sizes > 0, -(-(skips + sizes) // f), 0)
-    if h.size != int(need.sum()):
-        if sizes.size == 1:
-            expect = f"ceil((skip + n) / f) = ceil(({int(skips[0])} + {g.size}) / {f}) = {int(need[0])}"
+    need = [-(-(s + k) // f) if k else 0 for s, k in zip(skips, sizes)]
+    if h.size != sum(need):
+        if len(sizes) == 1:
+            expect = f"ceil((skip + n) / f) = ceil(({skips[0]} + {g.size}) / {f}) = {need[0]}"
         else:
-            expect = f"per group ceil((skip + n) / f) = {need.tolist()}, {int(need.sum())} in all"
+            expect = f"per group ceil((skip + n) / f) = {need}, {sum(need)} in all"
         raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
     _check_range(g, "gpu_block_ids", spec.num_blocks)
     _check_range(h, "host_block_ids", host_buffer.shape[0])
     # Sources may repeat; destinations may not (two writers of one block would race).
     _check_unique(h if gather else g, "host_block_ids" if gather else "gpu_block_ids")
     if spec.num_groups == 1:
-        return TransferPlan(np.concatenate([g, h]), g.size, h.size, int(skips[0]), False)
-    block_group = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+        return TransferPlan(np.concatenate([g, h]), g.size, h.size, skips[0], False, g.size * spec.bytes_per_block)
+    num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
+    block_group = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     first_block = np.cumsum(sizes) - sizes
     first_host = np.cumsum(need) - need
     groups = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
-    return TransferPlan(np.concatenate([g, h, block_group, groups]), g.size, h.size, 0, True)
+    return TransferPlan(np.concatenate([g, h, block_group, groups]), g.size, h.size, 0, True, num_bytes)
 
 
 def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, f, skip, group_sizes, num_ctas, gather):
