@@ -12,6 +12,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def make_host_cache():
+    """Builds HostCaches and closes every one at teardown, also when the test fails: a pinned cache left registered
+    after its memory is unmapped would make CUDA treat the next mapping at that address as pinned."""
+    from triton_offload.host_cache import HostCache
+
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(HostCache(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for cache in made:
+        cache.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import mmap
+import sys
+import types
+
 import pytest
 import torch
 
@@ -34,8 +40,8 @@ def test_budget_too_small_names_both_sizes():
         host_blocks_for_budget(7000, 1000, 0)
 
 
-def test_cpu_cache_is_plain_memory_of_the_right_shape():
-    cache = HostCache(4096 + 8, 3 * 4104 + 100, pin=False, populate_threads=2)
+def test_cpu_cache_is_plain_memory_of_the_right_shape(make_host_cache):
+    cache = make_host_cache(4096 + 8, 3 * 4104 + 100, pin=False, populate_threads=2)
     assert cache.buffer.shape == (3, 4104) and cache.buffer.dtype == torch.uint8
     assert not cache.pinned and cache.register_seconds < 1.0
     cache.buffer[2, -1] = 7  # the whole range is writable
@@ -69,11 +75,11 @@ def _fake_driver(monkeypatch, fake):
     monkeypatch.setattr(HostCache, "_check_mapped_at_host_address", lambda self, base: None)
 
 
-def test_registration_in_bounded_chunks(monkeypatch):
+def test_registration_in_bounded_chunks(monkeypatch, make_host_cache):
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
-    cache = HostCache(10_000, 300_000, pin=True)  # 30 blocks, 300000 bytes: 5 chunks, the last partial
+    cache = make_host_cache(10_000, 300_000, pin=True)  # 30 blocks, 300000 bytes: 5 chunks, the last partial
     base = cache.buffer.data_ptr()
     assert sorted(fake.registered.items()) == [(base + i * 65536, min(65536, 300_000 - i * 65536)) for i in range(5)]
     cache.close()
@@ -93,20 +99,79 @@ def test_registration_failure_releases_what_was_registered(monkeypatch):
     assert fake.registered == {}
 
 
+def test_dropped_cache_unregisters_without_close(monkeypatch):
+    """A cache that is garbage-collected without close() releases its registrations (the finalizer holds no
+    reference to the cache, so dropping the last reference is enough); a closed one is not unregistered twice."""
+    fake = FakeCudart()
+    _fake_driver(monkeypatch, fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    cache = HostCache(10_000, 300_000, pin=True)
+    assert len(fake.registered) == 5
+    del cache
+    gc.collect()
+    assert fake.registered == {}
+    closed = HostCache(10_000, 300_000, pin=True)
+    closed.close()
+    closed.close()  # idempotent: FakeCudart raises KeyError on a second unregister of the same pointer
+    del closed
+    gc.collect()
+    assert fake.registered == {}
+
+
+def test_built_under_inference_mode(make_host_cache):
+    """vLLM builds workers under torch.inference_mode(): the buffer must still be populated (by threads that do not
+    inherit the mode) and stay writable outside it."""
+    with torch.inference_mode():
+        cache = make_host_cache(4096, num_blocks=4, pin=False, populate_threads=2)
+        cache.buffer[1].fill_(3)
+    assert not cache.buffer.is_inference()
+    cache.buffer[2].fill_(4)
+    assert int(cache.buffer[1, 0]) == 3 and int(cache.buffer[2, -1]) == 4
+
+
+def test_kernel_without_transparent_huge_pages(monkeypatch, make_host_cache, caplog):
+    """madvise(MADV_HUGEPAGE) fails with EINVAL on kernels built without THP: the cache is still built, and says so.
+    An advice value the kernel does not know fails the same way, so this exercises the real system call."""
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)
+    with caplog.at_level(logging.INFO, logger="triton_offload.host_cache"):
+        cache = make_host_cache(4096, num_blocks=3, pin=False)
+    assert cache.buffer.shape == (3, 4096)
+    assert "transparent huge pages unavailable" in caplog.text
+
+
+def test_device_pointer_query_failure_names_the_cuda_error(monkeypatch):
+    """cuda-python returns (err, None) when cudaHostGetDevicePointer fails: the error raised names the CUDA error
+    (not a TypeError from formatting None), and every registered chunk is released."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+
+    class Err(int):
+        name = "cudaErrorInvalidValue"
+
+    runtime = types.SimpleNamespace(cudaHostGetDevicePointer=lambda ptr, flags: (Err(1), None))
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = runtime
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    with pytest.raises(RuntimeError, match=r"cudaHostGetDevicePointer failed .*cudaErrorInvalidValue \(1\)"):
+        HostCache(10_000, 300_000, pin=True)
+    assert fake.registered == {}
+
+
 @pytest.mark.gpu
-def test_pinned_cache_on_cuda(monkeypatch):
+def test_pinned_cache_on_cuda(monkeypatch, make_host_cache):
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 256 * 2**20)
-    cache = HostCache(2 * 2**20, 2 * 2**30 + 5, populate_threads=8)  # 1024 blocks, 8 chunks
+    cache = make_host_cache(2 * 2**20, 2 * 2**30 + 5, populate_threads=8)  # 1024 blocks, 8 chunks
     assert cache.pinned and cache.buffer.is_pinned() and len(cache._registered) == 8
     dev = torch.randint(0, 255, (cache.num_blocks, cache.host_block_bytes), dtype=torch.uint8, device="cuda")
     cache.buffer.copy_(dev, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(cache.buffer, dev.cpu())
-    cache.close()
 
 
-def test_exact_block_count_instead_of_a_budget():
-    cache = HostCache(1000, num_blocks=7, pin=False)
+def test_exact_block_count_instead_of_a_budget(make_host_cache):
+    cache = make_host_cache(1000, num_blocks=7, pin=False)
     assert cache.buffer.shape == (7, 1000)
     with pytest.raises(ValueError, match="exactly one of cpu_bytes_to_use"):
         HostCache(1000, 7000, num_blocks=7, pin=False)

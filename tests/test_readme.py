@@ -12,3 +12,4 @@ def test_readme_python_examples_run():
     namespace: dict = {}
     exec(compile("\n".join(blocks), str(README), "exec"), namespace)  # noqa: S102 - our own documentation
     assert namespace["engine"]._closed
+    assert namespace["cache"].buffer is None and namespace["cache1"].buffer is None, "the examples close their caches"

@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -49,6 +50,29 @@ def host_blocks_for_budget(cpu_bytes_to_use: int, host_block_bytes: int, world_s
     return share // host_block_bytes
 
 
+def _advise_huge_pages(region: mmap.mmap) -> None:
+    """Asks for transparent huge pages: 512x fewer faults to populate and fewer pages for the driver to lock. Kernels
+    built without THP reject the advice (EINVAL); the cache then works with 4 KiB pages, only slower to set up."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not hasattr(region, "madvise"):
+        return
+    try:
+        region.madvise(advice)
+    except OSError as e:
+        logger.info("transparent huge pages unavailable (%s): the host cache uses base pages", e)
+
+
+def _unregister_ranges(registered: list[tuple[int, int]]) -> None:
+    """Unregisters every range in ``registered`` from CUDA, emptying it. Holds no reference to the cache, so it can
+    run as the cache's finalizer."""
+    if not registered:
+        return
+    cudart = torch.cuda.cudart()
+    while registered:
+        ptr, _ = registered.pop()
+        cudart.cudaHostUnregister(ptr)
+
+
 class HostCache:
     """A packed host buffer of ``num_blocks`` rows of ``host_block_bytes``, pinned when ``pin`` (default: CUDA).
 
@@ -82,19 +106,24 @@ class HostCache:
         self.host_block_bytes = host_block_bytes
         self.nbytes = self.num_blocks * host_block_bytes
         self.pinned = torch.cuda.is_available() if pin is None else pin
+        # Shared with the finalizer, which must not reference self: the ranges are unregistered when the cache is
+        # closed *or* dropped. A registration that outlives its munmap makes the driver treat whatever is mapped
+        # there next as pinned (copies then touch stale pages) and fails the next cudaHostRegister at that address.
         self._registered: list[tuple[int, int]] = []
+        self._finalizer = weakref.finalize(self, _unregister_ranges, self._registered)
         t0 = time.perf_counter()
         self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-            # Transparent huge pages: 512x fewer faults to populate and fewer pages for the driver to lock.
-            self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self._populate(flat, populate_threads)
-        t1 = time.perf_counter()
-        if self.pinned:
-            self._register(flat.data_ptr())
-        t2 = time.perf_counter()
-        self.buffer = flat.view(self.num_blocks, host_block_bytes)
+        _advise_huge_pages(self._mmap)
+        # A normal tensor even when the caller is in torch.inference_mode() (vLLM builds workers there): an inference
+        # tensor could not be written by the populate threads, which do not inherit the mode, nor later outside it.
+        with torch.inference_mode(False):
+            flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self._populate(flat, populate_threads)
+            t1 = time.perf_counter()
+            if self.pinned:
+                self._register(flat.data_ptr())
+            t2 = time.perf_counter()
+            self.buffer = flat.view(self.num_blocks, host_block_bytes)
         logger.info(
             "host cache: %d blocks x %d bytes = %.2f GiB; allocated and touched in %.3f s, %s",
             self.num_blocks,
@@ -122,7 +151,7 @@ class HostCache:
             code = int(getattr(err, "value", err))
             if code != 0:
                 done = sum(s for _, s in self._registered)
-                self._unregister()
+                _unregister_ranges(self._registered)
                 raise RuntimeError(
                     f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of a "
                     f"{self.nbytes}-byte host cache (after {done} bytes registered, now released); lower "
@@ -145,22 +174,24 @@ class HostCache:
                 return
         for ptr, _ in self._registered:
             err, dev_ptr = rt.cudaHostGetDevicePointer(ptr, 0)
-            if int(err) != 0 or int(dev_ptr) != ptr:
-                self._unregister()
+            if int(err) != 0:
+                # cuda-python returns (err, None) on failure: report the driver's error, not a formatting one.
+                _unregister_ranges(self._registered)
                 raise RuntimeError(
-                    f"registered host memory at {ptr:#x} maps to device address {int(dev_ptr):#x} (error {int(err)}): "
-                    "this platform does not map registered memory at its host address, which the kernels need"
+                    f"cudaHostGetDevicePointer failed for registered host memory at {ptr:#x}: "
+                    f"{getattr(err, 'name', err)} ({int(err)}); the host cache was unregistered"
+                )
+            if int(dev_ptr) != ptr:
+                _unregister_ranges(self._registered)
+                raise RuntimeError(
+                    f"registered host memory at {ptr:#x} maps to device address {int(dev_ptr):#x}: this platform "
+                    "does not map registered memory at its host address, which the kernels need"
                 )
 
-    def _unregister(self) -> None:
-        cudart = torch.cuda.cudart() if self._registered else None
-        while self._registered:
-            ptr, _ = self._registered.pop()
-            cudart.cudaHostUnregister(ptr)
-
     def close(self) -> None:
-        """Unregisters the pages from CUDA and drops this object's references to the buffer."""
-        self._unregister()
+        """Unregisters the pages from CUDA and drops this object's references to the buffer. Idempotent; also done
+        when the cache is garbage-collected."""
+        self._finalizer()
         self.buffer = None
 
     def __repr__(self) -> str:
