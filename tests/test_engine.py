@@ -11,22 +11,25 @@ import torch
 import triton_offload as to
 from triton_offload import engine as engine_mod
 from triton_offload.engine import TransferEngine, TransferResult
-from triton_offload.host_cache import HostCache
 
 from kv_factory import copy_blocks_into, make_caches, sentinel_like, storage_bytes
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
 
 
-def make_engine(f=1, layout="block_first", num_blocks=16, host_blocks=12, dtype=torch.bfloat16, seed=0):
-    caches = make_caches(layout, 3, num_blocks, PAGE, dtype, seed=seed)
-    spec = to.KVCacheSpec(caches, layout)
-    cache = HostCache(spec.host_block_bytes(f), host_blocks * spec.host_block_bytes(f), pin=False)
-    return caches, spec, TransferEngine(spec, cache.buffer, blocks_per_host_block=f), cache
+@pytest.fixture
+def make_engine(make_host_cache):
+    def make(f=1, layout="block_first", num_blocks=16, host_blocks=12, dtype=torch.bfloat16, seed=0):
+        caches = make_caches(layout, 3, num_blocks, PAGE, dtype, seed=seed)
+        spec = to.KVCacheSpec(caches, layout)
+        cache = make_host_cache(spec.host_block_bytes(f), host_blocks * spec.host_block_bytes(f), pin=False)
+        return caches, spec, TransferEngine(spec, cache.buffer, blocks_per_host_block=f), cache
+
+    return make
 
 
 @pytest.mark.parametrize("f,skip", [(1, 0), (2, 1), (4, 0), (4, 3)], ids=lambda v: str(v))
-def test_store_then_load_round_trip(f, skip):
+def test_store_then_load_round_trip(f, skip, make_engine):
     caches, spec, eng, _ = make_engine(f=f)
     rng = np.random.default_rng(f + skip)
     n = 7
@@ -50,7 +53,7 @@ def test_store_then_load_round_trip(f, skip):
     assert eng.shutdown() == []
 
 
-def test_each_completion_reported_once_in_order():
+def test_each_completion_reported_once_in_order(make_engine):
     _, _, eng, _ = make_engine()
     for job in range(5):
         eng.submit_store(job, [job], [job])
@@ -61,7 +64,7 @@ def test_each_completion_reported_once_in_order():
     assert eng.get_finished() == []
 
 
-def test_wait_on_unknown_or_finished_ids_is_harmless():
+def test_wait_on_unknown_or_finished_ids_is_harmless(make_engine):
     _, _, eng, _ = make_engine()
     eng.wait([42])
     eng.submit_store(1, [0, 1], [0, 1])
@@ -71,13 +74,13 @@ def test_wait_on_unknown_or_finished_ids_is_harmless():
     assert eng.get_finished() == []
 
 
-def test_empty_job_completes_with_zero_bytes():
+def test_empty_job_completes_with_zero_bytes(make_engine):
     _, _, eng, _ = make_engine()
     eng.submit_store(5, [], [])
     assert eng.get_finished() == [TransferResult(5, True, "store", 0, 0.0)]
 
 
-def test_bad_ids_raise_at_submit_and_queue_nothing():
+def test_bad_ids_raise_at_submit_and_queue_nothing(make_engine):
     _, _, eng, cache = make_engine()
     before = cache.buffer.clone()
     with pytest.raises(ValueError, match=r"host_block_ids\[0\] = 99 is out of range"):
@@ -86,7 +89,7 @@ def test_bad_ids_raise_at_submit_and_queue_nothing():
     assert torch.equal(before, cache.buffer)
 
 
-def test_failed_launch_marks_job_failed_and_shutdown_reraises(monkeypatch):
+def test_failed_launch_marks_job_failed_and_shutdown_reraises(monkeypatch, make_engine):
     _, _, eng, _ = make_engine()
     eng.submit_store(1, [0], [0])
 
@@ -104,7 +107,7 @@ def test_failed_launch_marks_job_failed_and_shutdown_reraises(monkeypatch):
     assert "out of resources" in str(info.value.__cause__)
 
 
-def test_shutdown_drains_unreported_work_and_refuses_more():
+def test_shutdown_drains_unreported_work_and_refuses_more(make_engine):
     _, _, eng, _ = make_engine()
     eng.submit_store(1, [0], [0])
     eng.submit_load(2, [1], [0])
@@ -113,11 +116,11 @@ def test_shutdown_drains_unreported_work_and_refuses_more():
         eng.submit_store(3, [0], [0])
 
 
-def test_grouped_jobs_round_trip_and_report_group_bytes():
+def test_grouped_jobs_round_trip_and_report_group_bytes(make_host_cache):
     """One job spanning two KV-cache groups (vLLM HMA): bytes counted per group, data back where it came from."""
     caches = make_caches("canonical", 3, 10, dict(page_bytes=64, pad=16), torch.int8, seed=3)
     spec = to.KVCacheSpec(caches, "canonical", groups=[[0, 1], [2]])
-    cache = HostCache(spec.host_block_bytes(2), 8 * spec.host_block_bytes(2), pin=False)
+    cache = make_host_cache(spec.host_block_bytes(2), 8 * spec.host_block_bytes(2), pin=False)
     eng = TransferEngine(spec, cache.buffer, blocks_per_host_block=2)
     eng.submit_store(1, [4, 7, 1, 9], [5, 2, 6], skip=[1, 0], group_sizes=[3, 1])
     (res,) = eng.get_finished()
@@ -130,3 +133,16 @@ def test_grouped_jobs_round_trip_and_report_group_bytes():
         assert torch.equal(c[dst], o[src])
     assert torch.equal(caches[0][[5, 6, 8]], originals[0][[5, 6, 8]])
     assert torch.equal(caches[2][[0, 2, 3]], originals[2][[0, 2, 3]]), "group 1's load must not touch layer 2"
+
+
+def test_kernel_tables_are_built_with_the_engine(make_engine, monkeypatch):
+    """The segment table is built when the engine is created, not by the first job on whichever side stream it runs
+    (the other direction's stream would read it unordered): no job builds one."""
+    caches, spec, eng, _ = make_engine(f=2)
+    built = dict(spec._tables)
+    assert built, "the engine built no segment table"
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("a job built a segment table"))
+    eng.submit_store(1, [0, 1, 2], [0, 1])
+    eng.submit_load(2, [3, 4, 5], [0, 1])
+    assert [r.ok for r in eng.get_finished()] == [True, True]
+    assert spec._tables == built

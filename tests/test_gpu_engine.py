@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.engine import TransferEngine
-from triton_offload.host_cache import HostCache
+from triton_offload.engine import LOAD, STORE, TransferEngine
 
 from kv_factory import make_caches
 
@@ -17,14 +16,29 @@ PAGE = dict(block_size=16, heads=8, head_dim=128)  # 64 KiB pages
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: long enough that an unordered transfer would overtake it
 
 
-def make(layers=4, num_blocks=64, host_blocks=64):
-    caches = make_caches("block_first", layers, num_blocks, PAGE, torch.bfloat16, device="cuda")
-    spec = to.KVCacheSpec(caches, "block_first")
-    cache = HostCache(spec.host_block_bytes(1), host_blocks * spec.host_block_bytes(1))
-    return caches, spec, cache, TransferEngine(spec, cache.buffer)
+def warm_up(eng: TransferEngine, block: int, host_block: int) -> None:
+    """One store and one load, waited for: compiles both kernel variants. A cold compile takes longer than the
+    tests' sleeps, which would then be over before the transfer is launched and test no ordering at all."""
+    eng.submit_store(-1, [block], [host_block])
+    eng.submit_load(-2, [block], [host_block])
+    eng.wait([-1, -2])
+    assert all(r.ok for r in eng.get_finished())
 
 
-def test_store_waits_for_the_compute_stream():
+@pytest.fixture
+def make(make_host_cache):
+    def build(layers=4, num_blocks=64, host_blocks=64):
+        caches = make_caches("block_first", layers, num_blocks, PAGE, torch.bfloat16, device="cuda")
+        spec = to.KVCacheSpec(caches, "block_first")
+        cache = make_host_cache(spec.host_block_bytes(1), host_blocks * spec.host_block_bytes(1))
+        eng = TransferEngine(spec, cache.buffer)
+        warm_up(eng, num_blocks - 1, host_blocks - 1)
+        return caches, spec, cache, eng
+
+    return build
+
+
+def test_store_waits_for_the_compute_stream(make):
     """The model's last write to a block (queued behind a long kernel) is what the store reads."""
     caches, spec, cache, eng = make()
     torch.cuda.synchronize()
@@ -40,7 +54,7 @@ def test_store_waits_for_the_compute_stream():
     assert bool((want.view(torch.bfloat16) == 3.0).all())
 
 
-def test_load_waits_for_compute_and_loads_stay_in_order():
+def test_load_waits_for_compute_and_loads_stay_in_order(make):
     """A load lands after the compute stream's earlier writes to its blocks, and a later load is not overtaken."""
     caches, spec, cache, eng = make()
     cache.buffer[0].fill_(0x11)
@@ -57,7 +71,7 @@ def test_load_waits_for_compute_and_loads_stay_in_order():
         assert bool((c[7].view(torch.uint8) == 0x22).all())
 
 
-def test_get_finished_does_not_block_on_a_long_transfer():
+def test_get_finished_does_not_block_on_a_long_transfer(make):
     caches, spec, cache, eng = make()
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES * 5)  # the store cannot start before this ends
@@ -68,22 +82,43 @@ def test_get_finished_does_not_block_on_a_long_transfer():
     assert [r.job_id for r in eng.get_finished()] == [1]
 
 
-def test_pooled_events_and_id_buffers_are_reused():
-    caches, spec, cache, eng = make()
+def test_pooled_events_and_id_buffers_are_reused(make):
+    caches, spec, cache, eng = make()  # the warm-up ran one store and one load at once
     for job in range(50):
         eng.submit_store(job, [job % 64], [job % 64])
         eng.wait([job])
         eng.get_finished()
-    assert len(eng._id_pool) == 1 and len(eng._events) == 2
-    pooled = eng._id_pool[0]
+    assert [len(eng._id_pool[d]) for d in (STORE, LOAD)] == [1, 1] and len(eng._events) == 4
+    pooled = eng._id_pool[LOAD][0]
     eng.submit_load(99, [1, 2, 3], [1, 2, 3])
     eng.wait([99])
     (res,) = eng.get_finished()
     assert res.ok and res.num_bytes == 3 * spec.bytes_per_block and res.seconds > 0
-    assert eng._id_pool == [pooled]
+    assert eng._id_pool[LOAD] == [pooled]
 
 
-def test_kernel_reaches_every_registration_chunk(monkeypatch):
+def test_public_calls_do_not_block_on_a_busy_stream():
+    """gather_blocks / scatter_blocks stage their ids in pinned memory: a copy from pageable memory may wait for the
+    stream, which here is busy for ~0.5 s, so the calls must return long before it drains."""
+    caches = make_caches("block_first", 4, 64, PAGE, torch.bfloat16, device="cuda")
+    spec = to.KVCacheSpec(caches, "block_first")
+    host = torch.empty((8, spec.host_block_bytes(1)), dtype=torch.uint8, pin_memory=True)
+    # The same calls once first: compiles both variants and caches pinned staging blocks of these sizes.
+    to.gather_blocks(spec, None, [3, 4], host, [1, 2])
+    to.scatter_blocks(host, [1, 2], spec, None, [5, 6])
+    torch.cuda.synchronize()
+    done = torch.cuda.Event()
+    torch.cuda._sleep(SLEEP_CYCLES * 5)
+    to.gather_blocks(spec, None, [3, 4], host, [1, 2])
+    to.scatter_blocks(host, [1, 2], spec, None, [5, 6])
+    done.record()
+    assert not done.query(), "a call waited for the stream"
+    torch.cuda.synchronize()
+    for c in caches:
+        assert torch.equal(c[[5, 6]], c[[3, 4]])
+
+
+def test_kernel_reaches_every_registration_chunk(monkeypatch, make_host_cache):
     """The kernel addresses the host cache from its base, across separately registered chunks: that holds only if
     registered memory is mapped at its host address (unified addressing). Stores and loads hit blocks in each chunk."""
     from triton_offload import host_cache
@@ -91,7 +126,7 @@ def test_kernel_reaches_every_registration_chunk(monkeypatch):
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 1 << 20)
     caches = make_caches("block_first", 4, 64, PAGE, torch.bfloat16, device="cuda")  # 256 KiB host blocks
     spec = to.KVCacheSpec(caches, "block_first")
-    cache = HostCache(spec.host_block_bytes(1), num_blocks=32)  # 8 MiB: 8 chunks of 4 blocks
+    cache = make_host_cache(spec.host_block_bytes(1), num_blocks=32)  # 8 MiB: 8 chunks of 4 blocks
     assert len(cache._registered) == 8
     eng = TransferEngine(spec, cache.buffer)
     hosts = list(range(31, -1, -1))
@@ -105,4 +140,3 @@ def test_kernel_reaches_every_registration_chunk(monkeypatch):
     for c in caches:
         assert torch.equal(c[32:64].view(torch.uint8), c[:32].view(torch.uint8))
     eng.shutdown()
-    cache.close()

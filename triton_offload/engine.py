@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triton_offload.kernels.copy_blocks import launch_copy_blocks
+from triton_offload.kernels.copy_blocks import access_width, launch_config, launch_copy_blocks
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.transfer import BlockIds, TransferPlan, check_transfer
 
@@ -82,12 +82,19 @@ class TransferEngine:
         self._done: list[TransferResult] = []
         self._first_error: BaseException | None = None
         self._closed = False
+        # The segment table and launch shapes are built now, on the caller's stream and synchronously, rather than
+        # by the first job on whichever side stream it runs: the other stream would read them unordered.
+        width = access_width(kv, host_buffer)
+        for gather in (True, False):
+            kv.segment_table(launch_config(kv, width, gather).elem)
         if self.cuda:
             # Chosen once here: a store stream and a load stream, so loads (on the critical path of a request
             # waiting for its prefix) never queue behind a long store.
             self._streams = {STORE: torch.cuda.Stream(kv.device), LOAD: torch.cuda.Stream(kv.device)}
             self._events: list[torch.cuda.Event] = []
-            self._id_pool: list[_IdBuffers] = []
+            # Id buffers per direction, each allocated on its side stream: if a job fails and its buffer is dropped,
+            # the caching allocator hands that memory out again only in that stream's order, after the queued copy.
+            self._id_pool: dict[str, list[_IdBuffers]] = {STORE: [], LOAD: []}
 
     # -- submission ---------------------------------------------------------------------------------------------
     def submit_store(
@@ -156,7 +163,7 @@ class TransferEngine:
     def _launch_cuda(self, job: _Job, plan: TransferPlan, gather: bool) -> None:
         ids = plan.ids
         stream = self._streams[job.direction]
-        bufs = self._take_ids(ids.size)
+        bufs = self._take_ids(job.direction, ids.size)
         bufs.host_np[: ids.size] = ids
         job.ids, job.start, job.end = bufs, self._take_event(), self._take_event()
         try:
@@ -177,19 +184,21 @@ class TransferEngine:
         except Exception as e:
             self._fail(job, e)
 
-    def _take_ids(self, size: int) -> _IdBuffers:
-        for i, bufs in enumerate(self._id_pool):
+    def _take_ids(self, direction: str, size: int) -> _IdBuffers:
+        pool = self._id_pool[direction]
+        for i, bufs in enumerate(pool):
             if bufs.capacity >= size:
-                return self._id_pool.pop(i)
+                return pool.pop(i)
         # Grows to the largest in-flight working set once, then reuses; powers of two keep the pool small.
-        return _IdBuffers(max(1024, 1 << (size - 1).bit_length()), self.kv.device)
+        with torch.cuda.stream(self._streams[direction]):
+            return _IdBuffers(max(1024, 1 << (size - 1).bit_length()), self.kv.device)
 
     def _take_event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
     def _release(self, job: _Job) -> None:
         if job.ids is not None:
-            self._id_pool.append(job.ids)
+            self._id_pool[job.direction].append(job.ids)
         for ev in (job.start, job.end):
             if ev is not None:
                 self._events.append(ev)

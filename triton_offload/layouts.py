@@ -209,13 +209,19 @@ class KVCacheSpec:
             for segs in self.group_segments:
                 rows += [[s.base, s.block_stride, s.nbytes, s.host_offset] for s in segs]
                 rows += [[self.segments[0].base, 0, 0, 0]] * (width - len(segs))
-            table = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            table = torch.empty((len(rows), 4), dtype=torch.int64, device=self.device)
             # GPU addresses are stored relative to the table itself, which the kernel receives as its anchor
             # pointer: Triton then needs no integer-to-pointer cast, and the interpreter sees plain addresses.
             anchor = table.data_ptr()
             assert anchor % anchor_align == 0, "torch allocations are at least 64-byte aligned"
-            table[:, 0] -= anchor
-            table //= anchor_align
+            values = torch.tensor(rows, dtype=torch.int64)
+            values[:, 0] -= anchor
+            values //= anchor_align
+            table.copy_(values)
+            if self.device.type == "cuda":
+                # The table is finished before any stream reads it: later launches on any stream (the engine's
+                # store and load streams) need no ordering against the stream that happened to build it.
+                torch.cuda.current_stream(self.device).synchronize()
             self._tables[anchor_align] = table
         return table
 

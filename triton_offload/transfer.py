@@ -196,12 +196,15 @@ def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, f, skip, group_s
     )
     if plan.n_blocks == 0:
         return
-    # Pageable -> device copy: CUDA stages the ids before returning, so the NumPy array may be freed at once.
-    ids_dev = torch.from_numpy(plan.ids).to(spec.device, non_blocking=True)
+    ids = torch.from_numpy(plan.ids)
+    if spec.device.type == "cuda":
+        # Staged in pinned memory so the upload is truly asynchronous: a copy from pageable memory may synchronise
+        # with the stream. The caching host allocator keeps the pinned block until the copy has completed.
+        ids = ids.pin_memory().to(spec.device, non_blocking=True)
     launch_copy_blocks(
         spec,
         host_buffer,
-        ids_dev,
+        ids,
         plan.n_blocks,
         plan.n_host,
         skip=plan.skip,
