@@ -160,6 +160,21 @@ class LaunchConfig:
         return _ELEM_DTYPES[self.elem]
 
 
+# A tile batches at most this many segments (rows): each row costs its own id and table loads.
+MAX_ROWS = 32
+
+
+def _chunk_elems(max_seg: int, tile: int) -> int:
+    """Elements one row moves per step: the power of two that pads the longest segment least, the largest such on a
+    tie, between the tile (or the segment rounded up, if smaller) and tile / MAX_ROWS (segments smaller than that
+    take one chunk each). A segment then splits into whole chunks wherever a power of two allows it: the 72 KiB MLA
+    page is 9 chunks of 8 KiB, not 3 of 32 KiB with the last a quarter full."""
+    top = min(_next_pow2(max_seg), tile)
+    floor = min(top, max(1, tile // MAX_ROWS))
+    candidates = [top >> i for i in range(top.bit_length()) if top >> i >= floor]
+    return min(candidates, key=lambda c: (triton.cdiv(max_seg, c) * c, -c))
+
+
 def launch_config(spec: KVCacheSpec, width: int, gather: bool) -> LaunchConfig:
     """The launch shape for a spec and access width, cached on the spec (the hot path does no per-layer work)."""
     key = (width, gather)
@@ -168,8 +183,8 @@ def launch_config(spec: KVCacheSpec, width: int, gather: bool) -> LaunchConfig:
         elem = min(width, 4)
         max_seg = spec.max_segment_bytes // elem
         tile = TILE_BYTES[gather] // elem
-        # Small pages share a tile (many rows), large ones stream through it (one row, several chunks).
-        chunk = min(_next_pow2(max_seg), tile)
+        # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
+        chunk = _chunk_elems(max_seg, tile)
         config = LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), NUM_WARPS[gather])
         spec.launch_configs[key] = config
     return config

@@ -79,3 +79,14 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
         # Every data load is 16 bytes: ROWS*CHUNK elements over the program's threads, 4 per access.
         threads = 32 * cfg.num_warps
         assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == cfg.rows * cfg.chunk // (4 * threads)
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:3]])
+def test_real_pages_split_into_whole_chunks(layout, page, dtype, gather):
+    """Every step of a real model's page moves a full chunk: no step runs partly masked (the 72 KiB MLA page once
+    took 3 steps of 32 KiB, the last a quarter full)."""
+    spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
+    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), gather)
+    assert cfg.n_chunks * cfg.chunk * cfg.elem == spec.max_segment_bytes, cfg
+    assert cfg.rows * cfg.chunk * cfg.elem == copy_blocks.TILE_BYTES[gather]
