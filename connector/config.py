@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload.policies import POLICIES
+from triton_offload._checks import positive_int
+from triton_offload.policies import POLICIES, policy_name
 
 __all__ = ["TritonOffloadConfig", "parse_size", "OUR_KEYS", "VLLM_KEYS"]
 
@@ -87,12 +88,6 @@ def parse_size(value: Any, key: str = "size") -> int:
     return nbytes
 
 
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key} = {value!r} must be a positive int")
-    return value
-
-
 @dataclass(frozen=True)
 class TritonOffloadConfig:
     """What ``TritonOffloadingSpec`` takes from ``kv_connector_extra_config``, validated.
@@ -133,12 +128,16 @@ class TritonOffloadConfig:
             )
         cpu_bytes = parse_size(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
         policy = extra.get("eviction_policy", "lru")
-        if not isinstance(policy, str) or policy.lower() not in POLICIES:
-            raise ValueError(f"eviction_policy = {policy!r} is not supported; accepted: {', '.join(sorted(POLICIES))}")
+        try:
+            policy = policy_name(policy)
+        except ValueError:
+            raise ValueError(
+                f"eviction_policy = {policy!r} is not supported; accepted: {', '.join(sorted(POLICIES))}"
+            ) from None
         num_ctas = extra.get("num_ctas")
         if num_ctas is not None:
-            num_ctas = _positive_int(num_ctas, "num_ctas")
-        f = _positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
+            num_ctas = positive_int(num_ctas, "num_ctas")
+        f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
             if isinstance(block_size, bool) or not isinstance(block_size, (int, str)) or not str(block_size).isdigit():
@@ -157,4 +156,4 @@ class TritonOffloadConfig:
                 unknown,
                 sorted(OUR_KEYS | {"block_size"}),
             )
-        return cls(cpu_bytes, f, policy.lower(), num_ctas)
+        return cls(cpu_bytes, f, policy, num_ctas)

@@ -36,7 +36,7 @@ def test_budget_too_small_names_both_sizes():
         r"than one host block of 1000 bytes",
     ):
         host_blocks_for_budget(7000, 1000, 8)
-    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="world_size = 0 must be a positive int"):
         host_blocks_for_budget(7000, 1000, 0)
 
 
@@ -177,5 +177,5 @@ def test_exact_block_count_instead_of_a_budget(make_host_cache):
         HostCache(1000, 7000, num_blocks=7, pin=False)
     with pytest.raises(ValueError, match="exactly one of cpu_bytes_to_use"):
         HostCache(1000, pin=False)
-    with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_blocks = 0 must be a positive int"):
         HostCache(1000, num_blocks=0, pin=False)

@@ -259,9 +259,9 @@ def test_no_room_returns_none_and_changes_nothing(policy):
     assert m.lookup([k(2)]) == 1
 
 
-@pytest.mark.parametrize("name", ["LRU", "fifo", "", None])
+@pytest.mark.parametrize("name", ["LRUU", "fifo", "", None])
 def test_unknown_policy_lists_supported_names(name):
-    """An unknown policy name (names are exact, case-sensitive) is a ValueError naming it and every supported one."""
+    """An unknown policy name is a ValueError naming it and every supported one."""
     with pytest.raises(ValueError) as err:
         OffloadManager(4, name)
     assert repr(name) in str(err.value)
@@ -276,6 +276,12 @@ def test_bad_num_blocks(num_blocks):
     """The block count must be a positive int; the message carries the bad value."""
     with pytest.raises(ValueError, match=repr(num_blocks).replace(".", r"\.")):
         OffloadManager(num_blocks)
+
+
+def test_policy_names_are_case_insensitive_everywhere():
+    """The manager accepts what the connector's configuration accepts ("ARC" from a JSON config)."""
+    assert isinstance(make_policy("LRU", 3), LRUPolicy) and isinstance(make_policy("Arc", 3), ARCPolicy)
+    assert OffloadManager(4, "ARC").snapshot().policy == OffloadManager(4, "arc").snapshot().policy
 
 
 def test_make_policy_builds_named_class():

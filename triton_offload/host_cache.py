@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from triton_offload._checks import positive_int
+
 __all__ = ["HostCache", "host_blocks_for_budget"]
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,7 @@ def host_blocks_for_budget(cpu_bytes_to_use: int, host_block_bytes: int, world_s
         ("host_block_bytes", host_block_bytes),
         ("world_size", world_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(value, name)
     share = cpu_bytes_to_use // world_size
     if share < host_block_bytes:
         raise ValueError(
@@ -99,8 +100,7 @@ class HostCache:
             raise ValueError("give exactly one of cpu_bytes_to_use (a budget) and num_blocks (an exact count)")
         if num_blocks is not None:
             # An exact count: a worker whose scheduler already divided the budget must match it block for block.
-            if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-                raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+            positive_int(num_blocks, "num_blocks")
             cpu_bytes_to_use, world_size = num_blocks * host_block_bytes, 1
         self.num_blocks = host_blocks_for_budget(cpu_bytes_to_use, host_block_bytes, world_size)
         self.host_block_bytes = host_block_bytes

@@ -26,6 +26,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from triton_offload._checks import positive_int
 from triton_offload.policies import EvictionPolicy, make_policy
 
 __all__ = ["OffloadManager", "PrepareStoreOutput", "OffloadEvent", "ManagerStats", "ManagerSnapshot"]
@@ -115,9 +116,7 @@ class OffloadManager:
     """
 
     def __init__(self, num_blocks: int, eviction_policy: str = "lru", *, enable_events: bool = False) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = positive_int(num_blocks, "num_blocks")
         self._policy: EvictionPolicy = make_policy(eviction_policy, num_blocks)
         self._ready: dict[Hashable, int] = {}
         self._storing: dict[Hashable, int] = {}
@@ -150,10 +149,6 @@ class OffloadManager:
         if key in self._ready:
             return "ready"
         return "storing" if key in self._storing else None
-
-    @property
-    def policy_name(self) -> str:
-        return self._policy.name
 
     @property
     def num_free(self) -> int:

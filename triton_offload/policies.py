@@ -16,7 +16,9 @@ from collections.abc import Callable, Hashable, Iterator
 from itertools import chain, islice
 from typing import Protocol
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "POLICIES", "make_policy"]
+from triton_offload._checks import positive_int
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "POLICIES", "make_policy", "policy_name"]
 
 
 class EvictionPolicy(Protocol):
@@ -58,19 +60,13 @@ class EvictionPolicy(Protocol):
         """Whether ``key`` is resident (ghost entries are not)."""
 
 
-def _check_capacity(capacity: int) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"eviction policy capacity must be a positive int, got {capacity!r}")
-    return capacity
-
-
 class LRUPolicy:
     """Least recently used: evicts the key whose last insert or access is oldest."""
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = _check_capacity(capacity)
+        self.capacity = positive_int(capacity, "eviction policy capacity")
         self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
 
     def insert(self, key: Hashable) -> None:
@@ -121,17 +117,12 @@ class ARCPolicy:
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = _check_capacity(capacity)
+        self.capacity = positive_int(capacity, "eviction policy capacity")
         self._t1: OrderedDict[Hashable, None] = OrderedDict()
         self._t2: OrderedDict[Hashable, None] = OrderedDict()
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
         self._p = 0  # target size of T1, 0 <= p <= capacity
-
-    @property
-    def target_t1(self) -> int:
-        """The adaptive target ``p`` for the size of T1."""
-        return self._p
 
     def insert(self, key: Hashable) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
@@ -212,15 +203,22 @@ class ARCPolicy:
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """Builds the policy registered under ``name`` (exact match) for ``capacity`` resident keys.
+def policy_name(name: str) -> str:
+    """The canonical (lower-case) name of a policy in :data:`POLICIES`; names are case-insensitive (``"ARC"``).
 
     Raises:
-        ValueError: ``name`` is not in :data:`POLICIES` (the message lists the supported names), or ``capacity`` is
-            not a positive int.
+        ValueError: not a supported name; the message names it and lists the supported ones.
     """
-    try:
-        factory = POLICIES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown eviction policy {name!r}; supported: {', '.join(sorted(POLICIES))}") from None
-    return factory(capacity)
+    if not isinstance(name, str) or name.lower() not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; supported: {', '.join(sorted(POLICIES))}")
+    return name.lower()
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Builds the policy registered under ``name`` (see :func:`policy_name`) for ``capacity`` resident keys.
+
+    Raises:
+        ValueError: ``name`` is not a supported policy (the message lists them), or ``capacity`` is not a positive
+            int.
+    """
+    return POLICIES[policy_name(name)](capacity)

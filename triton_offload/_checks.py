@@ -1,0 +1,34 @@
+"""Argument checks shared by every layer, the scheduler's pure-Python side included (stdlib only)."""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+__all__ = ["positive_int", "int_in_range"]
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1; a ``ValueError`` naming ``name`` and the value otherwise (bools and floats too).
+
+    For counts and sizes read from configuration, where any wrong value is the same mistake.
+    """
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} = {value!r} must be a positive int")
+    return int(value)
+
+
+def int_in_range(value, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high)`` (no upper bound when ``high`` is None).
+
+    For the public transfer API, where a wrong type and a wrong value are different bugs.
+
+    Raises:
+        TypeError: not an integer (bools included).
+        ValueError: out of range; the message names the value and the bounds.
+    """
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} = {value} must be {bounds}")
+    return int(value)
