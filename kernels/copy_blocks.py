@@ -1,4 +1,6 @@
-"""One Triton kernel that gathers GPU KV blocks of all layers into packed host blocks, or scatters them back.
+"""The copy kernel and everything it reads: one Triton kernel gathers GPU KV blocks of all layers into packed host
+blocks (a store) or scatters them back (a load), and this module owns its interface: the segment table, the packed
+ids of a :class:`TransferPlan`, the launch shapes, and the launcher.
 
 Work is a flat list of *items*, one per (GPU block, segment) pair, ordered block-major so that consecutive items are
 consecutive host bytes. A persistent grid of ``num_ctas`` programs walks tiles of ``ROWS`` items; each tile moves
@@ -6,31 +8,44 @@ consecutive host bytes. A persistent grid of ``num_ctas`` programs walks tiles o
 Addresses are element offsets from two base pointers: the host buffer, and the segment table itself (the *anchor*),
 from which every KV tensor's address is stored as a difference. All address arithmetic is int64. With KV-cache
 groups (``MULTI_GROUP``), each block reads its group, and the group's skip and first host id, from the id buffer,
-and its segments from the group's rows of the table; one launch still moves every group.
+and its segments from the group's rows of the table; one launch still moves every group. docs/design.md explains
+the decomposition and the performance model behind the constants.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
 from triton_offload.layouts import KVCacheSpec
 
-# Tuned constants. NOT YET MEASURED ON A GPU: chosen from the published H100 figures in DESIGN.md (PCIe reads need
-# roughly bandwidth x latency ~ 55 GB/s x 2 us ~ 110 KB in flight; 8 programs x 16-32 KiB tiles give 128-256 KB).
-# The benchmark (bench/bench_transfer.py) sweeps num_ctas; update these with the device and date it was measured on.
+__all__ = [
+    "DEFAULT_NUM_CTAS",
+    "TransferPlan",
+    "pack_ids",
+    "LaunchConfig",
+    "launch_config",
+    "access_width",
+    "CopyLauncher",
+]
+
+# Tuned constants. NOT YET MEASURED ON A GPU: chosen from published H100 figures (docs/design.md, "Performance
+# model"): PCIe reads need roughly bandwidth x latency ~ 55 GB/s x 2 us ~ 110 KB in flight, and 8 programs x 16-32
+# KiB tiles give 128-256 KB. The benchmark (bench/bench_transfer.py) sweeps num_ctas; update these with the device
+# and date they were measured on.
 DEFAULT_NUM_CTAS = 8
-# Bytes one program moves per step. Loads (host -> GPU) read over PCIe, whose latency wants more bytes in flight.
-TILE_BYTES = {True: 16 * 1024, False: 32 * 1024}  # keyed by GATHER
-NUM_WARPS = {True: 4, False: 8}
-# Widest access: 16 bytes per thread (one 128-bit load/store) when every address and size allows it.
-MAX_ACCESS_BYTES = 16
+# Bytes one program moves per step, and its warps. Loads read host memory over PCIe, whose latency wants more bytes
+# in flight than stores, which only post writes.
+STORE_TILE_BYTES, LOAD_TILE_BYTES = 16 * 1024, 32 * 1024
+STORE_NUM_WARPS, LOAD_NUM_WARPS = 4, 8
+# A tile batches at most this many segments (rows): each row costs its own id and table loads.
+MAX_ROWS = 32
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -49,12 +64,18 @@ def _copy_blocks_kernel(
     host_row_stride,  # elements between host blocks
     block_elems,  # elements of one packed sub-block (host stride between a host block's GPU blocks)
     n_chunks,  # CHUNK-sized steps of the longest segment; shorter ones are masked
-    GATHER: tl.constexpr,  # True: GPU -> host (store); False: host -> GPU (load)
+    STORE: tl.constexpr,  # True: GPU -> host (a store, gather_blocks); False: host -> GPU (a load, scatter_blocks)
     MULTI_GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     VEC: tl.constexpr,  # every offset and length is a multiple of VEC elements: enables 16-byte accesses
 ):
+    """Moves every (GPU block, segment) item of one transfer; a program walks tiles ``pid, pid + nprog, ...``.
+
+    Position rule (docs/design.md, "The packed host format"): GPU block ``i`` of a group lands at position
+    ``p = skip + i``, i.e. host block ``host_ids[first_host + p // blocks_per_host_block]``, sub-block
+    ``p % blocks_per_host_block``; inside the sub-block, segment ``s`` starts at its table row's host offset.
+    """
     # int64 from the start: the loop variable inherits it, so item indices never wrap.
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0)
@@ -65,8 +86,8 @@ def _copy_blocks_kernel(
     # as a Python range bound, and a round past the last tile is simply all masked.
     for i in range(0, tiles_per_program):
         tile = pid + i * nprog
-        item = tile * ROWS + rows
-        live = item < n_items
+        item = tile * ROWS + rows  # [ROWS]
+        live = item < n_items  # [ROWS]
         blk = item // n_segs
         seg = item - blk * n_segs
         gpu_id = tl.load(ids_ptr + blk, mask=live, other=0)
@@ -86,16 +107,16 @@ def _copy_blocks_kernel(
         seg_stride = tl.load(seg_row + 1, mask=live, other=0)
         seg_len = tl.load(seg_row + 2, mask=live, other=0)  # dead rows and padding get length 0: fully masked
         seg_host = tl.load(seg_row + 3, mask=live, other=0)
-        gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)
-        host_off = tl.multiple_of(
+        gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)  # [ROWS], elements from the anchor
+        host_off = tl.multiple_of(  # [ROWS], elements from the host buffer's start
             host_id * host_row_stride + (pos % blocks_per_host_block) * block_elems + seg_host, VEC
         )
         seg_len = tl.multiple_of(seg_len, VEC)
         for k in range(0, n_chunks):
-            col = k * CHUNK + cols
-            mask = col[None, :] < seg_len[:, None]
-            if GATHER:
-                vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)
+            col = k * CHUNK + cols  # [CHUNK]
+            mask = col[None, :] < seg_len[:, None]  # [ROWS, CHUNK]
+            if STORE:
+                vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)  # [ROWS, CHUNK]
                 tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)
             else:
                 vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
@@ -114,12 +135,78 @@ _NOT_SPECIALIZED = [
     "n_chunks",
 ]
 _jit_kernel = triton.jit(_copy_blocks_kernel, do_not_specialize=_NOT_SPECIALIZED)
-# CPU tensors run the same kernel through Triton's interpreter, whatever TRITON_INTERPRET says: that is how the
-# kernels are tested without a GPU and how the vLLM CPU platform moves its KV cache. Without TRITON_INTERPRET=1 at
-# import time, Triton's @jit standard-library helpers (tl.max, tl.cdiv, ...) are not interpretable, so the kernel
-# uses builtins only and gets the loop bound of its segments as an argument.
-_interpreted_kernel = InterpretedFunction(_copy_blocks_kernel)
-patch_interpreter_scalar_index()
+_interpreted = None
+
+
+def _interpreted_kernel():
+    """The same kernel through Triton's interpreter, for CPU tensors whatever TRITON_INTERPRET says: that is how the
+    kernels are tested without a GPU and how the vLLM CPU platform moves its KV cache. Built, and the old
+    interpreter's scalar conversion patched, on the first CPU launch rather than at import. Without
+    TRITON_INTERPRET=1 at import time, Triton's @jit standard-library helpers (tl.max, tl.cdiv, ...) are not
+    interpretable, so the kernel uses builtins only and gets the loop bound of its segments as an argument."""
+    global _interpreted
+    if _interpreted is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
+
+        patch_interpreter_scalar_index()
+        _interpreted = InterpretedFunction(_copy_blocks_kernel)
+    return _interpreted
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The packed ids: the kernel's id buffer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """A validated transfer, packed for one launch (built by :func:`triton_offload.transfer.plan_transfer`).
+
+    Attributes:
+        store: True for GPU -> host, False for host -> GPU.
+        ids: int64, the kernel's id buffer: the n GPU ids, the host ids and, for a spec with several KV-cache groups,
+            each GPU block's group and, per group, (index of its first GPU block, skip, index of its first host id).
+        n_blocks: GPU blocks moved.
+        n_host: host block ids.
+        skip: the skip of a spec with one group (several groups carry theirs in ``ids``).
+        num_bytes: bytes moved (each group's blocks times that group's bytes per block).
+    """
+
+    store: bool
+    ids: np.ndarray
+    n_blocks: int
+    n_host: int
+    skip: int
+    num_bytes: int
+
+
+def pack_ids(
+    spec: KVCacheSpec,
+    store: bool,
+    gpu_ids: np.ndarray,
+    host_ids: np.ndarray,
+    sizes: list[int],
+    skips: list[int],
+    host_counts: list[int],
+) -> TransferPlan:
+    """Packs validated ids into the kernel's id buffer: per group, ``sizes[g]`` GPU ids starting at ``skips[g]``
+    and ``host_counts[g]`` host ids, concatenated group by group."""
+    n, m = int(gpu_ids.size), int(host_ids.size)
+    if spec.num_groups == 1:
+        return TransferPlan(store, np.concatenate([gpu_ids, host_ids]), n, m, skips[0], n * spec.bytes_per_block)
+    num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
+    block_group = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    first_block = np.cumsum(sizes) - sizes
+    first_host = np.cumsum(host_counts) - host_counts
+    groups = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
+    return TransferPlan(store, np.concatenate([gpu_ids, host_ids, block_group, groups]), n, m, 0, num_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch shapes and the segment table, built once per spec
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def _next_pow2(x: int) -> int:
@@ -160,8 +247,8 @@ class LaunchConfig:
         return _ELEM_DTYPES[self.elem]
 
 
-# A tile batches at most this many segments (rows): each row costs its own id and table loads.
-MAX_ROWS = 32
+def tile_bytes(store: bool) -> int:
+    return STORE_TILE_BYTES if store else LOAD_TILE_BYTES
 
 
 def _chunk_elems(max_seg: int, tile: int) -> int:
@@ -175,82 +262,129 @@ def _chunk_elems(max_seg: int, tile: int) -> int:
     return min(candidates, key=lambda c: (triton.cdiv(max_seg, c) * c, -c))
 
 
-def launch_config(spec: KVCacheSpec, width: int, gather: bool) -> LaunchConfig:
-    """The launch shape for a spec and access width, cached on the spec (the hot path does no per-layer work)."""
-    key = (width, gather)
-    config = spec.launch_configs.get(key)
-    if config is None:
-        elem = min(width, 4)
-        max_seg = spec.max_segment_bytes // elem
-        tile = TILE_BYTES[gather] // elem
-        # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
-        chunk = _chunk_elems(max_seg, tile)
-        config = LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), NUM_WARPS[gather])
-        spec.launch_configs[key] = config
-    return config
+def launch_config(spec: KVCacheSpec, width: int, store: bool) -> LaunchConfig:
+    """The launch shape for a spec, an access width and a direction (pure; :class:`CopyLauncher` caches it)."""
+    elem = min(width, 4)
+    max_seg = spec.max_segment_bytes // elem
+    tile = tile_bytes(store) // elem
+    # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
+    chunk = _chunk_elems(max_seg, tile)
+    num_warps = STORE_NUM_WARPS if store else LOAD_NUM_WARPS
+    return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), num_warps)
 
 
-def launch_copy_blocks(
-    spec: KVCacheSpec,
-    host_buffer: torch.Tensor,
-    ids: torch.Tensor,
-    n_blocks: int,
-    n_host: int,
-    *,
-    skip: int,
-    blocks_per_host_block: int,
-    gather: bool,
-    grouped: bool,
-    num_ctas: int | None,
-) -> None:
-    """Launches one copy of ``n_blocks`` GPU blocks (all layers, all groups) to or from packed host blocks.
+def build_segment_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
+    """The kernel's int64 table on the spec's device, (num_groups * segments_per_group, 4): GPU offset from the
+    table's own address, block stride, bytes, host offset -- all in units of ``elem`` bytes. Groups with fewer
+    segments are padded with zero-length rows, which the kernel masks out entirely.
 
-    Inputs are validated by the public API (:mod:`triton_offload.transfer`); only internal invariants are asserted.
+    Built synchronously: once this returns, a launch on any stream may read it without further ordering.
+    """
+    width = spec.segments_per_group
+    rows = []
+    for segs in spec.group_segments:
+        rows += [[s.base, s.block_stride, s.nbytes, s.host_offset] for s in segs]
+        rows += [[spec.segments[0].base, 0, 0, 0]] * (width - len(segs))
+    table = torch.empty((len(rows), 4), dtype=torch.int64, device=spec.device)
+    # GPU addresses are stored relative to the table itself, which the kernel receives as its anchor pointer: Triton
+    # then needs no integer-to-pointer cast, and the interpreter sees plain addresses.
+    anchor = table.data_ptr()
+    assert anchor % elem == 0, "torch allocations are at least 64-byte aligned"
+    values = torch.tensor(rows, dtype=torch.int64)
+    values[:, 0] -= anchor
+    values //= elem
+    table.copy_(values)
+    if spec.device.type == "cuda":
+        # Finished before any stream reads it (the engine's store and load streams are not ordered against the
+        # stream that happened to build it).
+        torch.cuda.current_stream(spec.device).synchronize()
+    return table
+
+
+class _SpecKernelState:
+    """What the kernel derives from one spec, built at most once: tables per element size, shapes per launch."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, torch.Tensor] = {}
+        self.configs: dict[tuple[int, bool], LaunchConfig] = {}
+
+
+# Keyed by the spec, held weakly: the spec stays a plain description of the caches, and its kernel state goes with it.
+_STATE: weakref.WeakKeyDictionary[KVCacheSpec, _SpecKernelState] = weakref.WeakKeyDictionary()
+
+
+class CopyLauncher:
+    """Launches the copy kernel between one spec's KV caches and one host buffer.
+
+    Everything the kernel reads that does not change per transfer (access width, launch shapes, segment tables,
+    host strides) is derived here, once; tables and shapes are shared by every launcher of the same spec. Inputs are
+    validated by :mod:`triton_offload.transfer`; only internal invariants are asserted here.
 
     Args:
         spec: the prepared KV caches.
-        host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row.
-        ids: int64 on ``spec.device``: the n GPU block ids, then the host block ids; when ``grouped``, then each
-            GPU block's group and, per group, (index of its first GPU block, skip, index of its first host id).
-        n_blocks: number of GPU blocks.
-        n_host: number of host block ids.
-        skip: position of the first GPU block inside the first host block (ungrouped).
+        host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row (checked by
+            :func:`triton_offload.transfer.check_host_buffer`).
         blocks_per_host_block: GPU blocks per host block.
-        gather: True for GPU -> host, False for host -> GPU.
-        grouped: the ids carry per-block groups (a spec with several KV-cache groups).
-        num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
     """
-    assert ids.dtype == torch.int64 and ids.device == spec.device
-    assert grouped or spec.num_groups == 1
-    cfg = launch_config(spec, access_width(spec, host_buffer), gather)
-    table = spec.segment_table(cfg.elem)
-    n_segs = spec.segments_per_group
-    n_tiles = triton.cdiv(n_blocks * n_segs, cfg.rows)
-    programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
-    if spec.device.type == "cpu":
-        kernel = _interpreted_kernel
-    else:
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
-            raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
-        kernel = _jit_kernel
-    kernel[(programs,)](
-        table.view(cfg.dtype),
-        host_buffer.view(cfg.dtype),
-        table,
-        ids,
-        n_blocks,
-        n_host,
-        n_segs,
-        triton.cdiv(n_tiles, programs),
-        skip,
-        blocks_per_host_block,
-        host_buffer.stride(0) * host_buffer.element_size() // cfg.elem,
-        spec.bytes_per_block // cfg.elem,
-        cfg.n_chunks,
-        GATHER=gather,
-        MULTI_GROUP=grouped,
-        ROWS=cfg.rows,
-        CHUNK=cfg.chunk,
-        VEC=cfg.vec,
-        num_warps=cfg.num_warps,
-    )
+
+    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
+        self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
+        state = _STATE.get(spec)
+        if state is None:
+            state = _STATE[spec] = _SpecKernelState()
+        width = access_width(spec, host_buffer)
+        self._launch_args = {}
+        for store in (True, False):
+            cfg = state.configs.get((width, store))
+            if cfg is None:
+                cfg = state.configs[(width, store)] = launch_config(spec, width, store)
+            table = state.tables.get(cfg.elem)
+            if table is None:
+                table = state.tables[cfg.elem] = build_segment_table(spec, cfg.elem)
+            host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
+            self._launch_args[store] = (cfg, table, host_buffer.view(cfg.dtype), host_row)
+
+    def config(self, store: bool) -> LaunchConfig:
+        return self._launch_args[store][0]
+
+    def launch(self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None) -> None:
+        """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream.
+
+        Args:
+            plan: the validated transfer.
+            ids: ``plan.ids`` as int64 on the spec's device.
+            num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
+        """
+        spec = self.spec
+        assert ids.dtype == torch.int64 and ids.device == spec.device
+        cfg, table, host, host_row = self._launch_args[plan.store]
+        n_segs = spec.segments_per_group
+        n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
+        programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
+        if spec.device.type == "cpu":
+            kernel = _interpreted_kernel()
+        else:
+            if os.environ.get("TRITON_INTERPRET", "0") == "1":
+                raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
+            kernel = _jit_kernel
+        kernel[(programs,)](
+            table.view(cfg.dtype),
+            host,
+            table,
+            ids,
+            plan.n_blocks,
+            plan.n_host,
+            n_segs,
+            triton.cdiv(n_tiles, programs),
+            plan.skip,
+            self.blocks_per_host_block,
+            host_row,
+            spec.bytes_per_block // cfg.elem,
+            cfg.n_chunks,
+            STORE=plan.store,
+            MULTI_GROUP=spec.num_groups > 1,
+            ROWS=cfg.rows,
+            CHUNK=cfg.chunk,
+            VEC=cfg.vec,
+            num_warps=cfg.num_warps,
+        )

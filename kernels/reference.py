@@ -33,7 +33,7 @@ def _ids(ids) -> torch.Tensor:
 
 
 def _slots(n: int, host_block_ids, blocks_per_host_block: int, skip: int, device):
-    """Host block and sub-block of each GPU block: position skip + i, as DESIGN.md defines."""
+    """Host block and sub-block of each GPU block: position skip + i (docs/design.md, "Block-size factor and skip")."""
     pos = skip + torch.arange(n)
     return _ids(host_block_ids)[pos // blocks_per_host_block].to(device), (pos % blocks_per_host_block).to(device)
 

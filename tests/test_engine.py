@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload import engine as engine_mod
+from triton_offload.kernels import copy_blocks
 from triton_offload.engine import TransferEngine, TransferResult
 
 from kv_factory import copy_blocks_into, make_caches, sentinel_like, storage_bytes
@@ -96,7 +96,7 @@ def test_failed_launch_marks_job_failed_and_shutdown_reraises(monkeypatch, make_
     def broken(*args, **kwargs):
         raise RuntimeError("launch failed: out of resources")
 
-    monkeypatch.setattr(engine_mod, "launch_copy_blocks", broken)
+    monkeypatch.setattr(copy_blocks.CopyLauncher, "launch", broken)
     eng.submit_store(2, [1], [1])
     eng.submit_load(3, [2], [0])
     results = {r.job_id: r for r in eng.get_finished()}
@@ -139,10 +139,10 @@ def test_kernel_tables_are_built_with_the_engine(make_engine, monkeypatch):
     """The segment table is built when the engine is created, not by the first job on whichever side stream it runs
     (the other direction's stream would read it unordered): no job builds one."""
     caches, spec, eng, _ = make_engine(f=2)
-    built = dict(spec._tables)
+    built = dict(copy_blocks._STATE[spec].tables)
     assert built, "the engine built no segment table"
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("a job built a segment table"))
+    monkeypatch.setattr(copy_blocks, "build_segment_table", lambda *a: pytest.fail("a job built a segment table"))
     eng.submit_store(1, [0, 1, 2], [0, 1])
     eng.submit_load(2, [3, 4, 5], [0, 1])
     assert [r.ok for r in eng.get_finished()] == [True, True]
-    assert spec._tables == built
+    assert copy_blocks._STATE[spec].tables == built

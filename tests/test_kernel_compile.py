@@ -28,7 +28,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 _SCALARS = copy_blocks._NOT_SPECIALIZED  # the launch's runtime scalars, in signature order
 
 
-def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool, grouped: bool) -> str:
+def compile_ptx(cfg: copy_blocks.LaunchConfig, store: bool, grouped: bool) -> str:
     # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
     fn = JITFunction(copy_blocks._copy_blocks_kernel, do_not_specialize=_SCALARS)
     ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
@@ -36,7 +36,7 @@ def compile_ptx(cfg: copy_blocks.LaunchConfig, gather: bool, grouped: bool) -> s
     # Python ints below 2**31 reach the kernel as i32 (do_not_specialize keeps the type, not the value), which is
     # what a real launch passes; the kernel widens them itself.
     signature |= {name: "i32" for name in _SCALARS}
-    constexprs = {"GATHER": gather, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
+    constexprs = {"STORE": store, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
     signature |= {name: "constexpr" for name in constexprs}
     # torch allocations are at least 64-byte aligned: Triton specialises pointer arguments as 16-byte divisible.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
@@ -58,16 +58,16 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["1group", "groups"])
-@pytest.mark.parametrize("gather", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 @pytest.mark.parametrize("layout,page,dtype,width", [pytest.param(*s[1:], id=s[0]) for s in SHAPES])
-def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, width, gather, grouped):
+def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, width, store, grouped):
     caches = make_caches(layout, 2, 4, page, dtype)
     spec = to.KVCacheSpec(caches, layout)
     host = host_buffer(spec, 2, 1)
     assert copy_blocks.access_width(spec, host) == width
-    cfg = copy_blocks.launch_config(spec, width, gather)
-    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == copy_blocks.TILE_BYTES[gather]
-    ptx = compile_ptx(cfg, gather, grouped)
+    cfg = copy_blocks.launch_config(spec, width, store)
+    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == copy_blocks.tile_bytes(store)
+    ptx = compile_ptx(cfg, store, grouped)
     data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
     data_st = re.findall(r"st\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
     widest = lambda found: max(int(v or 1) * int(b) // 8 for v, b in found)  # noqa: E731
@@ -81,12 +81,12 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
         assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == cfg.rows * cfg.chunk // (4 * threads)
 
 
-@pytest.mark.parametrize("gather", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 @pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:3]])
-def test_real_pages_split_into_whole_chunks(layout, page, dtype, gather):
+def test_real_pages_split_into_whole_chunks(layout, page, dtype, store):
     """Every step of a real model's page moves a full chunk: no step runs partly masked (the 72 KiB MLA page once
     took 3 steps of 32 KiB, the last a quarter full)."""
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
-    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), gather)
+    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), store)
     assert cfg.n_chunks * cfg.chunk * cfg.elem == spec.max_segment_bytes, cfg
-    assert cfg.rows * cfg.chunk * cfg.elem == copy_blocks.TILE_BYTES[gather]
+    assert cfg.rows * cfg.chunk * cfg.elem == copy_blocks.tile_bytes(store)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from triton_offload.kernels.copy_blocks import access_width, launch_config, launch_copy_blocks
+from triton_offload._checks import int_in_range
+from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan
 from triton_offload.layouts import KVCacheSpec
-from triton_offload.transfer import BlockIds, TransferPlan, check_transfer
+from triton_offload.transfer import BlockIds, check_host_buffer, plan_ids
 
 __all__ = ["TransferEngine", "TransferResult", "STORE", "LOAD"]
 
@@ -56,7 +57,7 @@ class _Job:
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
     ids: _IdBuffers | None = None
-    result: TransferResult | None = field(default=None)
+    result: TransferResult | None = None
 
 
 class TransferEngine:
@@ -75,18 +76,18 @@ class TransferEngine:
     ):
         self.kv = kv
         self.host_buffer = host_buffer
-        self.blocks_per_host_block = blocks_per_host_block
-        self.num_ctas = num_ctas
+        # Fixed for the engine's life, so checked once here; a job then checks only its ids.
+        self.blocks_per_host_block = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
+        check_host_buffer(kv, host_buffer, self.blocks_per_host_block)
+        self.num_ctas = None if num_ctas is None else int_in_range(num_ctas, "num_ctas", 1)
         self.cuda = kv.device.type == "cuda"
         self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
         self._done: list[TransferResult] = []
         self._first_error: BaseException | None = None
         self._closed = False
-        # The segment table and launch shapes are built now, on the caller's stream and synchronously, rather than
-        # by the first job on whichever side stream it runs: the other stream would read them unordered.
-        width = access_width(kv, host_buffer)
-        for gather in (True, False):
-            kv.segment_table(launch_config(kv, width, gather).elem)
+        # The kernel's segment tables and launch shapes are built now, on the caller's stream and synchronously,
+        # rather than by the first job on whichever side stream it runs: the other stream would read them unordered.
+        self._launcher = CopyLauncher(kv, host_buffer, self.blocks_per_host_block)
         if self.cuda:
             # Chosen once here: a store stream and a load stream, so loads (on the critical path of a request
             # waiting for its prefix) never queue behind a long store.
@@ -103,7 +104,7 @@ class TransferEngine:
         """Queues a copy of GPU blocks into host blocks (position ``skip + i`` for GPU block i).
 
         With KV-cache groups, ids are concatenated group by group, ``group_sizes`` gives the GPU ids per group and
-        ``skip`` may be one per group (see :func:`triton_offload.transfer.check_transfer`). Bad input raises here,
+        ``skip`` may be one per group (see :func:`triton_offload.transfer.plan_transfer`). Bad input raises here,
         before anything is queued.
         """
         self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes)
@@ -117,50 +118,38 @@ class TransferEngine:
     def _submit(self, job_id, direction, gpu_block_ids, host_block_ids, skip, group_sizes) -> None:
         if self._closed:
             raise RuntimeError("the transfer engine is shut down")
-        gather = direction == STORE
         # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
-        plan = check_transfer(
+        plan = plan_ids(
             self.kv,
-            self.host_buffer,
+            self.host_buffer.shape[0],
+            self.blocks_per_host_block,
             gpu_block_ids,
             host_block_ids,
-            blocks_per_host_block=self.blocks_per_host_block,
             skip=skip,
-            gather=gather,
+            store=direction == STORE,
             group_sizes=group_sizes,
         )
         job = _Job(job_id, direction, plan.num_bytes)
         if plan.n_blocks == 0:
             job.result = TransferResult(job_id, True, direction, 0, 0.0)
         elif self.cuda:
-            self._launch_cuda(job, plan, gather)
+            self._launch_cuda(job, plan)
         else:
-            self._run_cpu(job, plan, gather)
+            self._run_cpu(job, plan)
         self._pending[direction].append(job)
 
-    def _launch(self, plan: TransferPlan, ids: torch.Tensor, gather: bool) -> None:
-        launch_copy_blocks(
-            self.kv,
-            self.host_buffer,
-            ids,
-            plan.n_blocks,
-            plan.n_host,
-            skip=plan.skip,
-            blocks_per_host_block=self.blocks_per_host_block,
-            gather=gather,
-            grouped=plan.grouped,
-            num_ctas=self.num_ctas,
-        )
+    def _launch(self, plan: TransferPlan, ids: torch.Tensor) -> None:
+        self._launcher.launch(plan, ids, self.num_ctas)
 
-    def _run_cpu(self, job: _Job, plan: TransferPlan, gather: bool) -> None:
+    def _run_cpu(self, job: _Job, plan: TransferPlan) -> None:
         t0 = time.perf_counter()
         try:
-            self._launch(plan, torch.from_numpy(plan.ids), gather)
+            self._launch(plan, torch.from_numpy(plan.ids))
             job.result = TransferResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
-    def _launch_cuda(self, job: _Job, plan: TransferPlan, gather: bool) -> None:
+    def _launch_cuda(self, job: _Job, plan: TransferPlan) -> None:
         ids = plan.ids
         stream = self._streams[job.direction]
         bufs = self._take_ids(job.direction, ids.size)
@@ -179,7 +168,7 @@ class TransferEngine:
                 # the job's end event has completed.
                 bufs.device[: ids.size].copy_(bufs.host[: ids.size], non_blocking=True)
                 job.start.record(stream)
-                self._launch(plan, bufs.device[: ids.size], gather)
+                self._launch(plan, bufs.device[: ids.size])
                 job.end.record(stream)
         except Exception as e:
             self._fail(job, e)

@@ -3,8 +3,8 @@
 Every layout is named once, in :data:`LAYOUTS`; everything else (segments, sizes, validation) is derived from the
 per-layer tensors themselves: ``data_ptr``, strides and element size. A layer contributes one byte *segment* per
 K/V half (one for MLA and canonical views): a base address, a stride between blocks and the number of bytes one block
-holds. The packed host format (DESIGN.md) lays a GPU block out as the concatenation of its segments in layer order,
-K before V, so a prepared :class:`KVCacheSpec` is all the kernels need.
+holds. The packed host format (docs/design.md) lays a GPU block out as the concatenation of its segments in layer order,
+K before V, so a prepared :class:`KVCacheSpec` describes everything the kernel moves.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class LayoutDims:
 
 
 class Layout(enum.Enum):
-    """The supported per-layer GPU layouts (see DESIGN.md)."""
+    """The supported per-layer GPU layouts (docs/design.md, "Layouts")."""
 
     KV_FIRST = LayoutDims(5, block_dim=1, kv_dim=0, shape="(2, num_blocks, block_size, num_kv_heads, head_dim)")
     BLOCK_FIRST = LayoutDims(5, block_dim=0, kv_dim=1, shape="(num_blocks, 2, block_size, num_kv_heads, head_dim)")
@@ -103,11 +103,59 @@ def _dense_block_bytes(t: torch.Tensor, inner_dims: Sequence[int], layer: int) -
     return math.prod(t.shape[d] for d in inner_dims) * t.element_size()
 
 
+# The widest access one GPU thread makes (a 128-bit load or store); alignments are capped there.
+MAX_ACCESS_BYTES = 16
+
+
+def _layer_runs(t: torch.Tensor, i: int, layout: Layout) -> list[tuple[int, int, int]]:
+    """One layer tensor's byte runs per block, K then V (one for MLA and canonical): (base, block stride, bytes).
+
+    Raises:
+        TypeError / ValueError: not a tensor, or not of ``layout``'s shape (the message names the layer).
+    """
+    dims = layout.dims
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"layer {i}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims.ndim:
+        raise ValueError(f"layer {i}: {layout.label} expects {dims.shape}, got shape {tuple(t.shape)}")
+    if dims.kv_dim is not None and t.shape[dims.kv_dim] != 2:
+        raise ValueError(
+            f"layer {i}: dim {dims.kv_dim} must be 2 (K and V) for {layout.label} {dims.shape}, "
+            f"got shape {tuple(t.shape)}"
+        )
+    inner = [d for d in range(dims.ndim) if d not in (dims.block_dim, dims.kv_dim)]
+    nbytes = _dense_block_bytes(t, inner, i)
+    esize = t.element_size()
+    halves = [0] if dims.kv_dim is None else [0, 1]
+    kv_step = 0 if dims.kv_dim is None else t.stride(dims.kv_dim) * esize
+    return [(t.data_ptr() + half * kv_step, t.stride(dims.block_dim) * esize, nbytes) for half in halves]
+
+
+def _group_segments(
+    runs: list[list[tuple[int, int, int]]], groups: list[list[int]]
+) -> tuple[tuple[Segment, ...], ...]:
+    """Each group's segments in packed order (its layers in the order given, K before V), with host offsets."""
+    out = []
+    for gi, layers in enumerate(groups):
+        if not layers:
+            raise ValueError(f"group {gi} is empty: every group needs at least one layer")
+        if len(set(layers)) != len(layers) or not all(0 <= i < len(runs) for i in layers):
+            raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(runs)})")
+        offset, segs = 0, []
+        for i in layers:
+            for base, stride, nbytes in runs[i]:
+                segs.append(Segment(i, base, stride, nbytes, offset))
+                offset += nbytes
+        out.append(tuple(segs))
+    return tuple(out)
+
+
 class KVCacheSpec:
-    """Per-layer KV tensors of one layout, prepared once: segments, sizes and the kernels' segment table.
+    """Per-layer KV tensors of one layout, described once as byte segments: a plain description of the caches.
 
     Build it once per engine (the cost is a Python loop over layers) and pass it instead of the tensor list: each
-    transfer then costs only the id validation and one launch.
+    transfer then costs only the id validation and one launch. What the kernel derives from it (segment tables,
+    launch shapes) lives with the kernel, in :mod:`triton_offload.kernels.copy_blocks`.
 
     Args:
         kv_caches: per layer, a tensor of ``layout``'s shape; all on one device, all with the same ``num_blocks``.
@@ -125,68 +173,38 @@ class KVCacheSpec:
         self.layout = resolve_layout(layout)
         if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
             raise ValueError("kv_caches must be a non-empty sequence of per-layer tensors")
-        dims = self.layout.dims
         self.device = kv_caches[0].device
-        self.num_blocks = None
-        # Per layer: its (base, block stride, bytes) byte runs, K then V.
-        runs: list[list[tuple[int, int, int]]] = []
+        block_dim = self.layout.dims.block_dim
+        runs = [_layer_runs(t, i, self.layout) for i, t in enumerate(kv_caches)]
         for i, t in enumerate(kv_caches):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"layer {i}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device != self.device:
                 raise ValueError(f"layer {i} is on {t.device}, layer 0 on {self.device}: all layers share one device")
-            if t.dim() != dims.ndim:
-                raise ValueError(f"layer {i}: {self.layout.label} expects {dims.shape}, got shape {tuple(t.shape)}")
-            if dims.kv_dim is not None and t.shape[dims.kv_dim] != 2:
+            if t.shape[block_dim] != kv_caches[0].shape[block_dim]:
                 raise ValueError(
-                    f"layer {i}: dim {dims.kv_dim} must be 2 (K and V) for {self.layout.label} {dims.shape}, "
-                    f"got shape {tuple(t.shape)}"
+                    f"layer {i} has {t.shape[block_dim]} blocks, layer 0 has {kv_caches[0].shape[block_dim]}: "
+                    "layers must match"
                 )
-            n = t.shape[dims.block_dim]
-            if self.num_blocks is None:
-                self.num_blocks = n
-            elif n != self.num_blocks:
-                raise ValueError(f"layer {i} has {n} blocks, layer 0 has {self.num_blocks}: layers must match")
-            inner = [d for d in range(dims.ndim) if d not in (dims.block_dim, dims.kv_dim)]
-            nbytes = _dense_block_bytes(t, inner, i)
-            esize = t.element_size()
-            halves = [0] if dims.kv_dim is None else [0, 1]
-            kv_step = 0 if dims.kv_dim is None else t.stride(dims.kv_dim) * esize
-            runs.append([(t.data_ptr() + half * kv_step, t.stride(dims.block_dim) * esize, nbytes) for half in halves])
+        self.num_blocks = kv_caches[0].shape[block_dim]
         groups = [list(range(len(kv_caches)))] if groups is None else [list(g) for g in groups]
-        group_segments = []
-        for gi, layers in enumerate(groups):
-            if not layers:
-                raise ValueError(f"group {gi} is empty: every group needs at least one layer")
-            if len(set(layers)) != len(layers) or not all(0 <= i < len(kv_caches) for i in layers):
-                raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(kv_caches)})")
-            offset, segs = 0, []
-            for i in layers:
-                for base, stride, nbytes in runs[i]:
-                    segs.append(Segment(i, base, stride, nbytes, offset))
-                    offset += nbytes
-            group_segments.append(tuple(segs))
         self.kv_caches = list(kv_caches)
         self.num_layers = len(kv_caches)
         self.groups = tuple(tuple(g) for g in groups)
         self.num_groups = len(groups)
-        self.group_segments = tuple(group_segments)
-        # Rows per group in the segment table: the largest group's segment count (others are padded).
-        self.segments_per_group = max(len(segs) for segs in group_segments)
-        self.segments = tuple(s for segs in group_segments for s in segs)
-        self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in group_segments)
+        self.group_segments = _group_segments(runs, groups)
+        # Rows per group in the kernel's segment table: the largest group's segment count (others are padded).
+        self.segments_per_group = max(len(segs) for segs in self.group_segments)
+        self.segments = tuple(s for segs in self.group_segments for s in segs)
+        self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in self.group_segments)
         self.bytes_per_block = max(self.group_bytes)
         self.max_segment_bytes = max(s.nbytes for s in self.segments)
         self._layer_page_bytes = tuple(sum(r[2] for r in layer_runs) for layer_runs in runs)
-        # Largest power of two (at most 16) dividing every GPU address, stride, size and host offset: the widest
-        # access the kernel may use. Computed once: the per-call path must not loop over layers.
+        # Largest power of two (at most MAX_ACCESS_BYTES) dividing every GPU address, stride, size and host offset:
+        # the widest access the kernel may use. Computed once: the per-call path must not loop over layers.
         self.alignment = math.gcd(
-            16,
+            MAX_ACCESS_BYTES,
             self.bytes_per_block,
             *(math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset) for s in self.segments),
         )
-        self._tables: dict = {}
-        self.launch_configs: dict = {}  # kernels/copy_blocks.py caches its launch shapes here
 
     def host_block_bytes(self, blocks_per_host_block: int = 1) -> int:
         """Bytes of one packed host block holding ``blocks_per_host_block`` GPU blocks of all layers."""
@@ -196,34 +214,6 @@ class KVCacheSpec:
     def page_bytes(self) -> tuple[int, ...]:
         """Bytes per block of each layer (K+V), in layer order."""
         return self._layer_page_bytes
-
-    def segment_table(self, anchor_align: int) -> torch.Tensor:
-        """The kernels' int64 table, (num_groups * segments_per_group, 4): gpu offset from the table's own address,
-        block stride, bytes, host offset -- all in units of ``anchor_align`` bytes. Groups with fewer segments are
-        padded with zero-length rows, which the kernel masks out entirely. Built once per unit size and cached.
-        """
-        table = self._tables.get(anchor_align)
-        if table is None:
-            width = self.segments_per_group
-            rows = []
-            for segs in self.group_segments:
-                rows += [[s.base, s.block_stride, s.nbytes, s.host_offset] for s in segs]
-                rows += [[self.segments[0].base, 0, 0, 0]] * (width - len(segs))
-            table = torch.empty((len(rows), 4), dtype=torch.int64, device=self.device)
-            # GPU addresses are stored relative to the table itself, which the kernel receives as its anchor
-            # pointer: Triton then needs no integer-to-pointer cast, and the interpreter sees plain addresses.
-            anchor = table.data_ptr()
-            assert anchor % anchor_align == 0, "torch allocations are at least 64-byte aligned"
-            values = torch.tensor(rows, dtype=torch.int64)
-            values[:, 0] -= anchor
-            values //= anchor_align
-            table.copy_(values)
-            if self.device.type == "cuda":
-                # The table is finished before any stream reads it: later launches on any stream (the engine's
-                # store and load streams) need no ordering against the stream that happened to build it.
-                torch.cuda.current_stream(self.device).synchronize()
-            self._tables[anchor_align] = table
-        return table
 
     def __repr__(self) -> str:
         pages = sorted(set(self.page_bytes))

@@ -1,21 +1,32 @@
 """Public gather/scatter API: validate a transfer completely, then launch one kernel for all blocks and layers.
 
 Validation is vectorised (NumPy on the id arrays, no Python loop over blocks or layers) and happens before anything
-is launched, so a bad call raises and writes nothing.
+is launched, so a bad call raises and writes nothing. Direction is spoken of as *store* (GPU -> host, what
+:func:`gather_blocks` does) and *load* (host -> GPU, :func:`scatter_blocks`) everywhere below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from triton_offload.kernels.copy_blocks import launch_copy_blocks
+from triton_offload._checks import int_in_range
+from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan, pack_ids
 from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
 
-__all__ = ["gather_blocks", "scatter_blocks", "host_block_bytes", "check_transfer", "TransferPlan", "BlockIds"]
+__all__ = [
+    "gather_blocks",
+    "scatter_blocks",
+    "host_block_bytes",
+    "plan_transfer",
+    "plan_ids",
+    "check_transfer",
+    "check_host_buffer",
+    "TransferPlan",
+    "BlockIds",
+]
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -53,17 +64,11 @@ def _check_unique(ids: np.ndarray, name: str) -> None:
             )
 
 
-def _check_int(value, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value >= high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name} = {value} must be {bounds}")
-    return int(value)
-
-
 def check_host_buffer(spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int) -> None:
-    """Checks the host buffer's type, shape, row layout and memory kind against the KV caches."""
+    """Checks the host buffer's type, shape, row layout and memory kind against the KV caches.
+
+    These never change for an engine, which checks them once at construction; the public calls check them per call.
+    """
     if not isinstance(host_buffer, torch.Tensor):
         raise TypeError(f"host_buffer must be a torch.Tensor, got {type(host_buffer).__name__}")
     if host_buffer.dtype not in (torch.uint8, torch.int8):
@@ -83,28 +88,6 @@ def check_host_buffer(spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_h
         raise ValueError("host_buffer must be pinned (page-locked) memory when the KV caches are on CUDA")
 
 
-@dataclass(frozen=True)
-class TransferPlan:
-    """A validated transfer, ready for one launch.
-
-    Attributes:
-        ids: int64, packed for the kernel: GPU ids, host ids and, when ``grouped``, each GPU block's group and per
-            group (index of its first GPU block, skip, index of its first host id).
-        n_blocks: GPU blocks moved.
-        n_host: host block ids.
-        skip: the skip of an ungrouped transfer.
-        grouped: whether ``ids`` carries groups.
-        num_bytes: bytes moved (each group's blocks times that group's bytes per block).
-    """
-
-    ids: np.ndarray
-    n_blocks: int
-    n_host: int
-    skip: int
-    grouped: bool
-    num_bytes: int
-
-
 def _group_layout(spec, n, skip, group_sizes, f) -> tuple[list[int], list[int]]:
     """Per-group sizes and skips as short lists (groups are few: plain Python is cheaper than NumPy here), checked
     against the spec's groups and n."""
@@ -121,17 +104,51 @@ def _group_layout(spec, n, skip, group_sizes, f) -> tuple[list[int], list[int]]:
         if sum(sizes) != n:
             raise ValueError(f"group_sizes = {sizes} sum to {sum(sizes)}, but there are {n} GPU ids")
     if isinstance(skip, (int, np.integer)) and not isinstance(skip, bool):
-        skips = [_check_int(skip, "skip", 0, f)] * len(sizes)
+        skips = [int_in_range(skip, "skip", 0, f)] * len(sizes)
     else:
         skips = _as_ids(skip, "skip").tolist()
         if len(skips) != len(sizes):
             raise ValueError(f"len(skip) = {len(skips)}, expected one per KV-cache group = {len(sizes)}")
         for gi, s in enumerate(skips):
-            _check_int(s, f"skip[{gi}]", 0, f)
+            int_in_range(s, f"skip[{gi}]", 0, f)
     return sizes, skips
 
 
-def check_transfer(
+def plan_ids(
+    spec: KVCacheSpec,
+    num_host_blocks: int,
+    blocks_per_host_block: int,
+    gpu_block_ids: BlockIds,
+    host_block_ids: BlockIds,
+    *,
+    skip: int | Sequence[int],
+    store: bool,
+    group_sizes: Sequence[int] | None = None,
+) -> TransferPlan:
+    """Validates a transfer's ids against a host buffer already checked (:func:`check_host_buffer`) and packs them.
+
+    This is :func:`plan_transfer` without the host-buffer checks, for callers that checked the buffer once (the
+    engine). Raises as :func:`plan_transfer` does for the ids, skips and group sizes.
+    """
+    f = blocks_per_host_block
+    g = _as_ids(gpu_block_ids, "gpu_block_ids")
+    h = _as_ids(host_block_ids, "host_block_ids")
+    sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
+    need = [-(-(s + k) // f) if k else 0 for s, k in zip(skips, sizes)]
+    if h.size != sum(need):
+        if len(sizes) == 1:
+            expect = f"ceil((skip + n) / f) = ceil(({skips[0]} + {g.size}) / {f}) = {need[0]}"
+        else:
+            expect = f"per group ceil((skip + n) / f) = {need}, {sum(need)} in all"
+        raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
+    _check_range(g, "gpu_block_ids", spec.num_blocks)
+    _check_range(h, "host_block_ids", num_host_blocks)
+    # Sources may repeat; destinations may not (two writers of one block would race).
+    _check_unique(h if store else g, "host_block_ids" if store else "gpu_block_ids")
+    return pack_ids(spec, store, g, h, sizes, skips, need)
+
+
+def plan_transfer(
     spec: KVCacheSpec,
     host_buffer: torch.Tensor,
     gpu_block_ids: BlockIds,
@@ -139,7 +156,7 @@ def check_transfer(
     *,
     blocks_per_host_block: int,
     skip: int | Sequence[int],
-    gather: bool,
+    store: bool,
     group_sizes: Sequence[int] | None = None,
 ) -> TransferPlan:
     """Validates one transfer and packs its ids for the kernel.
@@ -155,43 +172,40 @@ def check_transfer(
             that do not match the spec or the ids, or a host buffer of the wrong shape, dtype, device or memory
             kind. The message names the value.
     """
-    f = _check_int(blocks_per_host_block, "blocks_per_host_block", 1)
+    f = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
     check_host_buffer(spec, host_buffer, f)
-    g = _as_ids(gpu_block_ids, "gpu_block_ids")
-    h = _as_ids(host_block_ids, "host_block_ids")
-    sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
-    need = [-(-(s + k) // f) if k else 0 for s, k in zip(skips, sizes)]
-    if h.size != sum(need):
-        if len(sizes) == 1:
-            expect = f"ceil((skip + n) / f) = ceil(({skips[0]} + {g.size}) / {f}) = {need[0]}"
-        else:
-            expect = f"per group ceil((skip + n) / f) = {need}, {sum(need)} in all"
-        raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
-    _check_range(g, "gpu_block_ids", spec.num_blocks)
-    _check_range(h, "host_block_ids", host_buffer.shape[0])
-    # Sources may repeat; destinations may not (two writers of one block would race).
-    _check_unique(h if gather else g, "host_block_ids" if gather else "gpu_block_ids")
-    if spec.num_groups == 1:
-        return TransferPlan(np.concatenate([g, h]), g.size, h.size, skips[0], False, g.size * spec.bytes_per_block)
-    num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
-    block_group = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    first_block = np.cumsum(sizes) - sizes
-    first_host = np.cumsum(need) - need
-    groups = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
-    return TransferPlan(np.concatenate([g, h, block_group, groups]), g.size, h.size, 0, True, num_bytes)
+    return plan_ids(
+        spec, host_buffer.shape[0], f, gpu_block_ids, host_block_ids, skip=skip, store=store, group_sizes=group_sizes
+    )
 
 
-def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, f, skip, group_sizes, num_ctas, gather):
+def check_transfer(spec, host_buffer, gpu_block_ids, host_block_ids, *, gather: bool, **kwargs) -> TransferPlan:
+    """The former name of :func:`plan_transfer` (``gather=True`` is ``store=True``), kept for callers of 0.1."""
+    return plan_transfer(spec, host_buffer, gpu_block_ids, host_block_ids, store=gather, **kwargs)
+
+
+def _transfer(
+    spec: KVCacheSpec,
+    host_buffer: torch.Tensor,
+    gpu_block_ids: BlockIds,
+    host_block_ids: BlockIds,
+    *,
+    store: bool,
+    blocks_per_host_block: int,
+    skip: int | Sequence[int],
+    num_ctas: int | None,
+    group_sizes: Sequence[int] | None,
+) -> None:
     if num_ctas is not None:
-        _check_int(num_ctas, "num_ctas", 1)
-    plan = check_transfer(
+        int_in_range(num_ctas, "num_ctas", 1)
+    plan = plan_transfer(
         spec,
         host_buffer,
         gpu_block_ids,
         host_block_ids,
-        blocks_per_host_block=f,
+        blocks_per_host_block=blocks_per_host_block,
         skip=skip,
-        gather=gather,
+        store=store,
         group_sizes=group_sizes,
     )
     if plan.n_blocks == 0:
@@ -201,27 +215,20 @@ def _transfer(spec, host_buffer, gpu_block_ids, host_block_ids, f, skip, group_s
         # Staged in pinned memory so the upload is truly asynchronous: a copy from pageable memory may synchronise
         # with the stream. The caching host allocator keeps the pinned block until the copy has completed.
         ids = ids.pin_memory().to(spec.device, non_blocking=True)
-    launch_copy_blocks(
-        spec,
-        host_buffer,
-        ids,
-        plan.n_blocks,
-        plan.n_host,
-        skip=plan.skip,
-        blocks_per_host_block=f,
-        gather=gather,
-        grouped=plan.grouped,
-        num_ctas=num_ctas,
-    )
+    CopyLauncher(spec, host_buffer, blocks_per_host_block).launch(plan, ids, num_ctas)
+
+
+def _is_layout(value) -> bool:
+    return value is None or isinstance(value, (str, Layout))
 
 
 def gather_blocks(
     kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
-    layout: str | Layout | None,
     gpu_block_ids: BlockIds,
     host_buffer: torch.Tensor,
     host_block_ids: BlockIds,
-    *,
+    *legacy,
+    layout: str | Layout | None = None,
     blocks_per_host_block: int = 1,
     skip: int | Sequence[int] = 0,
     num_ctas: int | None = None,
@@ -229,26 +236,40 @@ def gather_blocks(
 ) -> None:
     """Copies GPU blocks of every layer into packed host blocks, in one kernel launch (a store).
 
+    ``gather_blocks(spec, gpu_block_ids, host_buffer, host_block_ids)`` with a prepared :class:`KVCacheSpec`, or
+    with raw tensors and ``layout=``. The 0.1 form ``gather_blocks(kv_caches, layout, gpu_block_ids, host_buffer,
+    host_block_ids)`` (``layout`` None with a prepared spec) still works.
+
     GPU block ``gpu_block_ids[i]`` lands at position ``p = skip + i``: host block ``host_block_ids[p // f]``,
     sub-block ``p % f``, where ``f = blocks_per_host_block``. The launch is asynchronous on CUDA (current stream).
 
     Args:
-        kv_caches: per layer, a tensor of ``layout``'s shape, e.g. block_first
-            ``(num_blocks, 2, block_size, num_kv_heads, head_dim)``; or a :class:`KVCacheSpec` built once.
-        layout: ``"kv_first"``, ``"block_first"``, ``"mla"``, ``"canonical"`` or a :class:`Layout`; may be None
-            with a prepared spec.
+        kv_caches: a :class:`KVCacheSpec` built once, or per layer a tensor of ``layout``'s shape, e.g. block_first
+            ``(num_blocks, 2, block_size, num_kv_heads, head_dim)``.
         gpu_block_ids: n source block ids (may repeat).
         host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, pinned when the caches are on CUDA.
         host_block_ids: ``ceil((skip + n) / f)`` distinct destination host block ids.
+        layout: ``"kv_first"``, ``"block_first"``, ``"mla"``, ``"canonical"`` or a :class:`Layout`, for raw tensors.
         blocks_per_host_block: f, GPU blocks per host block.
         skip: sub-blocks of the first host block left untouched (``0 <= skip < f``).
         num_ctas: programs (SMs) the launch may occupy; None for the tuned default.
         group_sizes: with KV-cache groups (``KVCacheSpec(..., groups=...)``), GPU ids per group; the ids are then
-            concatenated group by group and ``skip`` may be one per group (see :func:`check_transfer`).
+            concatenated group by group and ``skip`` may be one per group (see :func:`plan_transfer`).
     """
-    spec = prepare_kv(kv_caches, layout)
+    if legacy:  # (kv_caches, layout, gpu_block_ids, host_buffer, host_block_ids)
+        if len(legacy) != 1 or not _is_layout(gpu_block_ids) or layout is not None:
+            raise TypeError("gather_blocks takes (spec, gpu_block_ids, host_buffer, host_block_ids)")
+        layout, gpu_block_ids, host_buffer, host_block_ids = gpu_block_ids, host_buffer, host_block_ids, legacy[0]
     _transfer(
-        spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, group_sizes, num_ctas, True
+        prepare_kv(kv_caches, layout),
+        host_buffer,
+        gpu_block_ids,
+        host_block_ids,
+        store=True,
+        blocks_per_host_block=blocks_per_host_block,
+        skip=skip,
+        num_ctas=num_ctas,
+        group_sizes=group_sizes,
     )
 
 
@@ -256,9 +277,9 @@ def scatter_blocks(
     host_buffer: torch.Tensor,
     host_block_ids: BlockIds,
     kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
-    layout: str | Layout | None,
     gpu_block_ids: BlockIds,
-    *,
+    *legacy,
+    layout: str | Layout | None = None,
     blocks_per_host_block: int = 1,
     skip: int | Sequence[int] = 0,
     num_ctas: int | None = None,
@@ -266,17 +287,31 @@ def scatter_blocks(
 ) -> None:
     """Copies packed host blocks back into GPU blocks of every layer, in one kernel launch (a load).
 
-    The inverse of :func:`gather_blocks`, with the same position rule: GPU block ``gpu_block_ids[i]`` reads
-    position ``skip + i``. GPU ids are destinations and must be distinct; host ids may repeat.
+    ``scatter_blocks(host_buffer, host_block_ids, spec, gpu_block_ids)``, or with raw tensors and ``layout=``; the
+    0.1 form ``scatter_blocks(host_buffer, host_block_ids, kv_caches, layout, gpu_block_ids)`` still works. The
+    inverse of :func:`gather_blocks`, with the same position rule: GPU block ``gpu_block_ids[i]`` reads position
+    ``skip + i``. GPU ids are destinations and must be distinct; host ids may repeat.
     """
-    spec = prepare_kv(kv_caches, layout)
+    if legacy:  # (host_buffer, host_block_ids, kv_caches, layout, gpu_block_ids)
+        if len(legacy) != 1 or not _is_layout(gpu_block_ids) or layout is not None:
+            raise TypeError("scatter_blocks takes (host_buffer, host_block_ids, spec, gpu_block_ids)")
+        layout, gpu_block_ids = gpu_block_ids, legacy[0]
     _transfer(
-        spec, host_buffer, gpu_block_ids, host_block_ids, blocks_per_host_block, skip, group_sizes, num_ctas, False
+        prepare_kv(kv_caches, layout),
+        host_buffer,
+        gpu_block_ids,
+        host_block_ids,
+        store=False,
+        blocks_per_host_block=blocks_per_host_block,
+        skip=skip,
+        num_ctas=num_ctas,
+        group_sizes=group_sizes,
     )
 
 
 def host_block_bytes(
-    kv_caches: Sequence[torch.Tensor] | KVCacheSpec, layout: str | Layout | None, blocks_per_host_block: int = 1
+    kv_caches: Sequence[torch.Tensor] | KVCacheSpec, layout: str | Layout | None = None, blocks_per_host_block: int = 1
 ) -> int:
     """Bytes of one packed host block: ``blocks_per_host_block`` GPU blocks of all layers."""
-    return prepare_kv(kv_caches, layout).host_block_bytes(_check_int(blocks_per_host_block, "blocks_per_host_block", 1))
+    f = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
+    return prepare_kv(kv_caches, layout).host_block_bytes(f)
