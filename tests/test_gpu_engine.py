@@ -104,13 +104,13 @@ def test_public_calls_do_not_block_on_a_busy_stream():
     spec = to.KVCacheSpec(caches, "block_first")
     host = torch.empty((8, spec.host_block_bytes(1)), dtype=torch.uint8, pin_memory=True)
     # The same calls once first: compiles both variants and caches pinned staging blocks of these sizes.
-    to.gather_blocks(spec, None, [3, 4], host, [1, 2])
-    to.scatter_blocks(host, [1, 2], spec, None, [5, 6])
+    to.gather_blocks(spec, [3, 4], host, [1, 2])
+    to.scatter_blocks(host, [1, 2], spec, [5, 6])
     torch.cuda.synchronize()
     done = torch.cuda.Event()
     torch.cuda._sleep(SLEEP_CYCLES * 5)
-    to.gather_blocks(spec, None, [3, 4], host, [1, 2])
-    to.scatter_blocks(host, [1, 2], spec, None, [5, 6])
+    to.gather_blocks(spec, [3, 4], host, [1, 2])
+    to.scatter_blocks(host, [1, 2], spec, [5, 6])
     done.record()
     assert not done.query(), "a call waited for the stream"
     torch.cuda.synchronize()

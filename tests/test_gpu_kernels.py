@@ -36,7 +36,7 @@ def test_round_trip_realistic(layout, page, layers, f, skip):
     g, h = rng.permutation(num_blocks)[:n], rng.permutation(m + 5)[:m]
     host = host_buffer(spec, m + 5, f, pin=True)
     want = host.clone()
-    to.gather_blocks(spec, None, g, host, h, blocks_per_host_block=f, skip=skip)
+    to.gather_blocks(spec, g, host, h, blocks_per_host_block=f, skip=skip)
     torch.cuda.synchronize()
     gather_blocks_ref(caches, layout, g, want, h, blocks_per_host_block=f, skip=skip)
     assert torch.equal(host, want)
@@ -53,9 +53,9 @@ def test_pageable_host_buffer_is_rejected():
     spec = to.KVCacheSpec(caches, "mla")
     host = host_buffer(spec, 4, 1, pin=False)
     with pytest.raises(ValueError, match="must be pinned"):
-        to.gather_blocks(spec, None, [0, 1], host, [0, 1])
+        to.gather_blocks(spec, [0, 1], host, [0, 1])
     with pytest.raises(ValueError, match="host memory, got a tensor on cuda"):
-        to.gather_blocks(spec, None, [0, 1], host.cuda(), [0, 1])
+        to.gather_blocks(spec, [0, 1], host.cuda(), [0, 1])
 
 
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
@@ -66,8 +66,8 @@ def test_one_kernel_launch_per_call(direction):
     host = host_buffer(spec, 64, 1, pin=True)
     g, h = list(range(0, 128, 2)), list(range(64))
     call = {
-        "gather": lambda: to.gather_blocks(spec, None, g, host, h),
-        "scatter": lambda: to.scatter_blocks(host, h, spec, None, g),
+        "gather": lambda: to.gather_blocks(spec, g, host, h),
+        "scatter": lambda: to.scatter_blocks(host, h, spec, g),
     }[direction]
     call()  # compile outside the profile
     torch.cuda.synchronize()

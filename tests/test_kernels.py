@@ -139,7 +139,7 @@ def test_prepared_spec_and_id_kinds():
     outs = []
     for kind in (list, np.array, torch.tensor):
         host = host_buffer(spec, 6, 1)
-        to.gather_blocks(spec, None, kind(g), host, kind(h))
+        to.gather_blocks(spec, kind(g), host, kind(h))
         outs.append(host)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert not bool((outs[0][2] == SENTINEL).all())
@@ -173,12 +173,12 @@ def grouped_round_trip(caches, layout, groups, group_sizes, skips, f, seed=0):
     g, h = rng.permutation(spec.num_blocks)[:n], rng.permutation(m + 2)[:m]
     host, want = host_buffer(spec, m + 2, f), host_buffer(spec, m + 2, f)
     kw = dict(blocks_per_host_block=f, skip=skips, group_sizes=group_sizes)
-    to.gather_blocks(spec, None, g, host, h, **kw)
+    to.gather_blocks(spec, g, host, h, **kw)
     gather_blocks_ref(caches, layout, g, want, h, groups=groups, **kw)
     assert torch.equal(host, want)
     assert not torch.equal(host, host_buffer(spec, m + 2, f)), "nothing was written"
     out, ref = [sentinel_like(t) for t in caches], [sentinel_like(t) for t in caches]
-    to.scatter_blocks(host, h, to.KVCacheSpec(out, layout, groups=groups), None, g, **kw)
+    to.scatter_blocks(host, h, to.KVCacheSpec(out, layout, groups=groups), g, **kw)
     scatter_blocks_ref(host, h, ref, layout, g, groups=groups, **kw)
     assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))
     return spec, host
@@ -230,13 +230,37 @@ def test_per_call_path_does_not_walk_layers():
     caches = make_caches("kv_first", 61, 6, dict(block_size=1, heads=1, head_dim=4), torch.float16, seed=8)
     spec = to.KVCacheSpec(caches, "kv_first", groups=[list(range(61))])
     host = host_buffer(spec, 4, 2)
-    to.gather_blocks(spec, None, [1, 2, 3], host, [0, 3], blocks_per_host_block=2, skip=1)
-    to.scatter_blocks(host, [0, 3], spec, None, [4, 5, 0], blocks_per_host_block=2, skip=1)
+    to.gather_blocks(spec, [1, 2, 3], host, [0, 3], blocks_per_host_block=2, skip=1)
+    to.scatter_blocks(host, [0, 3], spec, [4, 5, 0], blocks_per_host_block=2, skip=1)
     want = [c.clone() for c in caches]
     for name in ("segments", "group_segments", "kv_caches", "groups", "group_bytes"):
         setattr(spec, name, _NoWalk(getattr(spec, name)))
     host2 = host_buffer(spec, 4, 2)
-    to.gather_blocks(spec, None, [1, 2, 3], host2, [0, 3], blocks_per_host_block=2, skip=1)
-    to.scatter_blocks(host2, [0, 3], spec, None, [4, 5, 0], blocks_per_host_block=2, skip=1)
+    to.gather_blocks(spec, [1, 2, 3], host2, [0, 3], blocks_per_host_block=2, skip=1)
+    to.scatter_blocks(host2, [0, 3], spec, [4, 5, 0], blocks_per_host_block=2, skip=1)
     assert torch.equal(host, host2)
     assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(caches, want))
+
+
+def test_every_call_form_moves_the_same_bytes():
+    """A prepared spec without a layout, raw tensors with ``layout=``, and the 0.1 positional forms (layout second,
+    None with a spec) all move the same bytes; a layout with a missing argument is a TypeError."""
+    caches = make_caches("kv_first", 2, 6, PAGES["kv_first"], torch.bfloat16)
+    spec = to.KVCacheSpec(caches, "kv_first")
+    hosts = [host_buffer(spec, 4, 2) for _ in range(4)]
+    to.gather_blocks(spec, [5, 1, 3], hosts[0], [2, 0], blocks_per_host_block=2, skip=1)
+    to.gather_blocks(caches, [5, 1, 3], hosts[1], [2, 0], layout="kv_first", blocks_per_host_block=2, skip=1)
+    to.gather_blocks(caches, "kv_first", [5, 1, 3], hosts[2], [2, 0], blocks_per_host_block=2, skip=1)
+    to.gather_blocks(spec, None, [5, 1, 3], hosts[3], [2, 0], blocks_per_host_block=2, skip=1)
+    assert not bool((hosts[0] == SENTINEL).all())
+    assert all(torch.equal(hosts[0], h) for h in hosts[1:])
+    outs = [[sentinel_like(t) for t in caches] for _ in range(3)]
+    to.scatter_blocks(hosts[0], [2, 0], to.KVCacheSpec(outs[0], "kv_first"), [0, 2, 4], blocks_per_host_block=2, skip=1)
+    to.scatter_blocks(hosts[0], [2, 0], outs[1], [0, 2, 4], layout="kv_first", blocks_per_host_block=2, skip=1)
+    to.scatter_blocks(hosts[0], [2, 0], outs[2], "kv_first", [0, 2, 4], blocks_per_host_block=2, skip=1)
+    for out in outs[1:]:
+        assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(outs[0], out))
+    with pytest.raises(TypeError, match="gather_blocks takes"):
+        to.gather_blocks(spec, "kv_first", [5], hosts[0], [2], [0])
+    with pytest.raises(ValueError, match="a layout is required"):
+        to.gather_blocks(caches, [5], hosts[0], [2])

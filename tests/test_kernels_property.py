@@ -91,11 +91,11 @@ def test_grouped_matches_reference(t):
     kw = dict(blocks_per_host_block=f, skip=skips, group_sizes=sizes)
 
     host, want = host_buffer(spec, num_host, f), host_buffer(spec, num_host, f)
-    to.gather_blocks(spec, None, g, host, h, **kw)
+    to.gather_blocks(spec, g, host, h, **kw)
     gather_blocks_ref(caches, layout, g, want, h, groups=groups, **kw)
     assert torch.equal(host, want)
 
     out, ref = [sentinel_like(c) for c in caches], [sentinel_like(c) for c in caches]
-    to.scatter_blocks(host, h, to.KVCacheSpec(out, layout, groups=groups), None, g, **kw)
+    to.scatter_blocks(host, h, to.KVCacheSpec(out, layout, groups=groups), g, **kw)
     scatter_blocks_ref(host, h, ref, layout, g, groups=groups, **kw)
     assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))
