@@ -34,7 +34,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 import triton_offload.connector as plugin  # noqa: E402
 from triton_offload.connector.manager import HostBlocksSpec, TritonOffloadingManager  # noqa: E402
 from triton_offload.connector.spec import TritonOffloadingSpec  # noqa: E402
-from triton_offload.engine import TransferResult as EngineResult  # noqa: E402
+from triton_offload.engine import JobResult as EngineResult  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

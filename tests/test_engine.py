@@ -10,7 +10,7 @@ import torch
 
 import triton_offload as to
 from triton_offload.kernels import copy_blocks
-from triton_offload.engine import TransferEngine, TransferResult
+from triton_offload.engine import TransferEngine, JobResult
 
 from kv_factory import copy_blocks_into, make_caches, sentinel_like, storage_bytes
 
@@ -37,7 +37,7 @@ def test_store_then_load_round_trip(f, skip, make_engine):
     h = rng.permutation(12)[: math.ceil((skip + n) / f)]
     eng.submit_store(11, g, h, skip=skip)
     (res,) = eng.get_finished()
-    assert res == TransferResult(11, True, "store", n * spec.bytes_per_block, res.seconds) and res.seconds >= 0
+    assert res == JobResult(11, True, "store", n * spec.bytes_per_block, res.seconds) and res.seconds >= 0
 
     originals = [c.clone() for c in caches]
     for c in caches:
@@ -77,7 +77,7 @@ def test_wait_on_unknown_or_finished_ids_is_harmless(make_engine):
 def test_empty_job_completes_with_zero_bytes(make_engine):
     _, _, eng, _ = make_engine()
     eng.submit_store(5, [], [])
-    assert eng.get_finished() == [TransferResult(5, True, "store", 0, 0.0)]
+    assert eng.get_finished() == [JobResult(5, True, "store", 0, 0.0)]
 
 
 def test_bad_ids_raise_at_submit_and_queue_nothing(make_engine):

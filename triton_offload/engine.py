@@ -20,7 +20,7 @@ from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.transfer import BlockIds, check_host_buffer, plan_ids
 
-__all__ = ["TransferEngine", "TransferResult", "STORE", "LOAD"]
+__all__ = ["TransferEngine", "JobResult", "TransferResult", "STORE", "LOAD"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ STORE, LOAD = "store", "load"
 
 
 @dataclass(frozen=True)
-class TransferResult:
+class JobResult:
     """A finished job. ``seconds`` is GPU time between the launch's events (wall time on CPU)."""
 
     job_id: int
@@ -37,6 +37,10 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+
+
+# The 0.1 name; vLLM's connector API has its own ``TransferResult``, which the plugin imports next to this one.
+TransferResult = JobResult
 
 
 class _IdBuffers:
@@ -57,7 +61,7 @@ class _Job:
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
     ids: _IdBuffers | None = None
-    result: TransferResult | None = None
+    result: JobResult | None = None
 
 
 class TransferEngine:
@@ -82,7 +86,7 @@ class TransferEngine:
         self.num_ctas = None if num_ctas is None else int_in_range(num_ctas, "num_ctas", 1)
         self.cuda = kv.device.type == "cuda"
         self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
-        self._done: list[TransferResult] = []
+        self._done: list[JobResult] = []
         self._first_error: BaseException | None = None
         self._closed = False
         # The kernel's segment tables and launch shapes are built now, on the caller's stream and synchronously,
@@ -131,7 +135,7 @@ class TransferEngine:
         )
         job = _Job(job_id, direction, plan.num_bytes)
         if plan.n_blocks == 0:
-            job.result = TransferResult(job_id, True, direction, 0, 0.0)
+            job.result = JobResult(job_id, True, direction, 0, 0.0)
         elif self.cuda:
             self._launch_cuda(job, plan)
         else:
@@ -145,7 +149,7 @@ class TransferEngine:
         t0 = time.perf_counter()
         try:
             self._launch(plan, torch.from_numpy(plan.ids))
-            job.result = TransferResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
+            job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
@@ -197,7 +201,7 @@ class TransferEngine:
         logger.error("transfer job %s (%s) failed: %s", job.job_id, job.direction, error)
         if self._first_error is None:
             self._first_error = error
-        job.result = TransferResult(job.job_id, False, job.direction, job.num_bytes, 0.0, repr(error))
+        job.result = JobResult(job.job_id, False, job.direction, job.num_bytes, 0.0, repr(error))
         # Its buffers may still be referenced by work already queued on the stream: do not recycle them.
         job.ids = job.start = job.end = None
 
@@ -212,13 +216,13 @@ class TransferEngine:
             elif not job.end.query():
                 return False
             seconds = job.start.elapsed_time(job.end) / 1e3
-            job.result = TransferResult(job.job_id, True, job.direction, job.num_bytes, seconds)
+            job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, seconds)
             self._release(job)
         except Exception as e:  # a CUDA error surfaces here: fail the job instead of hanging
             self._fail(job, e)
         return True
 
-    def get_finished(self) -> list[TransferResult]:
+    def get_finished(self) -> list[JobResult]:
         """Results of jobs finished since the last call, each reported once, without blocking."""
         out, self._done = self._done, []
         for queue in self._pending.values():
@@ -239,7 +243,7 @@ class TransferEngine:
     def num_pending(self) -> int:
         return sum(len(q) for q in self._pending.values())
 
-    def shutdown(self) -> list[TransferResult]:
+    def shutdown(self) -> list[JobResult]:
         """Drains every job, then re-raises the first error any job hit. Returns the results not yet reported."""
         if not self._closed:
             self._closed = True
