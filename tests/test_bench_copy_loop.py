@@ -41,6 +41,16 @@ def mods():
         yield loaded
 
 
+@pytest.fixture(scope="module")
+def shim_lib(mods, tmp_path_factory):
+    """The loop's source built over the host stand-in (once for the module)."""
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("needs a C++ compiler and ninja")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("ext")))
+        return mods[0].build_copy_loop("to_bench_copy_loop_shim", ["-DTO_BENCH_HOST_SHIM"], _HOST_SHIM)
+
+
 def _plan(count: int, odd_at: int | None = None):
     rng = np.random.default_rng(1)
     sizes = (2 * rng.integers(1, 200, count)).astype(np.uint64)
@@ -63,17 +73,14 @@ def _moved_right(src, dst, plan) -> bool:
     return bool((dst[src.size :] == 0xA5).all())
 
 
-@needs_compiler
-def test_the_compiled_loop_issues_every_copy_of_the_plan(mods, tmp_path, monkeypatch):
-    copy_loop, _, _ = mods
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lib = copy_loop.build_copy_loop("to_bench_copy_loop_shim", ["-DTO_BENCH_HOST_SHIM"], _HOST_SHIM)
+def test_the_compiled_loop_issues_every_copy_of_the_plan(mods, shim_lib):
+    copy_loop = mods[0]
     src, dst, plan = _plan(41)
-    copy_loop.CompiledCopyLoop(lib, *plan, stream=0x5EED)()
+    copy_loop.CompiledCopyLoop(shim_lib, *plan, stream=0x5EED)()
     assert _moved_right(src, dst, plan)
     _, _, bad = _plan(41, odd_at=17)
     with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of copy 17 of 41 .* failed: cudaError 11"):
-        copy_loop.CompiledCopyLoop(lib, *bad, stream=0x5EED)()
+        copy_loop.CompiledCopyLoop(shim_lib, *bad, stream=0x5EED)()
 
 
 @needs_compiler
@@ -127,14 +134,11 @@ def test_without_a_compiled_loop_the_python_loop_is_labelled_handicapped(mods):
     assert _moved_right(src, dst, plan) and driver.streams == [0x77] * 12
 
 
-@needs_compiler
-def test_with_a_compiled_loop_it_is_used_and_labelled_so(mods, tmp_path, monkeypatch):
+def test_with_a_compiled_loop_it_is_used_and_labelled_so(mods, shim_lib):
     copy_loop, baselines, case = mods
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lib = copy_loop.build_copy_loop("to_bench_copy_loop_shim", ["-DTO_BENCH_HOST_SHIM"], _HOST_SHIM)
     src, dst, plan = _plan(12)
     env = case.Env(torch.device("cpu"), None, "no driver", stream_handle=0x5EED)
-    run, impl = baselines.issue_each(plan, env.stream_handle, env, lib)
+    run, impl = baselines.issue_each(plan, env.stream_handle, env, shim_lib)
     assert isinstance(run, copy_loop.CompiledCopyLoop) and "C++" in impl and copy_loop.PYTHON_ISSUED not in impl
     run()
     assert _moved_right(src, dst, plan)
