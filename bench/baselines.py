@@ -63,10 +63,11 @@ def _compiled_loop() -> tuple[object | None, str]:
     return _COMPILED_LOOP[0]
 
 
-def issue_each(plan, stream: int, env: Env, lib, why_not: str = "") -> tuple[object, str]:
-    """(run, impl) issuing one copy per descriptor of ``plan`` = (srcs, dsts, sizes): from the compiled helper
-    ``lib`` when there is one, else from a Python loop over the driver's cuMemcpyAsync, labelled handicapped."""
-    src, dst, sizes = plan
+def issue_each(plan, env: Env, lib, why_not: str = "") -> tuple[object, str]:
+    """(run, impl) issuing one copy per descriptor of ``plan`` = (srcs, dsts, sizes) on the benchmark's stream: from
+    the compiled helper ``lib`` when there is one, else from a Python loop over the driver's cuMemcpyAsync, labelled
+    handicapped."""
+    src, dst, sizes, stream = *plan, env.stream_handle
     if lib is not None:
         return CompiledCopyLoop(lib, src, dst, sizes, stream), "cudaMemcpyAsync per copy, loop in C++ (load_inline)"
     if env.driver is None:
@@ -90,7 +91,7 @@ class MemcpyPerBlock:
         plan = case.copy_plan(case.host_ids)
         if not env.cuda:
             return Prepared(memmove_replay(*plan), case.host_ids, "memmove replay of the copy plan (no CUDA)", True)
-        run, impl = issue_each(plan, env.stream_handle, env, *_compiled_loop())
+        run, impl = issue_each(plan, env, *_compiled_loop())
         return Prepared(run, case.host_ids, impl)
 
 

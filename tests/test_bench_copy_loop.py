@@ -128,7 +128,7 @@ def test_without_a_compiled_loop_the_python_loop_is_labelled_handicapped(mods):
     src, dst, plan = _plan(12)
     driver = _FakeDriver()
     env = case.Env(torch.device("cpu"), driver, "fake driver", stream_handle=0x77)
-    run, impl = baselines.issue_each(plan, env.stream_handle, env, None, "no compiler here")
+    run, impl = baselines.issue_each(plan, env, None, "no compiler here")
     assert impl.startswith(copy_loop.PYTHON_ISSUED) and "no compiler here" in impl
     run()
     assert _moved_right(src, dst, plan) and driver.streams == [0x77] * 12
@@ -138,7 +138,7 @@ def test_with_a_compiled_loop_it_is_used_and_labelled_so(mods, shim_lib):
     copy_loop, baselines, case = mods
     src, dst, plan = _plan(12)
     env = case.Env(torch.device("cpu"), None, "no driver", stream_handle=0x5EED)
-    run, impl = baselines.issue_each(plan, env.stream_handle, env, shim_lib)
+    run, impl = baselines.issue_each(plan, env, shim_lib)
     assert isinstance(run, copy_loop.CompiledCopyLoop) and "C++" in impl and copy_loop.PYTHON_ISSUED not in impl
     run()
     assert _moved_right(src, dst, plan)
@@ -148,4 +148,4 @@ def test_neither_a_compiled_loop_nor_a_driver_means_unavailable(mods):
     _, baselines, case = mods
     env = case.Env(torch.device("cpu"), None, "libcuda.so.1 missing")
     with pytest.raises(case.Unavailable, match="no compiled helper .*libcuda.so.1 missing"):
-        baselines.issue_each(_plan(2)[2], 0, env, None, "no compiler")
+        baselines.issue_each(_plan(2)[2], env, None, "no compiler")
