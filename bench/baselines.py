@@ -1,223 +1,37 @@
-"""The transfer methods the benchmark compares, behind one small interface.
+"""The transfer methods the benchmark compares, behind one interface: ``prepare(case, env) -> Prepared``, looked up by
+exact name in :data:`METHODS`.
 
-A method ``prepare``s a :class:`TransferCase` once -- descriptor arrays, bound functions, everything that is not the
-transfer itself -- and returns a :class:`Prepared` whose ``run()`` issues one transfer asynchronously on the current
-stream. Methods are looked up by exact name in :data:`METHODS`.
-
-Every method moves the same bytes: GPU block ``gpu_ids[i]`` of every layer to packed position ``skip + i`` of the
-host buffer (host block ``host_ids[p // f]``, sub-block ``p % f``), or back. The copy-engine baselines move a block
-as a few contiguous *runs*: one per layer when the layer's K and V of a block are adjacent (block_first, mla), one
-per K and per V when they are not (kv_first). The runs come from the prepared ``KVCacheSpec``, not from layout names.
+The copy-engine baselines issue their copies from compiled code over descriptor arrays built in ``prepare``, as a C++
+caller would: ``memcpy_batch`` and ``vllm033``'s batches call the driver's ``cuMemcpyBatchAsync`` through ctypes,
+``memcpy_per_block`` loops over ``cudaMemcpyAsync`` in a helper built at benchmark time. Without CUDA, their calls are
+replayed on host memory (a memmove stand-in for the driver, or a memmove of the same copy plan), so the CPU check
+still verifies the bytes their descriptors address.
 """
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
 
 import numpy as np
 import torch
 
 import triton_offload as to
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from cuda_api import CudaApi
+from case import Env, Prepared, TransferCase, Unavailable, memmove_replay
+from copy_loop import PYTHON_ISSUED, BuildFailed, CompiledCopyLoop, build_copy_loop
+from cuda_driver import (
+    FLAG_DEFAULT,
+    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+    CudaError,
+    HostBatchStandIn,
+    MemcpyBatchCall,
+    batch_attributes,
+)
+from sm_copy import SmCopy, uses_sm_copy
 
-__all__ = ["Run", "runs_of", "TransferCase", "Env", "Prepared", "Unavailable", "METHODS", "BASELINE_NAMES"]
-
-
-@dataclass(frozen=True)
-class Run:
-    """One contiguous run of bytes per GPU block: block ``b`` at ``base + b * block_stride``, ``nbytes`` long.
-
-    Attributes:
-        layer: layer index.
-        base: address of block 0's run.
-        block_stride: bytes between blocks.
-        nbytes: bytes per block.
-        host_offset: offset of the run inside a packed GPU-sized sub-block.
-        view: (num_blocks, nbytes) uint8 view of the run in the cache tensor.
-    """
-
-    layer: int
-    base: int
-    block_stride: int
-    nbytes: int
-    host_offset: int
-    view: torch.Tensor
-
-
-def _byte_view(t: torch.Tensor, base: int, rows: int, row_stride: int, nbytes: int) -> torch.Tensor:
-    """A (rows, nbytes) uint8 view of t's storage whose row 0 starts at address ``base``."""
-    storage = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-    return flat.as_strided((rows, nbytes), (row_stride, 1), base - storage.data_ptr())
-
-
-def runs_of(spec: to.KVCacheSpec) -> list[Run]:
-    """The spec's segments, with segments of one layer merged where they are adjacent both on the GPU and on the host
-    (K and V of a block_first block): the fewest contiguous copies a copy-engine baseline can issue per block."""
-    merged: list[list[int]] = []  # [layer, base, stride, nbytes, host_offset]
-    for s in spec.segments:
-        last = merged[-1] if merged else None
-        if (
-            last is not None
-            and last[0] == s.layer
-            and last[2] == s.block_stride
-            and last[1] + last[3] == s.base
-            and last[4] + last[3] == s.host_offset
-        ):
-            last[3] += s.nbytes
-        else:
-            merged.append([s.layer, s.base, s.block_stride, s.nbytes, s.host_offset])
-    return [
-        Run(
-            layer,
-            base,
-            stride,
-            nbytes,
-            host_off,
-            _byte_view(spec.kv_caches[layer], base, spec.num_blocks, stride, nbytes),
-        )
-        for layer, base, stride, nbytes, host_off in merged
-    ]
-
-
-@dataclass
-class TransferCase:
-    """One transfer as every method sees it.
-
-    Attributes:
-        spec: the prepared KV caches.
-        runs: :func:`runs_of` the spec.
-        host: (num_host_blocks, f * bytes_per_block) uint8 view of the pinned host buffer (row stride = row size).
-        gpu_ids: (n,) distinct GPU block ids: the sources of a store, the destinations of a load.
-        host_ids: (ceil((skip + n) / f),) distinct random host block ids.
-        f: GPU blocks per host block.
-        skip: sub-blocks of the first host block left alone.
-        store: True for GPU -> host.
-        staging: flat uint8 device buffer of at least n * bytes_per_block (torch_staged, peak).
-        data_ids: the GPU blocks whose bytes the transfer carries: gpu_ids for a store; for a load, the blocks a
-            previous store packed into the host buffer (used by the checks only).
-    """
-
-    spec: to.KVCacheSpec
-    runs: list[Run]
-    host: torch.Tensor
-    gpu_ids: np.ndarray
-    host_ids: np.ndarray
-    f: int
-    skip: int
-    store: bool
-    staging: torch.Tensor
-    data_ids: np.ndarray
-
-    @property
-    def n(self) -> int:
-        return int(self.gpu_ids.size)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.spec.bytes_per_block
-
-    @property
-    def total_bytes(self) -> int:
-        return self.n * self.bytes_per_block
-
-    @property
-    def device(self) -> torch.device:
-        return self.spec.device
-
-    @property
-    def contiguous_host_ids(self) -> np.ndarray:
-        """Consecutive host ids 1..m: what a method that needs one contiguous host range is given."""
-        return np.arange(1, 1 + self.host_ids.size, dtype=np.int64)
-
-    def slots(self, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(host row, sub-block) of each GPU block: position skip + i, as DESIGN.md defines."""
-        pos = self.skip + np.arange(self.n, dtype=np.int64)
-        return host_ids[pos // self.f], pos % self.f
-
-    def copy_plan(self, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(src, dst, size) of every contiguous copy, block-major, as uint64 arrays of addresses and byte counts."""
-        assert self.host.stride(0) == self.f * self.bytes_per_block and self.host.stride(1) == 1
-        rows, subs = self.slots(host_ids)
-        host_block = self.host.data_ptr() + rows * self.host.stride(0) + subs * self.bytes_per_block  # (n,)
-        base = np.array([r.base for r in self.runs], dtype=np.int64)
-        stride = np.array([r.block_stride for r in self.runs], dtype=np.int64)
-        host_off = np.array([r.host_offset for r in self.runs], dtype=np.int64)
-        gpu = base[None, :] + self.gpu_ids[:, None] * stride[None, :]  # (n, runs)
-        host = host_block[:, None] + host_off[None, :]
-        sizes = np.broadcast_to(np.array([r.nbytes for r in self.runs], dtype=np.int64), gpu.shape)
-        src, dst = (gpu, host) if self.store else (host, gpu)
-        return (
-            src.reshape(-1).astype(np.uint64),
-            dst.reshape(-1).astype(np.uint64),
-            sizes.reshape(-1).astype(np.uint64),
-        )
-
-    def contiguous_host_region(self) -> torch.Tensor:
-        """(n, bytes_per_block) view of the host bytes that positions skip..skip+n-1 of :attr:`contiguous_host_ids`
-        occupy: one contiguous range because the rows are consecutive and a row is f sub-blocks."""
-        start = (int(self.contiguous_host_ids[0]) * self.f + self.skip) * self.bytes_per_block
-        return self.host.view(-1)[start : start + self.total_bytes].view(self.n, self.bytes_per_block)
-
-
-@dataclass
-class Env:
-    """What the methods may use on this machine.
-
-    Attributes:
-        device: where the caches live.
-        api: cuda-python access, None without CUDA or without cuda-python.
-        api_note: which cuda-python, or why not.
-        stream_handle: raw handle of the benchmark's (non-default) CUDA stream; 0 on CPU.
-    """
-
-    device: torch.device
-    api: CudaApi | None
-    api_note: str
-    stream_handle: int = 0
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-
-@dataclass
-class Prepared:
-    """A method bound to one case.
-
-    Attributes:
-        run: issues the transfer, asynchronously on the current stream.
-        host_ids: the host blocks it addresses, or None for a contiguous copy (peak).
-        impl: how it is implemented here, for the output.
-        emulated: a CUDA-only method replayed on CPU with memmove: its copy plan is checked, it is never timed.
-    """
-
-    run: Callable[[], None]
-    host_ids: np.ndarray | None
-    impl: str
-    emulated: bool = False
-
-
-class Unavailable(Exception):
-    """The method cannot run on this machine; the message says why."""
-
-
-def _memmove_replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> Callable[[], None]:
-    """Runs a copy plan with memmove on host addresses: how the CPU check exercises the memcpy baselines' address
-    arithmetic, which is the part of them that can be wrong."""
-    plan = list(zip(dst.tolist(), src.tolist(), sizes.tolist()))
-
-    def run() -> None:
-        for d, s, n in plan:
-            ctypes.memmove(d, s, n)
-
-    return run
+__all__ = ["METHODS", "Triton", "MemcpyPerBlock", "MemcpyBatch", "TorchStaged", "Vllm033", "Peak", "issue_each"]
 
 
 class Triton:
@@ -225,10 +39,6 @@ class Triton:
 
     def __init__(self, num_ctas: int | None = None):
         self.num_ctas = num_ctas
-
-    @property
-    def effective_ctas(self) -> int:
-        return DEFAULT_NUM_CTAS if self.num_ctas is None else self.num_ctas
 
     def prepare(self, case: TransferCase, env: Env) -> Prepared:
         spec, host, g, h = case.spec, case.host, case.gpu_ids, case.host_ids
@@ -241,53 +51,88 @@ class Triton:
         return Prepared(run, h, f"triton_offload.{'gather' if case.store else 'scatter'}_blocks ({where})")
 
 
+_COMPILED_LOOP: list = []  # [(lib or None, why not)], built once per process
+
+
+def _compiled_loop() -> tuple[object | None, str]:
+    if not _COMPILED_LOOP:
+        try:
+            _COMPILED_LOOP.append((build_copy_loop(), ""))
+        except BuildFailed as exc:
+            _COMPILED_LOOP.append((None, str(exc)))
+    return _COMPILED_LOOP[0]
+
+
+def issue_each(plan, env: Env, lib, why_not: str = "") -> tuple[object, str]:
+    """(run, impl) issuing one copy per descriptor of ``plan`` = (srcs, dsts, sizes) on the benchmark's stream: from
+    the compiled helper ``lib`` when there is one, else from a Python loop over the driver's cuMemcpyAsync, labelled
+    handicapped."""
+    src, dst, sizes, stream = *plan, env.stream_handle
+    if lib is not None:
+        return CompiledCopyLoop(lib, src, dst, sizes, stream), "cudaMemcpyAsync per copy, loop in C++ (load_inline)"
+    if env.driver is None:
+        raise Unavailable(f"no compiled helper ({why_not}) and no CUDA driver ({env.driver_note})")
+    memcpy = env.driver.memcpy_async()
+    copies = list(zip(dst.tolist(), src.tolist(), sizes.tolist()))
+
+    def run() -> None:
+        for d, s, n in copies:
+            err = memcpy(d, s, n, stream or None)
+            if err:  # checked inline: the loop is the cost being measured
+                raise CudaError(f"cuMemcpyAsync({d:#x}, {s:#x}, {n}) failed: CUresult {err}")
+
+    return run, f"{PYTHON_ISSUED}: cuMemcpyAsync per copy from a Python loop; no compiled helper: {why_not}"
+
+
 class MemcpyPerBlock:
     """The original design: one cudaMemcpyAsync per block per run (per K and per V where they are apart)."""
 
     def prepare(self, case: TransferCase, env: Env) -> Prepared:
-        src, dst, sizes = case.copy_plan(case.host_ids)
+        plan = case.copy_plan(case.host_ids)
         if not env.cuda:
-            return Prepared(_memmove_replay(src, dst, sizes), case.host_ids, "memmove replay (no CUDA)", emulated=True)
-        if env.api is not None:
-            copy_each = env.api.memcpy_each(env.stream_handle)
-            s, d, n = src.tolist(), dst.tolist(), sizes.tolist()
-            return Prepared(lambda: copy_each(s, d, n), case.host_ids, f"cudaMemcpyAsync via {env.api_note}")
-        return Prepared(self._torch_views(case), case.host_ids, f"torch copy_ on views ({env.api_note})")
+            return Prepared(memmove_replay(*plan), case.host_ids, "memmove replay of the copy plan (no CUDA)", True)
+        run, impl = issue_each(plan, env, *_compiled_loop())
+        return Prepared(run, case.host_ids, impl)
 
-    @staticmethod
-    def _torch_views(case: TransferCase) -> Callable[[], None]:
-        """The fallback without cuda-python: copy_(non_blocking=True) between prebuilt views, one per copy."""
-        host_flat = case.host.view(-1)
-        rows, subs = case.slots(case.host_ids)
-        pairs = []
-        for i, g in enumerate(case.gpu_ids.tolist()):
-            block_off = int(rows[i]) * case.host.stride(0) + int(subs[i]) * case.bytes_per_block
-            for r in case.runs:
-                host_view = host_flat[block_off + r.host_offset : block_off + r.host_offset + r.nbytes]
-                gpu_view = r.view[g]
-                pairs.append((gpu_view, host_view) if case.store else (host_view, gpu_view))
 
-        def run() -> None:
-            for s, d in pairs:
-                d.copy_(s, non_blocking=True)
-
-        return run
+def _batch(case: TransferCase, env: Env, plan, flags: int) -> Prepared:
+    """One cuMemcpyBatchAsync of every descriptor in ``plan``, srcAccessOrder=STREAM, with ``flags``."""
+    src, dst, sizes = plan
+    if not env.cuda:
+        stand_in = HostBatchStandIn()
+        attrs = batch_attributes(case.store, 0, flags)
+        call = MemcpyBatchCall(stand_in.address, False, src, dst, sizes, attrs, 0)
+        run = lambda stand_in=stand_in: call()  # the default argument keeps the stand-in's callback alive
+        return Prepared(run, case.host_ids, "cuMemcpyBatchAsync call, run by a memmove stand-in (no CUDA)", True)
+    if env.driver is None:
+        raise Unavailable(f"needs the CUDA driver: {env.driver_note}")
+    try:
+        call = env.driver.memcpy_batch(src, dst, sizes, case.store, flags, env.stream_handle)
+    except CudaError as exc:
+        raise Unavailable(str(exc)) from exc
+    return Prepared(call, case.host_ids, f"one cuMemcpyBatchAsync over prebuilt arrays ({env.driver_note})")
 
 
 class MemcpyBatch:
-    """vLLM 0.33's store path: one cuMemcpyBatchAsync with every (src, dst, size) descriptor."""
+    """One cuMemcpyBatchAsync with every (src, dst, size) descriptor, preferring overlap with compute."""
 
     def prepare(self, case: TransferCase, env: Env) -> Prepared:
-        src, dst, sizes = case.copy_plan(case.host_ids)
-        if not env.cuda:
-            return Prepared(_memmove_replay(src, dst, sizes), case.host_ids, "memmove replay (no CUDA)", emulated=True)
-        if env.api is None:
-            raise Unavailable(f"needs cuda-python: {env.api_note}")
-        reason = env.api.batch_unavailable()
-        if reason:
-            raise Unavailable(reason)
-        run = env.api.memcpy_batch(src.tolist(), dst.tolist(), sizes.tolist(), case.store, env.stream_handle)
-        return Prepared(run, case.host_ids, f"cuMemcpyBatchAsync via {env.api_note}")
+        return _batch(case, env, case.copy_plan(case.host_ids), FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+
+
+class Vllm033:
+    """What vLLM 0.33's native offloading worker does for the same transfer, from its description (no vLLM code):
+    stores are one cuMemcpyBatchAsync (srcAccessOrder=STREAM, no flags); loads of small, 8-byte-aligned pages with
+    enough descriptors are an SM copy (:mod:`sm_copy`), other loads one cuMemcpyBatchAsync."""
+
+    def prepare(self, case: TransferCase, env: Env) -> Prepared:
+        plan = case.copy_plan(case.host_ids)
+        if uses_sm_copy(case.store, *plan):
+            where = "compiled" if env.cuda else "Triton interpreter"
+            impl = f"SM copy ({where}): 12 programs, 8-byte words, <= 8 KiB steps, descriptors uploaded per call"
+            return Prepared(SmCopy(*plan, case.device), case.host_ids, impl)
+        prepared = _batch(case, env, plan, FLAG_DEFAULT)
+        return dataclasses.replace(prepared, impl=f"batch: {prepared.impl}")
 
 
 class TorchStaged:
@@ -304,21 +149,24 @@ class TorchStaged:
         host_region = case.contiguous_host_region()
         cols = [staging[:, r.host_offset : r.host_offset + r.nbytes] for r in case.runs]
         views = [r.view for r in case.runs]
-        g_np, device = case.gpu_ids, case.device
+        device = case.device
+        # Uploaded on every call, from pinned memory: from pageable memory the copy may synchronise with the stream.
+        ids = torch.from_numpy(np.ascontiguousarray(case.gpu_ids))
+        ids = ids.pin_memory() if env.cuda else ids
 
         def store() -> None:
-            g = torch.from_numpy(g_np).to(device, non_blocking=True)
+            g = ids.to(device, non_blocking=True)
             for view, col in zip(views, cols):
                 torch.index_select(view, 0, g, out=col)
             host_region.copy_(staging, non_blocking=True)
 
         def load() -> None:
-            g = torch.from_numpy(g_np).to(device, non_blocking=True)
+            g = ids.to(device, non_blocking=True)
             staging.copy_(host_region, non_blocking=True)
             for view, col in zip(views, cols):
                 view.index_copy_(0, g, col)
 
-        impl = f"index_select/index_copy_ per run + one copy_, {len(case.runs)} runs"
+        impl = "index_select / index_copy_ per run + one copy_"
         return Prepared(store if case.store else load, case.contiguous_host_ids, impl)
 
 
@@ -335,12 +183,12 @@ class Peak:
         return Prepared(run, None, "one contiguous copy_ (cudaMemcpyAsync)" if env.cuda else "one contiguous copy_")
 
 
-# Baselines by exact name; "triton" is built per num_ctas by the driver.
+# Methods by exact name; "triton" is built per num_ctas by the driver.
 METHODS = {
     "triton": Triton,
     "memcpy_per_block": MemcpyPerBlock,
     "memcpy_batch": MemcpyBatch,
     "torch_staged": TorchStaged,
+    "vllm033": Vllm033,
     "peak": Peak,
 }
-BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged")

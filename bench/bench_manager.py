@@ -14,11 +14,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import platform
 import random
 import sys
 import time
@@ -31,22 +27,17 @@ except ImportError:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from triton_offload.manager import OffloadManager
 
+# isort: split
+# Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from report import print_table
+from results import machine_info, write_json
+
 KEY_BYTES = 32  # a sha256-sized block hash, like vLLM's
+ROW_KEYS = ("policy", "op", "calls", "keys_per_call", "seconds", "calls_per_s", "keys_per_s", "us_per_call")
 
 
 def make_key(i: int) -> bytes:
     return i.to_bytes(KEY_BYTES, "little")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def timed(fn: Callable[[list], object], batches: list[list]) -> float:
@@ -65,18 +56,8 @@ def bench_policy(policy: str, num_blocks: int, ops: int, per_call: int, seed: in
     rows = []
 
     def row(op: str, calls: int, keys_per_call: int, seconds: float) -> None:
-        rows.append(
-            {
-                "policy": policy,
-                "op": op,
-                "calls": calls,
-                "keys_per_call": keys_per_call,
-                "seconds": seconds,
-                "calls_per_s": calls / seconds,
-                "keys_per_s": calls * keys_per_call / seconds,
-                "us_per_call": seconds / calls * 1e6,
-            }
-        )
+        rates = (calls / seconds, calls * keys_per_call / seconds, seconds / calls * 1e6)
+        rows.append(dict(zip(ROW_KEYS, (policy, op, calls, keys_per_call, seconds, *rates))))
 
     def store(batch: list) -> None:
         out = m.prepare_store(batch)
@@ -136,12 +117,7 @@ def main() -> None:
             f"need blocks >= keys-per-call >= 1 and ops >= 1, got {args.blocks}, {args.keys_per_call}, {args.ops}"
         )
 
-    machine = {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-    }
+    machine = machine_info()
     print(f"# OffloadManager throughput: {args.blocks:,} blocks, {args.ops:,} calls x {args.keys_per_call} keys")
     print(f"# {machine['cpu']} ({machine['cores']} cores), {machine['implementation']} {machine['python']}")
     policies = ["lru", "arc"] if args.policy == "both" else [args.policy]
@@ -152,18 +128,18 @@ def main() -> None:
         gc.collect()
     wall = time.perf_counter() - wall
 
-    # keys/s counts the keys passed in; a lookup that misses on the first key examines only that one.
-    print(f"{'policy':<6} {'operation':<30} {'calls/s':>12} {'keys/s':>12} {'us/call':>9}")
-    for r in rows:
-        rates = f"{r['calls_per_s']:>12,.0f} {r['keys_per_s']:>12,.0f} {r['us_per_call']:>9.2f}"
-        print(f"{r['policy']:<6} {r['op']:<30} {rates}")
+    print_table(
+        "OffloadManager throughput",
+        ["policy", "operation", "calls/s", "keys/s", "us/call"],
+        [[r["policy"], r["op"], f"{r['calls_per_s']:,.0f}", f"{r['keys_per_s']:,.0f}", f"{r['us_per_call']:.2f}"]
+         for r in rows],
+        note="keys/s counts the keys passed in; a lookup that misses on the first key examines only that one.",
+    )  # fmt: skip
     print(f"# total {wall:.1f} s")
 
     if args.json:
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        meta = {**machine, "blocks": args.blocks, "timestamp": stamp}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([{**meta, **r} for r in rows], indent=2) + "\n")
+        doc = {"benchmark": "manager", "mode": "cpu", "complete": True, **machine, "args": vars(args), "rows": rows}
+        write_json(args.json, doc)
         print(f"# wrote {len(rows)} rows to {args.json}")
 
 

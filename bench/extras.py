@@ -7,27 +7,23 @@ import math
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 import triton_offload as to
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from baselines import Env, Prepared, TransferCase, Triton
+from baselines import Triton
+from case import Env, Prepared, TransferCase
+from timing import quantiles
 
 __all__ = ["cpu_overhead", "interference"]
 
 
 def _stats_us(seconds: list[float]) -> dict:
-    us = np.asarray(seconds) * 1e6
-    return {
-        "calls": int(us.size),
-        "median_us": round(float(np.median(us)), 2),
-        "p20_us": round(float(np.quantile(us, 0.2)), 2),
-        "p80_us": round(float(np.quantile(us, 0.8)), 2),
-        "min_us": round(float(us.min()), 2),
-    }
+    median, p20, p80 = (round(v * 1e6, 2) for v in quantiles(seconds))
+    lowest = round(min(seconds) * 1e6, 2)
+    return {"calls": len(seconds), "median_us": median, "p20_us": p20, "p80_us": p80, "min_us": lowest}
 
 
 def cpu_overhead(
@@ -147,13 +143,13 @@ def interference(
             gemm()  # cuBLAS handle, workspace and heuristics outside the timing
     torch.cuda.synchronize()
     alone = [_overlap_once(gemm, None, 0, 2, iters, compute, side)[0] for _ in range(repeats)]
-    gemm_ms = float(np.median(alone))
+    gemm_ms = quantiles(alone)[0]
     rows = []
     for (direction, method, num_ctas), prepare in preparers.items():
         try:
             rows.append(_point(prepare(), gemm, gemm_ms, bytes_per_transfer, iters, repeats, compute, side))
         except Exception as exc:  # one broken point must not cost the others; the error is reported in its row
-            if not _alive(device):
+            if not env.alive():
                 raise
             rows.append({"error": f"{type(exc).__name__}: {exc}"})
         rows[-1] = {"direction": direction, "method": method, "num_ctas": num_ctas, **rows[-1]}
@@ -162,14 +158,6 @@ def interference(
         "gemm_ms_alone": round(gemm_ms, 4),
         "rows": rows,
     }
-
-
-def _alive(device: torch.device) -> bool:
-    try:
-        torch.cuda.synchronize(device)
-        return True
-    except RuntimeError:
-        return False
 
 
 def _point(
@@ -199,8 +187,8 @@ def _point(
     transfers = min(400, max(2, math.ceil(1.3 * iters * gemm_ms / max(transfer_ms, 1e-3)) + 1))
     blockers = math.ceil((transfers * cpu_ms + iters * 0.05 + 5.0) / gemm_ms) + 1
     samples = [_overlap_once(gemm, prepared.run, transfers, blockers, iters, compute, side) for _ in range(repeats)]
-    with_ms = float(np.median([s[0] for s in samples]))
-    xfer_ms = float(np.median([s[1] for s in samples]))
+    with_ms = quantiles([s[0] for s in samples])[0]
+    xfer_ms = quantiles([s[1] for s in samples])[0]
     return {
         "gemm_ms": round(with_ms, 4),
         "slowdown_pct": round((with_ms / gemm_ms - 1.0) * 100.0, 2),

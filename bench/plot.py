@@ -9,6 +9,10 @@ import json
 import sys
 from collections import defaultdict
 
+# isort: split
+# Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from copy_loop import PYTHON_ISSUED
+
 __all__ = ["plot_results"]
 
 # Drawn in this order; peak is the dashed ceiling.
@@ -17,6 +21,7 @@ _STYLE = {
     "memcpy_batch": dict(color="tab:orange", marker="s"),
     "memcpy_per_block": dict(color="tab:red", marker="v"),
     "torch_staged": dict(color="tab:green", marker="^"),
+    "vllm033": dict(color="tab:purple", marker="D"),
     "peak": dict(color="black", linestyle="--", marker=""),
 }
 
@@ -54,6 +59,8 @@ def plot_results(rows: list[dict], path: str, title: str, default_ctas: int) -> 
                 continue
             xs, ys = zip(*points)
             name = f"triton ({default_ctas} CTAs)" if method == "triton" else method
+            if any((r.get("impl") or "").startswith(PYTHON_ISSUED) for r in measured if r["method"] == method):
+                name += " (Python-issued)"
             ax.plot([x / 1024 for x in xs], ys, label=name, **style)
         ax.set_xscale("log", base=2)
         pages = sorted({p for pts in series.values() for p, _ in pts})
@@ -63,7 +70,8 @@ def plot_results(rows: list[dict], path: str, title: str, default_ctas: int) -> 
         ax.set_title(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s")
-    axes[0].legend(loc="best", fontsize=9)
+    labelled = [ax for ax in axes if ax.get_legend_handles_labels()[0]]  # a run may have measured one direction
+    labelled[0].legend(loc="best", fontsize=9)
     fig.suptitle(f"{title}\n{blocks} blocks per transfer, {f} GPU block(s) per host block, mean over layouts")
     fig.tight_layout()
     fig.savefig(path, dpi=130)

@@ -1,24 +1,33 @@
 """Device timing with CUDA events, the way ``triton.testing.do_bench`` does it, plus the host time of each call.
 
-Each sample is one call between two events on the benchmark's stream, after an L2 flush (a 256 MiB memset). The
-flush also keeps the GPU busy while the host issues the call, so a launch's fixed CPU cost (tens of microseconds)
-is hidden behind it and the events measure what the transfer occupies on the device; a method whose issue time
-exceeds that (one cudaMemcpyAsync per block) shows its issue time, because the copies cannot run before they are
-issued. The host-side cost of a call is reported separately, never mixed into GB/s.
+Each sample is one call between two events on the benchmark's stream, after an L2 flush (a 256 MiB memset, about
+70-100 us on an H100/H200) and a GPU sleep of :data:`HIDE_US` microseconds (``torch.cuda._sleep``, calibrated once).
+The flush and the sleep keep the GPU busy while the host issues the call, so a call's host work up to about 300 us
+(validation, descriptor uploads, the launch) is hidden and the events measure what the transfer occupies on the
+device. A method whose host work is longer shows the excess, because its copies cannot run before they are issued:
+one ``cudaMemcpyAsync`` per block is such a method at large sizes. The host time of every call is recorded separately
+(``call_cpu_us``) and never mixed into GB/s.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["Timing", "GpuTimer"]
+__all__ = ["quantiles", "Timing", "GpuTimer", "FLUSH_BYTES", "HIDE_US"]
 
 FLUSH_BYTES = 256 << 20
+HIDE_US = 200.0
+
+
+def quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
+    """(median, p20, p80) of the samples: the one summary every table and JSON field uses."""
+    median, p20, p80 = np.quantile(np.asarray(samples, dtype=np.float64), [0.5, 0.2, 0.8])
+    return float(median), float(p20), float(p80)
 
 
 @dataclass
@@ -28,16 +37,15 @@ class Timing:
     ms: list[float]
     cpu_ms: list[float]
 
-    def quantile(self, q: float) -> float:
-        return float(np.quantile(self.ms, q))
-
-    @property
-    def median_ms(self) -> float:
-        return self.quantile(0.5)
-
-    @property
-    def median_cpu_ms(self) -> float:
-        return float(np.median(self.cpu_ms)) if self.cpu_ms else float("nan")
+    def fields(self) -> dict:
+        """The row fields: median/p20/p80 device ms and the median host microseconds of one call."""
+        median, p20, p80 = quantiles(self.ms)
+        return {
+            "median_ms": round(median, 5),
+            "p20_ms": round(p20, 5),
+            "p80_ms": round(p80, 5),
+            "call_cpu_us": round(quantiles(self.cpu_ms)[0] * 1e3, 2),
+        }
 
 
 class GpuTimer:
@@ -46,11 +54,25 @@ class GpuTimer:
     Args:
         stream: the (non-default) stream every method issues its work on.
         device: the CUDA device.
+        hide_us: GPU sleep after each flush, in microseconds (0: none).
     """
 
-    def __init__(self, stream: torch.cuda.Stream, device: torch.device):
+    def __init__(self, stream: torch.cuda.Stream, device: torch.device, hide_us: float = HIDE_US):
         self.stream = stream
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+        self.sleep_cycles = self._cycles(hide_us) if hide_us > 0 else 0
+
+    def _cycles(self, us: float) -> int:
+        """GPU clock cycles that ``torch.cuda._sleep`` spins for ``us`` microseconds, measured here."""
+        probe = 1_000_000
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(probe)  # first call: module load
+            start, end = self._events(2)
+            start.record(self.stream)
+            torch.cuda._sleep(probe)
+            end.record(self.stream)
+            end.synchronize()
+        return int(us * probe / (start.elapsed_time(end) * 1e3))
 
     def _events(self, k: int) -> list[torch.cuda.Event]:
         return [torch.cuda.Event(enable_timing=True) for _ in range(k)]
@@ -78,6 +100,8 @@ class GpuTimer:
             starts, ends = self._events(reps), self._events(reps)
             for i in range(reps):
                 self.flush.zero_()
+                if self.sleep_cycles:
+                    torch.cuda._sleep(self.sleep_cycles)
                 starts[i].record(self.stream)
                 t0 = time.perf_counter()
                 fn()

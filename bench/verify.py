@@ -15,7 +15,7 @@ from triton_offload.kernels.reference import gather_blocks_ref
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from baselines import Prepared, TransferCase
+from case import Prepared, TransferCase
 
 __all__ = ["SENTINEL", "reference_blocks", "check_method"]
 

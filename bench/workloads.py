@@ -63,7 +63,7 @@ class Workload:
         )
 
 
-# Per-layer shapes, keyed by layout name (DESIGN.md's table).
+# Per-layer shapes, keyed by layout name (as triton_offload.layouts.Layout writes them out).
 _SHAPES = {
     "kv_first": lambda w, nb: (2, nb, w.block_size, w.heads, w.head_dim),
     "block_first": lambda w, nb: (nb, 2, w.block_size, w.heads, w.head_dim),

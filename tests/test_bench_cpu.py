@@ -15,11 +15,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 TIMING_FIELDS = (
-    "median_ms", "p20_ms", "p80_ms", "gbps", "fraction_of_peak",
-    "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged",
+    "median_ms", "p20_ms", "p80_ms", "gbps", "call_cpu_us", "fraction_of_peak",
+    "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged", "speedup_vs_vllm033",
 )  # fmt: skip
 RUNS_ON_CPU = {"triton", "torch_staged", "peak"}
 CUDA_ONLY = {"memcpy_per_block", "memcpy_batch"}
+# Stores are one cuMemcpyBatchAsync (CUDA only); loads of these small pages are its Triton SM copy, run on CPU.
+VLLM033 = "vllm033"
 
 
 def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
@@ -37,7 +39,9 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
     assert data["mode"] == "cpu-interpreter-check"
     assert data["failures"] == []
     rows = data["rows"]
-    assert {r["method"] for r in rows} == RUNS_ON_CPU | CUDA_ONLY
+    assert {r["method"] for r in rows} == RUNS_ON_CPU | CUDA_ONLY | {VLLM033}
+    # One row schema, in both modes: every row has exactly the same keys.
+    assert len({tuple(r) for r in rows}) == 1 and set(TIMING_FIELDS) <= set(rows[0])
     # Every workload and every layout took part, in both directions, with a non-zero skip.
     assert {r["workload"] for r in rows} == {"llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla", "small-page"}
     assert {r["layout"] for r in rows} >= {"kv_first", "mla"}
@@ -47,6 +51,9 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
         assert all(r[k] is None for k in TIMING_FIELDS), f"a number was reported without a GPU: {r}"
         if r["method"] in RUNS_ON_CPU:
             assert r["status"] == "pass", r
+        elif r["method"] == VLLM033 and r["direction"] == "load":
+            # The SM copy ran under the interpreter in every layout and moved the right bytes.
+            assert r["status"] == "pass" and r["impl"].startswith("SM copy"), r
         else:
             # Not runnable without CUDA, but the copy plan they would issue moved the right bytes.
             assert r["status"] == "n/a" and "memmove" in r["note"], r
@@ -55,14 +62,14 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
 _BROKEN_PLAN = """
 import sys
 sys.path.insert(0, {bench!r})
-import baselines, bench_transfer
-original = baselines.TransferCase.copy_plan
+import case, bench_transfer
+original = case.TransferCase.copy_plan
 def shifted(self, host_ids):
     src, dst, sizes = original(self, host_ids)
     sizes = sizes.copy()
     sizes[-1] -= 16  # the last copy stops 16 bytes short: never writes out of bounds, leaves a sentinel tail
     return src, dst, sizes
-baselines.TransferCase.copy_plan = shifted
+case.TransferCase.copy_plan = shifted
 sys.exit(bench_transfer.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
 """
 
@@ -73,7 +80,7 @@ def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
     failed = {(f["method"], f["direction"]) for f in data["failures"]}
-    assert failed == {(m, d) for m in CUDA_ONLY for d in ("store", "load")}
+    assert failed == {(m, d) for m in CUDA_ONLY | {VLLM033} for d in ("store", "load")}
     assert all("differ" in f["note"] for f in data["failures"])
     # The methods whose bytes are right still pass, and still nothing is measured.
     assert all(r["status"] == "pass" for r in data["rows"] if r["method"] in RUNS_ON_CPU)

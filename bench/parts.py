@@ -1,0 +1,155 @@
+"""The GPU runner's parts (``./dev gpu PART OUTDIR``): the benchmark split into pieces that each finish in under 8
+minutes on an H100, the time model each is sized by, and the names their files get.
+
+    python bench/parts.py list          # every part with its estimated minutes
+    python bench/parts.py args PART     # the bench_transfer.py arguments of a benchmark part
+    python bench/parts.py stem PART     # <device-slug>-<date>-<part>: the name of the part's JSON, PNG and log
+
+The estimate is a model, not a measurement (no GPU has run this benchmark yet): per case and method, the device time
+of the calls GpuTimer makes (a warm-up, an estimate, then samples until the 100 ms budget is spent, at least 3, at
+most 100) at the rates below, plus the flush and sleep before each sample, the byte check (host buffer passes over
+the link and a host memset), the allocation of each workload, and a fixed start-up (torch import, CUDA init, the C++
+helper's build, Triton compiles). The rates are the pessimistic ends of the ranges the GPU-readiness review used: a
+50 GB/s link, 3 GB/s per Triton program, 3 us per cudaMemcpyAsync, 0.1 us per batched descriptor.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+# isort: split
+# Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from results import result_stem
+from workloads import WORKLOADS
+
+__all__ = ["TEST_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
+
+TEST_PART = "tests"  # `pytest -m gpu`; the others run bench/bench_transfer.py
+_NO_EXTRAS = ["--no-overhead", "--no-interference"]
+PARTS: dict[str, list[str]] = {
+    "quick": ["--quick"],
+    "full-8b": ["--workloads", "llama3-8b", *_NO_EXTRAS],
+    "full-70b": ["--workloads", "llama3-70b-tp8", *_NO_EXTRAS],
+    "full-mla": ["--workloads", "deepseek-v3-mla", *_NO_EXTRAS],
+    "full-small": ["--workloads", "small-page", *_NO_EXTRAS],
+    "extras": ["--no-sweep"],
+}
+LIMIT_S = 8 * 60  # each part must fit a 10-minute call with room for the install and a cold start
+
+# The time model (see the module docstring).
+LINK_BPS = 50e9
+PER_PROGRAM_BPS = 3e9
+COPY_ISSUE_S = 3e-6
+BATCH_DESCRIPTOR_S = 0.1e-6
+SAMPLE_OVERHEAD_S = 0.3e-3 + 0.2e-3  # flush + sleep, and the host's per-sample work
+HOST_MEMSET_BPS = 10e9
+STARTUP_S = 60.0  # dev's install check, torch import and CUDA init, the C++ helper, Triton compiles
+TESTS_S = 5 * 60.0  # `pytest -m gpu`: the review's 3-5 minutes, mostly CPU-side random caches
+
+
+def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: bool, page: int) -> float:
+    link = nbytes / LINK_BPS
+    if method == "triton":
+        return nbytes / min(LINK_BPS, ctas * PER_PROGRAM_BPS)
+    if method == "memcpy_per_block":
+        return max(link, copies * COPY_ISSUE_S)
+    if method == "vllm033" and not store and page < 28 * 1024:
+        return nbytes / min(LINK_BPS, 12 * PER_PROGRAM_BPS)
+    if method in ("memcpy_batch", "vllm033"):
+        return max(link, copies * BATCH_DESCRIPTOR_S)
+    return link  # peak, torch_staged (its GPU-side gather is ~1% of the link time)
+
+
+def _measure_s(t: float, budget_s: float) -> float:
+    samples = max(3, min(100, int(budget_s / max(t, 1e-6))))
+    return (2 + samples) * t + samples * SAMPLE_OVERHEAD_S
+
+
+def _host_bytes(n: int, f: int, skip: int, block_bytes: int) -> int:
+    return (math.ceil((skip + n) / f) + 2) * f * block_bytes  # as session.allocate / make_case size it
+
+
+def _sweep_s(workloads, layouts_per_workload, blocks, host_configs, ctas, budget_s) -> float:
+    methods = [("triton", c) for c in ctas] + [(m, None) for m in BASELINE_METHODS]
+    total = 0.0
+    for w in workloads:
+        layouts = w.layouts[:layouts_per_workload]
+        for layout in layouts:
+            runs = w.num_layers * (2 if layout == "kv_first" else 1)
+            block_bytes = w.num_layers * w.page_bytes
+            host_bytes = max(_host_bytes(blocks[-1], f, skip, block_bytes) for f, skip in host_configs)
+            total += 2.0 + host_bytes / 5e9  # allocation: pinning runs at a few GB/s
+            for n in blocks:
+                nbytes = n * block_bytes
+                for f, skip in host_configs:
+                    # A check fills the case's host view, moves it over the link a few times and compares on the GPU.
+                    case_host = _host_bytes(n, f, skip, block_bytes)
+                    check = 4 * case_host / LINK_BPS + case_host / HOST_MEMSET_BPS + 0.02
+                    for store in (True, False):
+                        for method, c in methods:
+                            t = _transfer_s(method, c, nbytes, n * runs, store, w.page_bytes)
+                            total += _measure_s(t, budget_s) + check
+    return total
+
+
+BASELINE_METHODS = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak")
+
+
+def _extras_s(quick: bool) -> float:
+    w = WORKLOADS["llama3-70b-tp8"]
+    t = 1024 * w.num_layers * w.page_bytes / LINK_BPS  # 640 MiB per call, link-bound
+    points = (len((1, 8, 32)) if quick else 6) + 2  # triton at every num_ctas, memcpy_batch, vllm033
+    checks = 2 * points * (6 * t + 0.05)
+    overhead = 2 * (5 if quick else 25) * 8 * t
+    iters, repeats = (10, 1) if quick else (30, 3)
+    gemm_s = 1.6e-3  # 8192^3 bf16 on an H100
+    inter = 2 * points * (4 * t + repeats * 1.3 * iters * gemm_s * 2)
+    return checks + overhead + inter
+
+
+def estimate_seconds(part: str) -> float:
+    """The model's seconds for one part, start-up included."""
+    if part == TEST_PART:
+        return STARTUP_S + TESTS_S
+    args = PARTS[part]
+    if part == "quick":
+        work = _sweep_s(WORKLOADS.values(), 1, (128,), ((4, 1),), (1, 8, 32), 0.03) + _extras_s(True)
+    elif part == "extras":
+        work = _extras_s(False)
+    else:
+        workloads = [WORKLOADS[args[args.index("--workloads") + 1]]]
+        work = _sweep_s(workloads, 3, (16, 128, 1024), ((1, 0), (4, 1)), (1, 2, 4, 8, 16, 32), 0.1)
+    return STARTUP_S + work
+
+
+def _device_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: the parts run on a GPU machine")
+    return torch.cuda.get_device_name()
+
+
+def main(argv: list[str]) -> int:
+    names = [TEST_PART, *PARTS]
+    if argv[:1] == ["list"]:
+        for name in names:
+            print(f"{name:<11} ~{estimate_seconds(name) / 60:.1f} min  {' '.join(PARTS.get(name, ['pytest -m gpu']))}")
+        return 0
+    if len(argv) == 2 and argv[0] in ("args", "stem", "check"):
+        cmd, part = argv
+        if part not in names:
+            print(f"unknown part {part!r}; parts: {' '.join(names)}", file=sys.stderr)
+            return 2
+        if cmd == "args":
+            print(" ".join(PARTS.get(part, [])))
+        elif cmd == "stem":
+            print(result_stem(_device_name(), part))
+        return 0
+    print("usage: python bench/parts.py {list | args PART | stem PART | check PART}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,121 @@
+"""What both benchmarks write: one JSON envelope, the transfer rows' schema, the relative columns, and file names.
+
+Torch-free, so ``bench_manager.py`` (a scheduler-side, CPU-only benchmark) shares it with ``bench_transfer.py``.
+
+Every results file is one JSON object: ``benchmark`` (``transfer`` or ``manager``), ``mode``, ``complete`` (false
+while a run is still writing, or when it was killed), the machine and version fields, ``args``, and ``rows``: a list
+of flat dicts with the same keys in every row of a file (:data:`ROW_KEYS` for the transfer benchmark). The file is
+rewritten whole (write to a temporary name, then rename) after every group of rows, so a run killed at any point
+leaves valid JSON holding everything measured up to its last completed group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+from collections import defaultdict
+
+__all__ = [
+    "ROW_KEYS",
+    "BASELINE_NAMES",
+    "new_row",
+    "by_case",
+    "fill_relative",
+    "machine_info",
+    "slug",
+    "result_stem",
+    "write_json",
+]
+
+# Baselines a speedup column is computed against, in table order.
+BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033")
+
+ROW_KEYS = (
+    "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",
+    "blocks_per_host_block", "skip", "total_bytes", "status", "note", "median_ms", "p20_ms", "p80_ms", "gbps",
+    "call_cpu_us", "fraction_of_peak", *(f"speedup_vs_{name}" for name in BASELINE_NAMES),
+)  # fmt: skip
+"""The transfer benchmark's row. ``status``: pass / FAIL / ERROR / n/a of the byte check that preceded the timing (a
+GPU row is timed only after ``pass``); ``note``: why, where it is not ``pass``; ``call_cpu_us``: median host
+microseconds of one call (the CPU submission cost), beside the device time of the same calls."""
+
+# The fields that identify one case: every method moves the same bytes within it.
+CASE_KEYS = ("workload", "layout", "page_bytes", "blocks", "blocks_per_host_block", "skip", "direction")
+
+
+def new_row(**fields) -> dict:
+    """A row with every :data:`ROW_KEYS` key (None where not given); an unknown key is a bug, not a new column."""
+    unknown = set(fields) - set(ROW_KEYS)
+    if unknown:
+        raise KeyError(f"not row keys: {sorted(unknown)}")
+    return dict(dict.fromkeys(ROW_KEYS), **fields)
+
+
+def by_case(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:
+    """``{case key (CASE_KEYS values): {(method, num_ctas): row}}``, in the order the cases were first seen."""
+    out: dict = defaultdict(dict)
+    for r in rows:
+        out[tuple(r[k] for k in CASE_KEYS)][(r["method"], r["num_ctas"])] = r
+    return out
+
+
+def fill_relative(rows: list[dict]) -> None:
+    """fraction_of_peak and the speedup columns, against the rows of the same case (same blocks, same bytes)."""
+    for case_rows in by_case(rows).values():
+        peak = case_rows.get(("peak", None))
+        for r in case_rows.values():
+            if r["median_ms"] is None:
+                continue
+            if peak and peak["gbps"]:
+                r["fraction_of_peak"] = round(r["gbps"] / peak["gbps"], 4)
+            for name in BASELINE_NAMES:
+                base = case_rows.get((name, None))
+                if base and base["median_ms"]:
+                    r[f"speedup_vs_{name}"] = round(base["median_ms"] / r["median_ms"], 3)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    """The fields every results file carries about where and when it was made."""
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+    }
+
+
+def slug(text: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``: a device name as a file name."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def result_stem(device: str, part: str | None = None, date: datetime.date | None = None) -> str:
+    """``<device-slug>-<date>[-<part>]``: the name results are committed under in ``bench/results/``."""
+    stem = f"{slug(device)}-{(date or datetime.date.today()).isoformat()}"
+    return f"{stem}-{part}" if part else stem
+
+
+def write_json(path: str | os.PathLike, doc: dict) -> None:
+    """Writes ``doc`` to ``path`` atomically: a reader (or a kill) never sees a half-written file."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,174 @@
+"""The GPU mode: for every workload, layout, size, host format and direction, each method is byte-checked on that
+exact case and then timed; then the extras (CPU cost per call, GEMM interference) and the targets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+
+# isort: split
+# Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from case import Env, TransferCase
+from cuda_driver import load_driver
+from extras import cpu_overhead, interference
+from report import ProgressBar, print_table, say
+from results import fill_relative
+from session import FatalCudaError, Group, MethodSpec, Session, allocate, environment, make_case, method_specs, release
+from summary import evaluate_targets, print_extras, print_header, print_results, print_targets
+from timing import GpuTimer
+from workloads import WORKLOADS, Workload, resolve_workloads
+
+__all__ = ["SWEEP", "QUICK_SWEEP", "BLOCKS", "HOST_CONFIGS", "selected_groups", "run_gpu"]
+
+SWEEP = (1, 2, 4, 8, 16, 32)
+QUICK_SWEEP = (1, 8, 32)
+BLOCKS = (16, 128, 1024)
+HOST_CONFIGS = ((1, 0), (4, 1))  # (blocks_per_host_block, skip): plain, and f=4 starting mid-block
+EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024  # 1024 blocks x 80 layers
+
+
+def selected_groups(args) -> list[tuple[Workload, str]]:
+    """(workload, layout) pairs after --workloads / --layouts (--quick: one layout per workload)."""
+    groups = []
+    for w in resolve_workloads(args.workloads):
+        layouts = [lay for lay in w.layouts if not args.layouts or lay in args.layouts]
+        if args.quick and not args.layouts:
+            layouts = layouts[:1]
+        groups += [(w, layout) for layout in layouts]
+    if not groups:
+        raise SystemExit(f"no workload/layout left after the filters (layouts: {args.layouts})")
+    return groups
+
+
+def _measure(run: Session, group: Group, case: TransferCase, ms: MethodSpec, timer: GpuTimer, budget_ms: float):
+    """The row of one method on one case: its byte check on this very case, then (only after a pass) its timing."""
+    peak_key = (case.direction, case.total_bytes)
+    if ms.label == "peak" and peak_key in run.peak_cache:  # the link does not care which layout the bytes had
+        impl, timing = run.peak_cache[peak_key]
+        return run.row(group, case, ms, impl, "pass", "timed once per direction and size", timing)
+    status, note, prepared = run.check(group, case, ms)
+    run.record_check(group, case, ms, status, note)
+    impl = prepared and prepared.impl
+    if status != "pass":
+        return run.row(group, case, ms, impl, status, note)
+    try:
+        timing = timer(prepared.run, budget_ms)
+    except Exception as exc:
+        if not run.env.alive():
+            raise FatalCudaError(f"timing {ms.name} on {group.workload.name}/{group.layout}: {exc}") from exc
+        run.record_check(group, case, ms, "ERROR", f"while timing: {exc!r}")
+        return run.row(group, case, ms, impl, "ERROR", f"while timing: {exc!r}")
+    if ms.label == "peak":
+        run.peak_cache[peak_key] = (impl, timing)
+    return run.row(group, case, ms, impl, "pass", "", timing)
+
+
+def _measure_group(run: Session, group: Group, blocks, host_configs, timer: GpuTimer, args, bar: ProgressBar) -> None:
+    cases = [(n, f, skip, store) for n in blocks for f, skip in host_configs for store in (True, False)]
+    for n, f, skip, store in cases:
+        case = make_case(group, n, f, skip, store)
+        for ms in run.specs:
+            item = f"{group.workload.name}/{group.layout} n={n} f={f} {case.direction} {ms.name}"
+            bar.describe(item)
+            run.rows.append(_measure(run, group, case, ms, timer, args.budget_ms))
+            bar.advance(item)
+
+
+def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
+    """Runs the GPU mode; ``checkpoint`` gets the (incomplete) results document after every workload/layout group,
+    so a run killed mid-way keeps what it measured. Returns the final document and the exit code."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.empty(1, device=device)  # creates the primary context on this thread before the driver API looks for it
+    stream = torch.cuda.Stream(device)  # not the legacy default stream: cuMemcpyBatchAsync rejects that one
+    driver, driver_note = load_driver(device.index)
+    env = Env(device, driver, driver_note, stream.cuda_stream)
+    meta = environment(device, driver_note)
+    print_header(meta, "GPU")
+    sweep = sorted(set(args.num_ctas or (QUICK_SWEEP if args.quick else SWEEP)) | {DEFAULT_NUM_CTAS})
+    blocks = sorted(args.blocks or ((128,) if args.quick else BLOCKS))
+    host_configs = ((4, 1),) if args.quick else HOST_CONFIGS
+    groups = [] if args.no_sweep else selected_groups(args)
+    run = Session(meta, env, method_specs(sweep), stream)
+    timer = GpuTimer(stream, device, args.hide_us)
+    overhead = inter = fatal = None
+    try:
+        per_group = len(run.specs) * len(blocks) * len(host_configs) * 2
+        with ProgressBar(len(groups) * per_group) as bar:
+            for w, layout in groups:
+                bar.describe(f"allocating {w.name}/{layout}")
+                group = allocate(w, layout, blocks[-1], host_configs, device, args.seed)
+                _measure_group(run, group, blocks, host_configs, timer, args, bar)
+                del group
+                release(device)
+                fill_relative(run.rows)
+                checkpoint(run.result("gpu", args, complete=False))
+        if not (args.no_overhead and args.no_interference):
+            overhead, inter = run_extras(run, args, env, stream, sweep)
+    except FatalCudaError as exc:
+        # Keep what was measured before the context died; report it and stop.
+        fatal = str(exc)
+        run.failures.append({"status": "FATAL", "note": fatal})
+        say(f"FATAL: the CUDA context is unusable after {fatal}; stopping, results so far follow", "bold red")
+    fill_relative(run.rows)
+    print_results(run.rows, sweep)
+    methods = [(m, impl) for m, impls in run.impls.items() for impl in impls]
+    methods += [(m, f"skipped: {why}") for m, why in run.skipped.items()]
+    print_table("Methods", ["method", "implementation"], methods)
+    print_extras(overhead, inter, f"{EXTRAS_BLOCKS} blocks x 80 layers ({EXTRAS_WORKLOAD}, {EXTRAS_LAYOUT})")
+    targets = evaluate_targets(run.rows, overhead, inter)
+    print_targets(targets)
+    result = run.result(
+        "gpu",
+        args,
+        complete=fatal is None,
+        timing="CUDA events around one call each, after an L2 flush and a GPU sleep that hide the call's host work "
+        "up to ~300 us, on a dedicated non-default stream; median/p20/p80 over samples; GB/s = total_bytes / median; "
+        "call_cpu_us = median host time of the same calls",
+        cpu_overhead=overhead,
+        interference=inter,
+        targets=targets,
+        fatal=fatal,
+    )
+    return result, 1 if run.failures else 0
+
+
+def run_extras(run: Session, args, env: Env, stream, sweep) -> tuple[dict | None, dict | None]:
+    """CPU cost per call and GEMM interference, on Llama-3-70B TP8 pages at 1024 blocks x 80 layers."""
+    w = WORKLOADS[EXTRAS_WORKLOAD]
+    say(f"extras on {w.name}/{EXTRAS_LAYOUT}, {EXTRAS_BLOCKS} blocks x {w.num_layers} layers")
+    group = allocate(w, EXTRAS_LAYOUT, EXTRAS_BLOCKS, ((1, 0),), env.device, args.seed + 1)
+    cases = {d: make_case(group, EXTRAS_BLOCKS, 1, 0, d == "store") for d in ("store", "load")}
+    # Only methods that moved the right bytes here are timed.
+    used = method_specs(sweep, baselines=("memcpy_batch", "vllm033"))
+    ok = set()
+    for d, case in cases.items():
+        for ms in used:
+            status, note, _ = run.check(group, case, ms)
+            run.record_check(group, case, ms, status, note)
+            if status == "pass":
+                ok.add((ms.label, ms.num_ctas, d))
+    overhead = inter = None
+    if not args.no_overhead and ("triton", DEFAULT_NUM_CTAS, "store") in ok:
+        bursts, per_burst = (5, 8) if args.quick else (25, 8)
+        overhead = cpu_overhead({"gather": cases["store"], "scatter": cases["load"]}, env, stream, bursts, per_burst)
+    if not args.no_interference:
+        preparers = {
+            (d, ms.label, ms.num_ctas): (lambda ms=ms, case=case: ms.factory().prepare(case, env))
+            for d, case in cases.items()
+            for ms in used
+            if (ms.label, ms.num_ctas, d) in ok
+        }
+        iters, repeats = (10, 1) if args.quick else (30, 3)
+        try:
+            inter = interference(preparers, cases["store"].total_bytes, env, stream, args.gemm_size, iters, repeats)
+        except RuntimeError as exc:
+            if env.alive():
+                raise
+            raise FatalCudaError(f"the interference measurement: {exc}") from exc
+        inter.update(workload=w.name, layout=EXTRAS_LAYOUT, blocks=EXTRAS_BLOCKS)
+    del group, cases
+    release(env.device)
+    return overhead, inter

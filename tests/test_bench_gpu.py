@@ -1,0 +1,40 @@
+"""The benchmark end to end on a GPU, at a size that takes seconds: every method is byte-checked on every case and
+then timed, the baselines issue from compiled code, and the rows carry the CPU cost and the vllm033 speedup. Runs
+in `./dev gpu tests`, before the benchmark parts, so a broken baseline shows before any time is spent measuring."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.gpu
+def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
+    out = tmp_path / "small.json"
+    args = ["--workloads", "small-page", "--blocks", "16", "128", "--num-ctas", "8", "--budget-ms", "5"]
+    args += ["--no-overhead", "--no-interference", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_transfer.py"), *args], capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["failures"] == [] and data["mode"] == "gpu"
+    rows = data["rows"]
+    methods = {"triton", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
+    assert {r["method"] for r in rows} == methods
+    # 2 layouts x 2 sizes x 2 host formats x 2 directions, each method checked on each before it was timed.
+    assert len({(r["layout"], r["blocks"], r["skip"], r["direction"]) for r in rows}) == 16
+    assert all(r["status"] == "pass" and r["median_ms"] and r["call_cpu_us"] for r in rows), rows
+    impls = {r["method"]: r["impl"] for r in rows}
+    assert "C++" in impls["memcpy_per_block"], impls  # not the handicapped Python loop
+    assert "ctypes" in impls["memcpy_batch"], impls
+    loads = {r["impl"].split(" ")[0] for r in rows if r["method"] == "vllm033" and r["direction"] == "load"}
+    assert loads == {"SM"}  # 2 KiB pages at >= 16 descriptors: the SM copy
+    tri = [r for r in rows if r["method"] == "triton"]
+    assert all(r["speedup_vs_vllm033"] and r["speedup_vs_memcpy_batch"] for r in tri)

@@ -1,0 +1,89 @@
+"""The GPU mode's output, run on CPU over made-up rows (nothing here is a measurement): the relative columns, the
+tables, the targets and the plot must work before the first GPU run, which has no time to spare for a crash in a
+table printer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_modules import bench_modules
+
+DEFAULT = 8
+
+
+@pytest.fixture(scope="module")
+def mods():
+    with bench_modules("results", "summary", "plot", "copy_loop") as loaded:
+        yield loaded
+
+
+def _rows(results, copy_loop, triton_ms: float, vllm_ms: float) -> list[dict]:
+    """One made-up case (a 8 KiB page, 128 blocks) with every method, and each median given in ms."""
+    case = dict(workload="w", layout="kv_first", direction="load", page_bytes=8192, num_layers=80, blocks=128,
+                blocks_per_host_block=4, skip=1, total_bytes=128 * 80 * 8192, device="x", status="pass")  # fmt: skip
+    medians = {("triton", DEFAULT): triton_ms, ("triton", 1): 4 * triton_ms, ("memcpy_batch", None): 3.0,
+               ("memcpy_per_block", None): 9.0, ("torch_staged", None): 2.0, ("vllm033", None): vllm_ms,
+               ("peak", None): 1.0}  # fmt: skip
+    rows = []
+    for (method, ctas), ms in medians.items():
+        impl = f"{copy_loop.PYTHON_ISSUED}: test" if method == "memcpy_per_block" else "test"
+        gbps = case["total_bytes"] / (ms * 1e-3) / 1e9
+        rows.append(results.new_row(**case, method=method, num_ctas=ctas, impl=impl, median_ms=ms, p20_ms=ms,
+                                    p80_ms=ms, gbps=gbps, call_cpu_us=12.5))  # fmt: skip
+    return rows
+
+
+def test_speedups_are_against_the_same_case(mods):
+    results, _, _, copy_loop = mods
+    rows = _rows(results, copy_loop, triton_ms=1.25, vllm_ms=2.5)
+    other = [dict(r, blocks=16, median_ms=r["median_ms"] * 10, gbps=r["gbps"] / 80) for r in rows]
+    results.fill_relative(rows + other)
+    tri = next(r for r in rows if r["method"] == "triton" and r["num_ctas"] == DEFAULT)
+    assert tri["speedup_vs_vllm033"] == 2.0 and tri["speedup_vs_memcpy_batch"] == 2.4
+    assert tri["speedup_vs_memcpy_per_block"] == 7.2 and tri["fraction_of_peak"] == 0.8
+    assert all(r["speedup_vs_vllm033"] == rows[i]["speedup_vs_vllm033"] for i, r in enumerate(other))
+
+
+def test_a_row_has_exactly_the_schema(mods):
+    results = mods[0]
+    assert tuple(results.new_row(method="peak")) == results.ROW_KEYS
+    with pytest.raises(KeyError, match="median_us"):
+        results.new_row(median_us=1.0)
+
+
+@pytest.mark.parametrize(("vllm_ms", "verdict"), [(2.5, "PASS"), (1.0, "FAIL")], ids=["faster", "slower"])
+def test_tables_and_the_vllm033_target(mods, capsys, vllm_ms, verdict):
+    results, summary, _, copy_loop = mods
+    rows = _rows(results, copy_loop, triton_ms=1.25, vllm_ms=vllm_ms)
+    results.fill_relative(rows)
+    summary.print_results(rows, [1, DEFAULT])
+    out = capsys.readouterr().out
+    assert "x vllm033" in out and "Per call: device ms / host us" in out and "1.250 / 12" in out
+    assert "\u2020" in out  # the Python-issued per-block baseline is marked as handicapped
+    targets = {t["target"]: t for t in summary.evaluate_targets(rows, None, None)}
+    vllm = targets[f"triton@{DEFAULT} never slower than vllm033 (>= 1.0x in every case)"]
+    assert vllm["result"] == verdict, vllm
+    per_block = next(t for name, t in targets.items() if "memcpy_per_block" in name)
+    assert "\u2020" in per_block["detail"]
+
+
+def test_the_plot_has_a_line_per_method(mods, tmp_path):
+    results, _, plot, copy_loop = mods
+    pytest.importorskip("matplotlib")
+    rows = _rows(results, copy_loop, 1.25, 2.5)
+    rows += [dict(r, page_bytes=65536, layout="block_first") for r in rows]  # loads only: one panel is empty
+    path = tmp_path / "p.png"
+    assert plot.plot_results(rows, str(path), "made-up", DEFAULT) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    series = plot._series(rows, "load", 128, 4, DEFAULT)
+    assert set(series) == {"triton", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
+
+
+def test_results_are_written_whole_or_not_at_all(mods, tmp_path):
+    results = mods[0]
+    path = tmp_path / "sub" / "r.json"
+    results.write_json(path, {"rows": [1], "complete": False})
+    results.write_json(path, {"rows": [1, 2], "complete": True})
+    assert json.loads(path.read_text()) == {"rows": [1, 2], "complete": True}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left behind
