@@ -44,9 +44,9 @@ class Triton:
         spec, host, g, h = case.spec, case.host, case.gpu_ids, case.host_ids
         kw = dict(blocks_per_host_block=case.f, skip=case.skip, num_ctas=self.num_ctas)
         if case.store:
-            run = lambda: to.gather_blocks(spec, None, g, host, h, **kw)
+            run = lambda: to.gather_blocks(spec, g, host, h, **kw)
         else:
-            run = lambda: to.scatter_blocks(host, h, spec, None, g, **kw)
+            run = lambda: to.scatter_blocks(host, h, spec, g, **kw)
         where = "compiled kernel" if env.cuda else "Triton interpreter"
         return Prepared(run, h, f"triton_offload.{'gather' if case.store else 'scatter'}_blocks ({where})")
 

@@ -33,7 +33,7 @@ def cpu_overhead(
 
     Calls are timed with perf_counter around the Python call only, back to back in bursts of ``per_burst`` after a
     synchronize: the GPU queues the work (each call is hundreds of MiB), a burst keeps that queue short so a full
-    launch queue cannot stall the host. Validation alone (``check_transfer``) is timed too, to split the cost.
+    launch queue cannot stall the host. Validation alone (``plan_transfer``) is timed too, to split the cost.
     """
     out: dict = {}
     for name, case in cases.items():
@@ -52,14 +52,14 @@ def cpu_overhead(
         checks = []
         for _ in range(bursts * per_burst):
             t0 = time.perf_counter()
-            to.check_transfer(
+            to.plan_transfer(
                 case.spec,
                 case.host,
                 case.gpu_ids,
                 case.host_ids,
                 blocks_per_host_block=case.f,
                 skip=case.skip,
-                gather=case.store,
+                store=case.store,
             )
             checks.append(time.perf_counter() - t0)
         out[name] = {**_stats_us(calls), "validation_median_us": _stats_us(checks)["median_us"]}
