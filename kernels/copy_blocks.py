@@ -10,6 +10,11 @@ from which every KV tensor's address is stored as a difference. All address arit
 groups (``MULTI_GROUP``), each block reads its group, and the group's skip and first host id, from the id buffer,
 and its segments from the group's rows of the table; one launch still moves every group. docs/design.md explains
 the decomposition and the performance model behind the constants.
+
+The table also places each segment on the host: sub-block ``j`` of a host row holds the segment's bytes at
+``j * host stride + host offset``. The packed format gives every segment the packed sub-block as its stride (one GPU
+block's segments are contiguous); vLLM's worker-slot layout (``HostSlots``, docs/tiering.md) gives each segment its
+tensor's page as the stride and its tensor's region in the row as the offset. One kernel serves both.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 def _copy_blocks_kernel(
     anchor_ptr,  # ELEM*: the segment table's own storage; GPU addresses are element offsets from it
     host_ptr,  # ELEM*: packed host buffer
-    table_ptr,  # int64* (groups * n_segs, 4): gpu offset, block stride, length, offset in a sub-block (elements)
+    table_ptr,  # int64* (groups * n_segs, 5): gpu offset, block stride, length, host stride between sub-blocks,
+    # host offset of sub-block 0 in a host row (elements)
     ids_ptr,  # int64*: GPU ids [n_blocks], host ids [n_host]; if MULTI_GROUP also group of each block [n_blocks]
     # and per group (first block, skip, first host id)
     n_blocks,
@@ -62,7 +68,6 @@ def _copy_blocks_kernel(
     skip,  # single group only; MULTI_GROUP reads each group's skip from ids_ptr
     blocks_per_host_block,
     host_row_stride,  # elements between host blocks
-    block_elems,  # elements of one packed sub-block (host stride between a host block's GPU blocks)
     n_chunks,  # CHUNK-sized steps of the longest segment; shorter ones are masked
     STORE: tl.constexpr,  # True: GPU -> host (a store, gather_blocks); False: host -> GPU (a load, scatter_blocks)
     MULTI_GROUP: tl.constexpr,
@@ -74,7 +79,8 @@ def _copy_blocks_kernel(
 
     Position rule (docs/design.md, "The packed host format"): GPU block ``i`` of a group lands at position
     ``p = skip + i``, i.e. host block ``host_ids[first_host + p // blocks_per_host_block]``, sub-block
-    ``p % blocks_per_host_block``; inside the sub-block, segment ``s`` starts at its table row's host offset.
+    ``p % blocks_per_host_block``; segment ``s`` of sub-block ``j`` starts at ``j * host stride + host offset``
+    from its table row (the packed format: the stride is the packed sub-block).
     """
     # int64 from the start: the loop variable inherits it, so item indices never wrap.
     pid = tl.program_id(0).to(tl.int64)
@@ -97,19 +103,20 @@ def _copy_blocks_kernel(
             first_block = tl.load(group_row, mask=live, other=0)
             pos = blk - first_block + tl.load(group_row + 1, mask=live, other=0)
             host_idx = tl.load(group_row + 2, mask=live, other=0) + pos // blocks_per_host_block
-            seg_row = table_ptr + (group * n_segs + seg) * 4
+            seg_row = table_ptr + (group * n_segs + seg) * 5
         else:
             pos = blk + skip
             host_idx = pos // blocks_per_host_block
-            seg_row = table_ptr + seg * 4
+            seg_row = table_ptr + seg * 5
         host_id = tl.load(ids_ptr + n_blocks + host_idx, mask=live, other=0)
         seg_base = tl.load(seg_row, mask=live, other=0)
         seg_stride = tl.load(seg_row + 1, mask=live, other=0)
         seg_len = tl.load(seg_row + 2, mask=live, other=0)  # dead rows and padding get length 0: fully masked
-        seg_host = tl.load(seg_row + 3, mask=live, other=0)
+        seg_host_stride = tl.load(seg_row + 3, mask=live, other=0)
+        seg_host = tl.load(seg_row + 4, mask=live, other=0)
         gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)  # [ROWS], elements from the anchor
         host_off = tl.multiple_of(  # [ROWS], elements from the host buffer's start
-            host_id * host_row_stride + (pos % blocks_per_host_block) * block_elems + seg_host, VEC
+            host_id * host_row_stride + (pos % blocks_per_host_block) * seg_host_stride + seg_host, VEC
         )
         seg_len = tl.multiple_of(seg_len, VEC)
         for k in range(0, n_chunks):
@@ -131,7 +138,6 @@ _NOT_SPECIALIZED = [
     "skip",
     "blocks_per_host_block",
     "host_row_stride",
-    "block_elems",
     "n_chunks",
 ]
 _jit_kernel = triton.jit(_copy_blocks_kernel, do_not_specialize=_NOT_SPECIALIZED)
@@ -273,19 +279,27 @@ def launch_config(spec: KVCacheSpec, width: int, store: bool) -> LaunchConfig:
     return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), num_warps)
 
 
-def build_segment_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
-    """The kernel's int64 table on the spec's device, (num_groups * segments_per_group, 4): GPU offset from the
-    table's own address, block stride, bytes, host offset -- all in units of ``elem`` bytes. Groups with fewer
-    segments are padded with zero-length rows, which the kernel masks out entirely.
+def table_key(spec: KVCacheSpec, blocks_per_host_block: int) -> int:
+    """The f a segment table depends on: only worker slots place a region after f pages of the earlier ones, so the
+    packed format's table is the same for every f (key 1)."""
+    return blocks_per_host_block if spec.host_slots is not None else 1
+
+
+def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int = 1) -> torch.Tensor:
+    """The kernel's int64 table on the spec's device, (num_groups * segments_per_group, 5): GPU offset from the
+    table's own address, block stride, bytes, host stride between sub-blocks, host offset of sub-block 0 in a host
+    row -- all in units of ``elem`` bytes. Groups with fewer segments are padded with zero-length rows, which the
+    kernel masks out entirely.
 
     Built synchronously: once this returns, a launch on any stream may read it without further ordering.
     """
+    f = blocks_per_host_block
     width = spec.segments_per_group
     rows = []
     for segs in spec.group_segments:
-        rows += [[s.base, s.block_stride, s.nbytes, s.host_offset] for s in segs]
-        rows += [[spec.segments[0].base, 0, 0, 0]] * (width - len(segs))
-    table = torch.empty((len(rows), 4), dtype=torch.int64, device=spec.device)
+        rows += [[s.base, s.block_stride, s.nbytes, s.host_stride, f * s.host_region + s.host_offset] for s in segs]
+        rows += [[spec.segments[0].base, 0, 0, 0, 0]] * (width - len(segs))
+    table = torch.empty((len(rows), 5), dtype=torch.int64, device=spec.device)
     # GPU addresses are stored relative to the table itself, which the kernel receives as its anchor pointer: Triton
     # then needs no integer-to-pointer cast, and the interpreter sees plain addresses.
     anchor = table.data_ptr()
@@ -302,10 +316,11 @@ def build_segment_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
 
 
 class _SpecKernelState:
-    """What the kernel derives from one spec, built at most once: tables per element size, shapes per launch."""
+    """What the kernel derives from one spec, built at most once: tables per element size (and f, for worker
+    slots), shapes per launch."""
 
     def __init__(self) -> None:
-        self.tables: dict[int, torch.Tensor] = {}
+        self.tables: dict[tuple[int, int], torch.Tensor] = {}
         self.configs: dict[tuple[int, bool], LaunchConfig] = {}
 
 
@@ -338,9 +353,10 @@ class CopyLauncher:
             cfg = state.configs.get((width, store))
             if cfg is None:
                 cfg = state.configs[(width, store)] = launch_config(spec, width, store)
-            table = state.tables.get(cfg.elem)
+            key = (cfg.elem, table_key(spec, blocks_per_host_block))
+            table = state.tables.get(key)
             if table is None:
-                table = state.tables[cfg.elem] = build_segment_table(spec, cfg.elem)
+                table = state.tables[key] = build_segment_table(spec, cfg.elem, key[1])
             host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
             self._launch_args[store] = (cfg, table, host_buffer.view(cfg.dtype), host_row)
 
@@ -379,7 +395,6 @@ class CopyLauncher:
             plan.skip,
             self.blocks_per_host_block,
             host_row,
-            spec.bytes_per_block // cfg.elem,
             cfg.n_chunks,
             STORE=plan.store,
             MULTI_GROUP=spec.num_groups > 1,

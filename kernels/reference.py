@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from triton_offload.layouts import Layout, resolve_layout
+from triton_offload.layouts import HostSlots, Layout, resolve_layout
 
 
 def _parts(t: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -43,9 +43,26 @@ def _host_view(host_buffer: torch.Tensor, blocks_per_host_block: int) -> torch.T
     return host_buffer.view(torch.uint8).unflatten(1, (blocks_per_host_block, -1))
 
 
+def _slot_view(host_buffer: torch.Tensor, f: int, slots: HostSlots, region: int) -> torch.Tensor:
+    """(num_host_blocks, f, pages[region]) byte view of one region of vLLM's worker slots: the region follows f pages
+    of every earlier region in the row."""
+    start = f * sum(slots.pages[:region])
+    page = slots.pages[region]
+    return host_buffer.view(torch.uint8)[:, start : start + f * page].unflatten(1, (f, page))
+
+
+def _destinations(layers, host_buffer, f, slots: HostSlots | None):
+    """Per group: where each layer's bytes of a block go, as (layer indices, host view) pairs; each host view is
+    (num_host_blocks, f, bytes) and the layers' bytes are laid side by side at its start. Packed: all the group's
+    layers share the packed sub-block. Worker slots: each layer starts its own region's sub-block."""
+    if slots is None:
+        return [(list(layers), _host_view(host_buffer, f))]
+    return [([i], _slot_view(host_buffer, f, slots, slots.regions[i])) for i in layers]
+
+
 def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, device):
     """Splits a (possibly grouped) transfer into one ungrouped transfer per group that moves blocks:
-    (its layers, GPU ids, host block and sub-block of each GPU block)."""
+    (its layer indices, GPU ids, host block and sub-block of each GPU block)."""
     g_all, h_all = _ids(gpu_block_ids), _ids(host_block_ids)
     if groups is None:
         groups, group_sizes, skip = [range(len(kv_caches))], [g_all.numel()], [skip]
@@ -55,7 +72,7 @@ def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_
         m = -(-(s + n) // f) if n else 0
         if n:
             rows, subs = _slots(n, h_all[h0 : h0 + m], f, int(s), device)
-            yield [kv_caches[i] for i in layers], g_all[g0 : g0 + n], rows, subs
+            yield list(layers), g_all[g0 : g0 + n], rows, subs
         g0, h0 = g0 + n, h0 + m
 
 
@@ -70,18 +87,25 @@ def gather_blocks_ref(
     skip: int | Sequence[int] = 0,
     groups: Sequence[Sequence[int]] | None = None,
     group_sizes: Sequence[int] | None = None,
+    host_slots: HostSlots | None = None,
 ) -> None:
-    """Reference of :func:`triton_offload.gather_blocks` (``groups`` as in :class:`KVCacheSpec`)."""
+    """Reference of :func:`triton_offload.gather_blocks` (``groups`` and ``host_slots`` as in :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
     f = blocks_per_host_block
     parts = _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, host_buffer.device)
     for layers, g, rows, subs in parts:
         n = g.numel()
-        # (n, bytes of this group's block): each block's parts side by side, in layer order.
-        blocks = torch.cat(
-            [p[g.to(p.device)].reshape(n, -1).view(torch.uint8) for t in layers for p in _parts(t, layout)], dim=1
-        )
-        _host_view(host_buffer, f)[rows, subs, : blocks.shape[1]] = blocks.to(host_buffer.device)
+        for dest_layers, host_view in _destinations(layers, host_buffer, f, host_slots):
+            # (n, bytes): each block's parts side by side, in layer order.
+            blocks = torch.cat(
+                [
+                    p[g.to(p.device)].reshape(n, -1).view(torch.uint8)
+                    for i in dest_layers
+                    for p in _parts(kv_caches[i], layout)
+                ],
+                dim=1,
+            )
+            host_view[rows, subs, : blocks.shape[1]] = blocks.to(host_buffer.device)
 
 
 def scatter_blocks_ref(
@@ -95,18 +119,21 @@ def scatter_blocks_ref(
     skip: int | Sequence[int] = 0,
     groups: Sequence[Sequence[int]] | None = None,
     group_sizes: Sequence[int] | None = None,
+    host_slots: HostSlots | None = None,
 ) -> None:
-    """Reference of :func:`triton_offload.scatter_blocks` (``groups`` as in :class:`KVCacheSpec`)."""
+    """Reference of :func:`triton_offload.scatter_blocks` (``groups`` and ``host_slots`` as in
+    :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
     f = blocks_per_host_block
     parts = _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, host_buffer.device)
     for layers, g, rows, subs in parts:
         n = g.numel()
-        blocks = _host_view(host_buffer, f)[rows, subs]  # (n, bytes_per_gpu_block), a copy
-        offset = 0
-        for t in layers:
-            for p in _parts(t, layout):
-                nbytes = p[0].numel() * p.element_size()
-                chunk = blocks[:, offset : offset + nbytes].contiguous().to(p.device)
-                p[g.to(p.device)] = chunk.view(p.dtype).view(n, *p.shape[1:])
-                offset += nbytes
+        for dest_layers, host_view in _destinations(layers, host_buffer, f, host_slots):
+            blocks = host_view[rows, subs]  # (n, bytes), a copy
+            offset = 0
+            for i in dest_layers:
+                for p in _parts(kv_caches[i], layout):
+                    nbytes = p[0].numel() * p.element_size()
+                    chunk = blocks[:, offset : offset + nbytes].contiguous().to(p.device)
+                    p[g.to(p.device)] = chunk.view(p.dtype).view(n, *p.shape[1:])
+                    offset += nbytes

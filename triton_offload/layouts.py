@@ -4,7 +4,8 @@ Every layout is named once, in :data:`LAYOUTS`; everything else (segments, sizes
 per-layer tensors themselves: ``data_ptr``, strides and element size. A layer contributes one byte *segment* per
 K/V half (one for MLA and canonical views): a base address, a stride between blocks and the number of bytes one block
 holds. The packed host format (docs/design.md) lays a GPU block out as the concatenation of its segments in layer order,
-K before V, so a prepared :class:`KVCacheSpec` describes everything the kernel moves.
+K before V, so a prepared :class:`KVCacheSpec` describes everything the kernel moves. :class:`HostSlots` describes the
+other host format the kernel writes, vLLM's worker-slot layout, through the same per-segment host placement.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "LayoutDims", "Segment", "KVCacheSpec", "prepare_kv", "resolve_layout"]
+__all__ = ["Layout", "LayoutDims", "Segment", "HostSlots", "KVCacheSpec", "prepare_kv", "resolve_layout"]
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,49 @@ def resolve_layout(layout: str | Layout) -> Layout:
 
 
 @dataclass(frozen=True)
+class HostSlots:
+    """vLLM's worker-slot host layout (``SharedOffloadRegion.create_next_worker_view``), instead of the packed one.
+
+    A host row (one host block of f GPU blocks) is a sequence of *regions*, one per entry of ``pages``: region r
+    holds f sub-blocks of ``pages[r]`` bytes, sub-block j at offset ``j * pages[r]`` in the region, and starts at
+    ``f * sum(pages[:r])`` in the row. Entry i of the KV caches lives in region ``regions[i]``: its bytes for a GPU
+    block (K then V where it has both) start at the beginning of the sub-block. Entries may share a region (views of
+    one tensor with different page lengths, in different KV-cache groups), and a region may hold no entry (a tensor
+    that is not offloaded still takes its place in the row).
+
+    Attributes:
+        pages: bytes per sub-block of each region, in row order (vLLM: each canonical tensor's ``page_size_bytes``,
+            padding included).
+        regions: for each entry of the KV caches, the index of its region.
+    """
+
+    pages: tuple[int, ...]
+    regions: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.pages or any(p <= 0 for p in self.pages):
+            raise ValueError(f"HostSlots pages = {self.pages}: expected one positive size per region")
+        if any(not 0 <= r < len(self.pages) for r in self.regions):
+            raise ValueError(f"HostSlots regions = {self.regions}: each must index pages [0, {len(self.pages)})")
+
+
+@dataclass(frozen=True)
 class Segment:
     """One contiguous run of bytes per GPU block: block ``b`` lives at ``base + b * block_stride``.
+
+    On the host, the run of the GPU block at sub-block ``j`` of a host block of ``f`` sub-blocks starts at
+    ``f * host_region + j * host_stride + host_offset`` in the host block's row. Packed format: ``host_region = 0``,
+    ``host_stride`` the bytes of a packed sub-block (all layers); :class:`HostSlots`: ``host_region`` the bytes of the
+    regions before this one per sub-block, ``host_stride`` the region's page.
 
     Attributes:
         layer: index of the layer tensor it comes from.
         base: address of block 0's bytes.
         block_stride: bytes between consecutive blocks.
         nbytes: bytes per block.
-        host_offset: offset of these bytes inside a packed GPU-sized sub-block on the host.
+        host_offset: offset of these bytes inside a GPU-sized sub-block on the host.
+        host_stride: bytes between consecutive sub-blocks of one host block.
+        host_region: the start of this run's host region, in bytes per GPU block of the host block (times f).
     """
 
     layer: int
@@ -83,6 +118,8 @@ class Segment:
     block_stride: int
     nbytes: int
     host_offset: int
+    host_stride: int
+    host_region: int
 
 
 def _dense_block_bytes(t: torch.Tensor, inner_dims: Sequence[int], layer: int) -> int:
@@ -132,19 +169,35 @@ def _layer_runs(t: torch.Tensor, i: int, layout: Layout) -> list[tuple[int, int,
 
 
 def _group_segments(
-    runs: list[list[tuple[int, int, int]]], groups: list[list[int]]
+    runs: list[list[tuple[int, int, int]]], groups: list[list[int]], host_slots: HostSlots | None
 ) -> tuple[tuple[Segment, ...], ...]:
-    """Each group's segments in packed order (its layers in the order given, K before V), with host offsets."""
-    out = []
+    """Each group's segments in packed order (its layers in the order given, K before V), with their host placement:
+    packed (one sub-block of the largest group's bytes, the layers side by side) or ``host_slots``."""
     for gi, layers in enumerate(groups):
         if not layers:
             raise ValueError(f"group {gi} is empty: every group needs at least one layer")
         if len(set(layers)) != len(layers) or not all(0 <= i < len(runs) for i in layers):
             raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(runs)})")
+    if host_slots is not None and len(host_slots.regions) != len(runs):
+        raise ValueError(f"host_slots names a region for {len(host_slots.regions)} entries, but there are {len(runs)}")
+    packed_stride = max(sum(r[2] for i in layers for r in runs[i]) for layers in groups)
+    out = []
+    for layers in groups:
         offset, segs = 0, []
         for i in layers:
+            if host_slots is not None:
+                # Each entry's bytes start its own region's sub-block, whatever the group holds before it.
+                region = host_slots.regions[i]
+                offset, host_stride, host_region = 0, host_slots.pages[region], sum(host_slots.pages[:region])
+                if sum(r[2] for r in runs[i]) > host_stride:
+                    raise ValueError(
+                        f"entry {i} moves {sum(r[2] for r in runs[i])} bytes per block, more than the "
+                        f"{host_stride}-byte page of its host region {region}"
+                    )
+            else:
+                host_stride, host_region = packed_stride, 0
             for base, stride, nbytes in runs[i]:
-                segs.append(Segment(i, base, stride, nbytes, offset))
+                segs.append(Segment(i, base, stride, nbytes, offset, host_stride, host_region))
                 offset += nbytes
         out.append(tuple(segs))
     return tuple(out)
@@ -165,10 +218,17 @@ class KVCacheSpec:
             of group g holds exactly the layers of group g, and its packed host sub-block holds those layers in
             the order given. Every group's sub-block has the same stride on the host, ``bytes_per_block``, the
             largest group's. Default: one group of all layers in order.
+        host_slots: lay the host rows out as vLLM's worker slots (:class:`HostSlots`, one region index per entry
+            of ``kv_caches``) instead of the packed format. The GPU side and the bytes moved are the same.
     """
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: str | Layout, *, groups: Sequence[Sequence[int]] | None = None
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: str | Layout,
+        *,
+        groups: Sequence[Sequence[int]] | None = None,
+        host_slots: HostSlots | None = None,
     ):
         self.layout = resolve_layout(layout)
         if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
@@ -190,7 +250,8 @@ class KVCacheSpec:
         self.num_layers = len(kv_caches)
         self.groups = tuple(tuple(g) for g in groups)
         self.num_groups = len(groups)
-        self.group_segments = _group_segments(runs, groups)
+        self.host_slots = host_slots
+        self.group_segments = _group_segments(runs, groups, host_slots)
         # Rows per group in the kernel's segment table: the largest group's segment count (others are padded).
         self.segments_per_group = max(len(segs) for segs in self.group_segments)
         self.segments = tuple(s for segs in self.group_segments for s in segs)
@@ -198,16 +259,22 @@ class KVCacheSpec:
         self.bytes_per_block = max(self.group_bytes)
         self.max_segment_bytes = max(s.nbytes for s in self.segments)
         self._layer_page_bytes = tuple(sum(r[2] for r in layer_runs) for layer_runs in runs)
-        # Largest power of two (at most MAX_ACCESS_BYTES) dividing every GPU address, stride, size and host offset:
+        # Largest power of two (at most MAX_ACCESS_BYTES) dividing every GPU address, stride, size and host position:
         # the widest access the kernel may use. Computed once: the per-call path must not loop over layers.
         self.alignment = math.gcd(
             MAX_ACCESS_BYTES,
             self.bytes_per_block,
-            *(math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset) for s in self.segments),
+            *(
+                math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset, s.host_stride, s.host_region)
+                for s in self.segments
+            ),
         )
 
     def host_block_bytes(self, blocks_per_host_block: int = 1) -> int:
-        """Bytes of one packed host block holding ``blocks_per_host_block`` GPU blocks of all layers."""
+        """Bytes of one host block holding ``blocks_per_host_block`` GPU blocks of all layers (with
+        :class:`HostSlots`: every region, ``f * sum(pages)``)."""
+        if self.host_slots is not None:
+            return blocks_per_host_block * sum(self.host_slots.pages)
         return blocks_per_host_block * self.bytes_per_block
 
     @property
@@ -221,6 +288,7 @@ class KVCacheSpec:
             f"KVCacheSpec(layout={self.layout.label}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
             f"page_bytes={pages if len(pages) > 1 else pages[0]}, bytes_per_block={self.bytes_per_block}, "
             f"groups={self.num_groups}, "
+            f"{'' if self.host_slots is None else 'host=worker slots, '}"
             f"device={self.device})"
         )
 
