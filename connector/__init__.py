@@ -1,5 +1,6 @@
 """The vLLM plugin (installed as ``triton_offload.connector``): ``TritonOffloadingSpec`` for vLLM's
-``OffloadingConnector``.
+``OffloadingConnector``, and ``TritonTieringOffloadingSpec``, vLLM's tiering (fs / obj / p2p secondary tiers) with our
+worker as its GPU <-> CPU step (docs/tiering.md).
 
 Use it with ``kv_connector_extra_config={"spec_name": "TritonOffloadingSpec", "cpu_bytes_to_use": "8GiB", ...}``.
 The name resolves through :func:`register`, which vLLM calls in each of its processes through the
@@ -15,10 +16,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["SPEC_NAME", "register", "route_logs_through_vllm", "TritonOffloadingSpec"]
+__all__ = [
+    "SPEC_NAME",
+    "TIERING_SPEC_NAME",
+    "register",
+    "route_logs_through_vllm",
+    "TritonOffloadingSpec",
+    "TritonTieringOffloadingSpec",
+]
 
 SPEC_NAME = "TritonOffloadingSpec"
 _SPEC_MODULE = "triton_offload.connector.spec"
+TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
+_TIERING_MODULE = "triton_offload.connector.tiering"
+# Every spec this package registers: name -> module.
+_SPECS = {SPEC_NAME: _SPEC_MODULE, TIERING_SPEC_NAME: _TIERING_MODULE}
 
 
 def _require_vllm() -> None:
@@ -46,7 +58,8 @@ def route_logs_through_vllm() -> None:
 
 
 def register() -> None:
-    """Registers ``TritonOffloadingSpec`` with vLLM's ``OffloadingSpecFactory``; safe to call more than once.
+    """Registers ``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec`` with vLLM's ``OffloadingSpecFactory``;
+    safe to call more than once.
 
     vLLM calls general plugins once per process, sometimes more than once, and ``register_spec`` refuses a name
     that is already taken, so an existing registration is left as it is.
@@ -55,20 +68,21 @@ def register() -> None:
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     route_logs_through_vllm()
-    if SPEC_NAME in getattr(OffloadingSpecFactory, "_registry", {}):
-        return
-    try:
-        OffloadingSpecFactory.register_spec(SPEC_NAME, _SPEC_MODULE, SPEC_NAME)
-    except ValueError:  # registered meanwhile under the same name: nothing to do
-        pass
+    for name, module in _SPECS.items():
+        if name in getattr(OffloadingSpecFactory, "_registry", {}):
+            continue
+        try:
+            OffloadingSpecFactory.register_spec(name, module, name)
+        except ValueError:  # registered meanwhile under the same name: nothing to do
+            pass
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import triton_offload.connector` works without vLLM while vLLM's factory can still resolve
     # getattr(module, "TritonOffloadingSpec") for spec_module_path="triton_offload.connector".
-    if name == SPEC_NAME:
+    if name in _SPECS:
         _require_vllm()
-        from triton_offload.connector.spec import TritonOffloadingSpec
+        import importlib
 
-        return TritonOffloadingSpec
+        return getattr(importlib.import_module(_SPECS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,25 +25,28 @@ from vllm.v1.kv_offload.base import (
 
 from triton_offload.engine import LOAD, TransferEngine
 from triton_offload.host_cache import HostCache
-from triton_offload.layouts import KVCacheSpec
+from triton_offload.layouts import HostSlots, KVCacheSpec
 
 __all__ = ["canonical_kv_spec", "TritonOffloadingWorker"]
 
 logger = logging.getLogger(__name__)
 
 
-def canonical_kv_spec(kv_caches: CanonicalKVCaches) -> KVCacheSpec:
+def canonical_kv_spec(kv_caches: CanonicalKVCaches, *, worker_slots: bool = False) -> KVCacheSpec:
     """One grouped ``canonical`` spec for vLLM's canonical KV caches.
 
     Each distinct (tensor, un-padded page) pair becomes one entry, sliced to the page so padding is never moved.
     Refs of one group that name the same tensor (layers aliasing one allocation) are moved once, with the largest
     page any of them names; the same tensor may appear in several groups (HMA groups overlaying one another).
+    With ``worker_slots``, the host side is vLLM's worker-slot layout (``CPUOffloadingWorker`` over a
+    ``SharedOffloadRegion``): a region per canonical tensor, in order, of f full (padded) pages each.
 
     Raises:
         ValueError: a group without refs, a ref to a tensor that does not exist, or a page larger than its tensor.
     """
     tensors = kv_caches.tensors
     views: list[torch.Tensor] = []
+    regions: list[int] = []  # the canonical tensor of each entry: its host region in the worker-slot layout
     index: dict[tuple[int, int], int] = {}
     groups: list[list[int]] = []
     for gi, refs in enumerate(kv_caches.group_data_refs):
@@ -66,9 +69,11 @@ def canonical_kv_spec(kv_caches: CanonicalKVCaches) -> KVCacheSpec:
             if key not in index:
                 index[key] = len(views)
                 views.append(tensor[:, :page])
+                regions.append(ti)
             members.append(index[key])
         groups.append(members)
-    return KVCacheSpec(views, "canonical", groups=groups)
+    slots = HostSlots(tuple(t.page_size_bytes for t in tensors), tuple(regions)) if worker_slots else None
+    return KVCacheSpec(views, "canonical", groups=groups, host_slots=slots)
 
 
 class TritonOffloadingWorker(OffloadingWorker):

@@ -1,0 +1,290 @@
+"""``TritonTieringOffloadingSpec``: vLLM's tiering (CPU primary tier plus ``fs`` / ``obj`` / ``p2p`` / ... secondary
+tiers) with our Triton worker as its GPU <-> CPU step.
+
+Scheduler side, everything is vLLM's ``TieringOffloadingSpec``, unchanged: its ``TieringOffloadingManager``, its
+``SharedOffloadRegion`` and its secondary tiers. Worker side, :class:`~triton_offload.connector.tiering_worker.
+TritonTieringWorker` replaces vLLM's ``CPUOffloadingWorker`` (DMA batches, CUDA only): one kernel launch per job,
+writing exactly the bytes vLLM's worker would, in this worker's slots of the same region. So blocks that reach a
+secondary tier are byte-compatible with vLLM's native tiering: two instances, one on each, may share an ``fs``
+``root_dir`` (its namespace does not include the spec's name).
+
+Differences from vLLM's spec, all at startup: the configuration is checked before anything is allocated, with a
+``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); ``cpu_bytes_to_use`` also
+takes sizes such as ``"40GiB"``; ``num_ctas`` is ours; ``canonical_layout`` is refused (the Triton worker writes
+vLLM's direct worker-slot layout only); the CPU platform is supported (the kernels run through Triton's
+interpreter); and the region's ``/dev/shm`` file is removed on every exit path (:class:`~triton_offload.connector.
+tiering_worker.RegionName`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingMetricMetadata, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from triton_offload.connector import route_logs_through_vllm
+from triton_offload.connector.config import VLLM_KEYS, parse_size
+from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
+
+__all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
+
+# Keys vLLM's TieringOffloadingSpec reads (0.32 and 0.33), with their meaning; docs/tiering.md is the user-facing copy.
+TIERING_KEYS = {
+    "cpu_bytes_to_use": "the CPU primary tier for the whole instance (the shared region), split across workers",
+    "eviction_policy": "the primary tier's eviction: 'lru', 'arc', or a CachePolicy registered with vLLM",
+    "cache_policy_module_path": "module to import an out-of-tree eviction_policy class from",
+    "secondary_tiers": "list of tiers below the CPU: dicts with 'type' and that tier's own keys",
+    "backpressure": "default backpressure settings for every secondary tier (a tier's own 'backpressure' wins)",
+    "store_threshold": "refused by vLLM's tiering when >= 2 (a CPU-spec-only filter)",
+    "tier_poll_interval_s": "vLLM >= 0.33: seconds between polls of the secondary tiers by a background thread",
+}
+# Ours.
+OUR_TIERING_KEYS = {"num_ctas": "programs per transfer launch: the SMs a transfer takes from the model"}
+# Passed by SecondaryTierFactory itself, never from the tier's configuration.
+_FACTORY_ARGS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
+# Popped from a tier's configuration by SecondaryTierFactory before the rest reaches the tier's constructor.
+_TIER_META_KEYS = frozenset({"type", "module_path", "backpressure"})
+
+
+def _where(i: int, key: str | None = None) -> str:
+    return f"kv_connector_extra_config['secondary_tiers'][{i}]" + (f"[{key!r}]" if key else "")
+
+
+def _check_backpressure(value: Any, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} = {value!r} must be a dict, e.g. {{'backpressure_cls': 'EMABackpressureDetector'}}")
+    return dict(value)
+
+
+def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> str:
+    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    if not isinstance(tier, Mapping):
+        raise ValueError(f"{_where(i)} = {tier!r} must be a dict with a 'type' key (e.g. {{'type': 'fs', ...}})")
+    tier_type = tier.get("type")
+    if not isinstance(tier_type, str) or not tier_type:
+        raise ValueError(f"{_where(i, 'type')} is missing or not a string; supported types: {_tier_types()}")
+    try:
+        tier_cls = SecondaryTierFactory.get_tier_class(dict(tier))
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ValueError(f"{_where(i, 'type')} = {tier_type!r} is not a usable secondary tier: {e}") from e
+    params = inspect.signature(tier_cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - _FACTORY_ARGS
+    required = sorted(n for n in named if params[n].default is inspect.Parameter.empty)
+    given = set(tier) - _TIER_META_KEYS
+    missing = [n for n in required if n not in given]
+    if missing:
+        raise ValueError(
+            f"{_where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
+            + (": the directory shared by every instance that reads these blocks" if missing == ["root_dir"] else "")
+        )
+    unknown = sorted(given - named)
+    if unknown and not takes_any:
+        raise ValueError(
+            f"{_where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
+            "'backpressure' and 'module_path'"
+        )
+    # vLLM merges the top-level default under the tier's own settings, then requires a detector class.
+    own = _check_backpressure(tier.get("backpressure"), _where(i, "backpressure"))
+    merged = {**(default_backpressure or {}), **own}
+    if (merged or "backpressure" in tier) and "backpressure_cls" not in merged:
+        raise ValueError(
+            f"{_where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
+            "e.g. 'EMABackpressureDetector'"
+        )
+    return tier_type
+
+
+def _tier_types() -> list[str]:
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    return sorted(SecondaryTierFactory._registry)
+
+
+@dataclass(frozen=True)
+class TritonTieringConfig:
+    """What ``TritonTieringOffloadingSpec`` checks and reads from ``kv_connector_extra_config``.
+
+    Attributes:
+        cpu_bytes_to_use: the CPU primary tier for the whole instance, in bytes.
+        eviction_policy: the primary tier's eviction policy name.
+        secondary_tiers: the type of each secondary tier, in order.
+        num_ctas: programs per transfer launch; None for the kernel's default.
+    """
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    secondary_tiers: tuple[str, ...] = ()
+    num_ctas: int | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
+        """Checks every key before anything is allocated.
+
+        Raises:
+            ValueError: naming the key: a missing or bad ``cpu_bytes_to_use``; a ``secondary_tiers`` that is not a
+                list of dicts; a tier whose ``type`` vLLM does not know, that lacks a key its constructor requires
+                (``root_dir`` for ``fs``) or has one it does not take; a ``backpressure`` without
+                ``backpressure_cls``; an unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``;
+                a bad ``num_ctas``.
+        """
+        if extra.get("cpu_bytes_to_use") is None:
+            raise ValueError(
+                "kv_connector_extra_config needs 'cpu_bytes_to_use': the CPU primary tier for the whole instance, in "
+                "bytes or as a string such as '40GiB'"
+            )
+        cpu_bytes = parse_size(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
+        if extra.get("canonical_layout"):
+            raise ValueError(
+                f"canonical_layout = {extra['canonical_layout']!r} is not supported by {TIERING_SPEC_NAME}: the Triton "
+                "worker writes vLLM's direct worker-slot layout only. Remove the key (or use vLLM's own "
+                "TieringOffloadingSpec, CUDA only)"
+            )
+        num_ctas = extra.get("num_ctas")
+        if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas <= 0):
+            raise ValueError(f"num_ctas = {num_ctas!r} must be a positive int")
+        threshold = extra.get("store_threshold", 0)
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
+            raise ValueError(
+                f"store_threshold = {threshold!r} is not supported by vLLM's tiering (only the CPU spec filters stores)"
+            )
+        policy = extra.get("eviction_policy", "lru")
+        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+        try:
+            CachePolicyFactory.get_cache_policy_cls(policy, extra.get("cache_policy_module_path"))
+        except (ValueError, ImportError, AttributeError, TypeError) as e:
+            raise ValueError(f"eviction_policy = {policy!r} is not usable: {e}") from e
+        tiers = extra.get("secondary_tiers", [])
+        if not isinstance(tiers, list):
+            raise ValueError(
+                f"kv_connector_extra_config['secondary_tiers'] = {tiers!r} must be a list of tier dicts, e.g. "
+                "[{'type': 'fs', 'root_dir': '/mnt/shared/kv'}]"
+            )
+        default_bp = _check_backpressure(extra.get("backpressure"), "kv_connector_extra_config['backpressure']")
+        types = tuple(_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers))
+        known = set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | VLLM_KEYS
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            logger.warning(
+                "kv_connector_extra_config keys ignored by %s: %s (it reads %s)",
+                TIERING_SPEC_NAME,
+                unknown,
+                sorted(set(TIERING_KEYS) | set(OUR_TIERING_KEYS)),
+            )
+        return cls(cpu_bytes, policy, types, num_ctas)
+
+
+class TritonTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's tiering with the Triton worker as its GPU <-> CPU step.
+
+    ``kv_connector_extra_config``: every key of vLLM's ``TieringOffloadingSpec`` (``cpu_bytes_to_use``,
+    ``eviction_policy``, ``cache_policy_module_path``, ``secondary_tiers``, ``backpressure``, ...; see
+    :data:`TIERING_KEYS` and docs/tiering.md) plus ``num_ctas``.
+    """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        # vLLM may build the metrics (front-end process) before any spec exists: check the configuration first, so a
+        # bad tier is reported the same way everywhere.
+        TritonTieringConfig.from_extra_config(extra_config)
+        return super().build_metric_definitions(extra_config)
+
+    def __init__(self, config: OffloadingConfig):
+        route_logs_through_vllm()
+        self.tiering_config = cfg = TritonTieringConfig.from_extra_config(config.extra_config)
+        if config.canonical_layout:
+            raise ValueError(f"canonical_layout is not supported by {TIERING_SPEC_NAME}; remove it from the config")
+        # vLLM's spec reads int(cpu_bytes_to_use): hand it the parsed size ("40GiB" is ours).
+        config = replace(config, extra_config={**config.extra_config, "cpu_bytes_to_use": cfg.cpu_bytes_to_use})
+        super().__init__(config)
+        if config.worker_kv_bytes_per_block > 0 and self.num_chunks <= 0:
+            raise ValueError(
+                f"cpu_bytes_to_use = {cfg.cpu_bytes_to_use} bytes is less than one chunk of "
+                f"{self.kv_bytes_per_chunk} bytes (blocks_per_chunk = {self.blocks_per_chunk}, every worker's slot)"
+            )
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's ``TieringOffloadingManager``, unchanged; then the region's name is dropped (see ``RegionName``)."""
+        if self._manager is not None:
+            return self._manager
+        path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"
+        try:
+            manager = super().get_manager()
+        except BaseException:
+            # The engine will not start: the region's workers may have created the name, nobody needs it now.
+            unlink_paths([path])
+            raise
+        region: SharedOffloadRegion = self._scheduler_mmap
+        if getattr(region, "_creator", False):
+            # Workers have not mapped it yet (not vLLM's startup order, but possible outside an engine): keep the
+            # name for them; vLLM's cleanup removes it at shutdown, the guard if this process dies first.
+            self._region_name = RegionName(region, take_over=False)
+        else:
+            # vLLM builds the scheduler after every worker has registered its KV caches (so mapped the region):
+            # nobody opens it by name any more.
+            unlink_paths(region_paths(region))
+        logger.info(
+            "triton-offload tiering scheduler: %d chunks of %d GPU block(s) (%d bytes per row, all workers), "
+            "eviction_policy=%s, secondary tiers %s; region %s",
+            self.num_chunks,
+            self.blocks_per_chunk,
+            self.kv_bytes_per_chunk,
+            self.tiering_config.eviction_policy,
+            list(self.tiering_config.secondary_tiers),
+            region.mmap_path,
+        )
+        return manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        # vLLM's CPUOffloadingSpec.get_worker refuses platforms other than CUDA/XPU: ours runs anywhere Triton does.
+        if self._worker is None:
+            self._worker = self.create_worker(kv_caches)
+        return self._worker
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from triton_offload.connector.tiering_worker import TritonTieringWorker  # torch/Triton: workers only
+
+        # Replicated MLA (every TP rank holds the same latent): one copy, slot 0, as vLLM's tiering does. Only rank 0
+        # stores (vLLM's connector acks the others' stores); every rank loads from slot 0.
+        slot = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=slot,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        name = RegionName(region, take_over=True)
+        try:
+            return TritonTieringWorker(
+                kv_caches,
+                region=region,
+                name=name,
+                slot_offset=slot * self.cpu_page_size_per_worker,
+                slot_bytes=self.cpu_page_size_per_worker,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_ctas=self.tiering_config.num_ctas,
+            )
+        except BaseException:
+            try:
+                region.cleanup()
+            finally:
+                name.release()
+            raise

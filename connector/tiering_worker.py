@@ -1,0 +1,169 @@
+"""Worker side of ``TritonTieringOffloadingSpec``: our Triton worker over one worker's slots of vLLM's shared region.
+
+vLLM's tiering keeps its CPU primary tier in a ``SharedOffloadRegion``: one ``/dev/shm`` file that the scheduler
+(whose secondary tiers read and write whole chunk rows) and every worker map. A chunk row holds one slot per worker
+(one slot in all for the replicated MLA layout); a slot holds, for each canonical tensor in order,
+``blocks_per_chunk`` full pages of that tensor, sub-block j at j x page. :class:`TritonTieringWorker` moves KV between
+the GPU and exactly those bytes, with the same kernel as the packed host cache (``HostSlots`` in its segment table),
+one launch per job for all groups and layers.
+
+The region's file name is handled by :class:`~triton_offload.connector.shm_region.RegionName`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+from triton_offload.connector.shm_region import RegionName
+from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
+from triton_offload.engine import TransferEngine
+
+__all__ = ["TritonTieringWorker", "register_host_range", "unregister_host_ranges"]
+
+logger = logging.getLogger(__name__)
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped, as for the packed host cache (triton_offload/host_cache.py): the
+# kernels read and write the region through its host address.
+_CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x02
+# At most this many bytes per cudaHostRegister call, so no call holds the driver for long.
+REGISTER_CHUNK_BYTES = 1 << 30
+
+
+def register_host_range(ptr: int, nbytes: int, row_bytes: int) -> list[int]:
+    """Page-locks ``[ptr, ptr + nbytes)`` with the CUDA driver, in chunks of whole rows of at most 1 GiB, so that no
+    transfer straddles two registrations. Returns the registered addresses (for ``unregister_host_ranges``).
+
+    Raises:
+        RuntimeError: a registration failed; what was registered is released first. The kernels dereference the
+            region from the GPU, so pageable memory is not an option (vLLM's DMA worker can fall back; we cannot).
+    """
+    cudart = torch.cuda.cudart()
+    chunk = max(1, REGISTER_CHUNK_BYTES // row_bytes) * row_bytes
+    done: list[int] = []
+    for start in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - start)
+        err = cudart.cudaHostRegister(ptr + start, size, _CUDA_HOST_REGISTER_FLAGS)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            unregister_host_ranges(done)
+            raise RuntimeError(
+                f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of the "
+                f"{nbytes}-byte shared offload region (registrations so far released); lower cpu_bytes_to_use or "
+                "raise the locked-memory limit (ulimit -l)"
+            )
+        done.append(ptr + start)
+    return done
+
+
+def unregister_host_ranges(addresses: list[int]) -> None:
+    if addresses:
+        cudart = torch.cuda.cudart()
+        while addresses:
+            cudart.cudaHostUnregister(addresses.pop())
+
+
+class TritonTieringWorker(TritonOffloadingWorker):
+    """Stores and loads of one worker into its slots of vLLM's shared region, each as ONE launch of our kernel.
+
+    The placement of every tensor is checked at startup against vLLM's own ``create_next_worker_view``, so a vLLM
+    whose layout differs fails here instead of writing bytes other instances would misread.
+
+    Args:
+        kv_caches: the worker's canonical KV caches.
+        region: this worker's ``SharedOffloadRegion`` (mapped; owned by this worker from now on).
+        name: the region's :class:`RegionName`, released at shutdown.
+        slot_offset: bytes from a chunk row's start to this worker's slot (rank x slot size; 0 when replicated).
+        slot_bytes: bytes vLLM reserves per worker slot (``cpu_page_size_per_worker``).
+        blocks_per_chunk: GPU blocks per chunk (f).
+        num_ctas: programs per launch; None for the kernel's default.
+        pin: register the region with CUDA (default: when the KV caches are on CUDA).
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        region: SharedOffloadRegion,
+        name: RegionName,
+        slot_offset: int,
+        slot_bytes: int,
+        blocks_per_chunk: int,
+        num_ctas: int | None = None,
+        pin: bool | None = None,
+    ) -> None:
+        self.region, self.name = region, name
+        self._registered: list[int] = []
+        self.kv = canonical_kv_spec(kv_caches, worker_slots=True)
+        self.blocks_per_host_block = f = blocks_per_chunk
+        used = self.kv.host_block_bytes(f)
+        if used > slot_bytes:
+            raise ValueError(
+                f"the canonical tensors take {used} bytes per chunk ({f} x pages {list(self.kv.host_slots.pages)}), "
+                f"more than the {slot_bytes}-byte worker slot vLLM sized from worker_kv_bytes_per_block"
+            )
+        num_chunks = region.num_chunks
+        row = region.total_size_bytes // num_chunks
+        base = region.base_tensor
+        self.host = torch.as_strided(base, (num_chunks, used), (row, 1), storage_offset=slot_offset)
+        self._check_against_vllm_views(kv_caches, slot_offset, row)
+        t0 = time.perf_counter()
+        self.pinned = self.kv.device.type == "cuda" if pin is None else pin
+        if self.pinned:
+            self._registered = register_host_range(base.data_ptr(), region.total_size_bytes, row)
+        self.engine = TransferEngine(self.kv, self.host, blocks_per_host_block=f, num_ctas=num_ctas)
+        self.num_ctas = num_ctas
+        self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
+        logger.info(
+            "triton-offload tiering worker: shared region %s, %d chunks x %d-byte rows, this worker's slot at byte "
+            "%d (%d of %d bytes used); %s; %s; num_ctas=%s",
+            name.paths[0],
+            num_chunks,
+            row,
+            slot_offset,
+            used,
+            slot_bytes,
+            f"pinned in {len(self._registered)} chunk(s) in {time.perf_counter() - t0:.3f} s"
+            if self.pinned
+            else "pageable (no CUDA)",
+            self.kv,
+            "kernel default" if num_ctas is None else num_ctas,
+        )
+
+    def _check_against_vllm_views(self, kv_caches: CanonicalKVCaches, slot_offset: int, row: int) -> None:
+        """vLLM's worker takes one view per canonical tensor, in order, of f pages; ours must start where each of
+        those starts (the views also check, with vLLM's own assertion, that the slot holds them all)."""
+        f = self.blocks_per_host_block
+        if getattr(self.region, "_worker_offset", slot_offset) != slot_offset:
+            raise ValueError(f"the region's worker slot starts at byte {self.region._worker_offset}, not {slot_offset}")
+        pages = self.kv.host_slots.pages
+        host0 = self.host.data_ptr()
+        for ti, t in enumerate(kv_caches.tensors):
+            view = self.region.create_next_worker_view(t.page_size_bytes * f)
+            ours = host0 + f * sum(pages[:ti])
+            if view.data_ptr() != ours or view.stride(0) != row:
+                raise ValueError(
+                    f"canonical tensor {ti}: vLLM's worker view starts at byte {view.data_ptr() - host0} of the slot "
+                    f"with row stride {view.stride(0)}, ours at {ours - host0} with {row}: the layouts disagree"
+                )
+
+    def shutdown(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.engine.shutdown()
+        finally:
+            # Unregister before the mapping goes away; release the name whatever happened.
+            try:
+                unregister_host_ranges(self._registered)
+                # Our views of the mapping must go before vLLM closes it (it cannot close a buffer still exported).
+                self.host = self.engine.host_buffer = None
+                self.region.cleanup()
+            finally:
+                self.name.release()
+            logger.info(
+                "triton-offload tiering worker totals: %s (drained in %.3f s)", self.stats, time.perf_counter() - t0
+            )

@@ -1,0 +1,399 @@
+"""TritonTieringOffloadingSpec through vLLM's real classes, without an engine (vLLM 0.32 and 0.33).
+
+The point is byte compatibility with vLLM's own tiering worker: what our worker writes into the shared region must
+be exactly what vLLM's ``CPUOffloadingWorker`` would write, because secondary tiers (fs, obj) persist whole region
+rows under names that do not say which worker wrote them. vLLM's worker needs CUDA, so the expected bytes are built
+here through vLLM's own region views (``SharedOffloadRegion.create_next_worker_view``, one per canonical tensor, as
+its worker takes them) with vLLM's placement rule: sub-block j of chunk c of tensor t at ``view_t[c, j * page_t:]``,
+``page_t`` the tensor's full (padded) page, of which the ref's un-padded bytes are copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
+
+from vllm.v1.kv_offload import config as vcfg  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+import triton_offload.connector as plugin  # noqa: E402
+from triton_offload.connector.tiering import TritonTieringConfig, TritonTieringOffloadingSpec  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+plugin.register()  # what vLLM's plugin loader does in each of its processes
+
+SENTINEL = 0x5A
+
+
+def build(cls, **kw):
+    """A vLLM config dataclass from the fields this vLLM version has (0.33 added some, with defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def make_config(extra, *, num_groups=1, worker_bytes, f, world_size=1, rank=0, replicated=False, engine_id=None):
+    """An OffloadingConfig as vLLM's connector builds it for the tiering spec."""
+    return build(
+        vcfg.OffloadingConfig,
+        groups=tuple(
+            build(vcfg.OffloadingGroupConfig, tokens_per_block=16, layer_names=(f"l{g}",), group_id=g)
+            for g in range(num_groups)
+        ),
+        worker_kv_bytes_per_block=worker_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"spec_name": plugin.TIERING_SPEC_NAME, **extra},
+        engine_id=engine_id or f"tiertest-{uuid.uuid4().hex[:12]}",
+        model=build(vcfg.OffloadingModelConfig, name="tiny", dtype="float16", max_model_len=1024),
+        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=f),
+        parallel=vcfg.OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=not replicated,
+        ),
+        replicated_layout=replicated,
+    )
+
+
+def region_file(config) -> str:
+    return f"/dev/shm/vllm_offload_{config.engine_id}.mmap"
+
+
+# The model: 4 canonical tensors. Tensor 0 and 1 (group 0) have 512-byte padded pages of which the layers use 384;
+# tensor 2 (group 1) a 256-byte page; tensor 3 is referenced by no group but still takes its place in each slot.
+# Group 1 also reads tensor 0 (HMA groups overlaying one allocation), with a shorter page.
+PAGES = [512, 512, 256, 128]
+
+
+def kv_caches(num_blocks=12, seed=0) -> CanonicalKVCaches:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(torch.randint(-128, 128, (num_blocks, p), dtype=torch.int8, generator=gen), p)
+        for p in PAGES
+    ]
+    refs = [
+        [CanonicalKVCacheRef(0, 384), CanonicalKVCacheRef(1, 384)],
+        [CanonicalKVCacheRef(2, 256), CanonicalKVCacheRef(0, 320)],
+    ]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def vllm_views(config, spec, rank: int) -> tuple[SharedOffloadRegion, list[torch.Tensor]]:
+    """A second mapping of the same region, with vLLM's own per-tensor worker views, in tensor order."""
+    region = SharedOffloadRegion(
+        engine_id=config.engine_id,
+        num_chunks=spec.num_chunks,
+        rank=rank,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
+    f = config.cache.blocks_per_chunk
+    return region, [region.create_next_worker_view(p * f) for p in PAGES]
+
+
+def expected_store(before: torch.Tensor, views, kv, gpu_ids, group_sizes, block_indices, chunk_ids, f):
+    """The whole region after vLLM's worker ran the store: ``before`` with, for each group, each ref's un-padded
+    page of block i written at position p = block_indices[g] % f + i, chunk chunk_ids[p // f], sub-block p % f."""
+    out = before.clone()
+    g0 = c0 = 0
+    for g, (n, first) in enumerate(zip(group_sizes, block_indices)):
+        skip = first % f
+        m = -(-(skip + n) // f) if n else 0
+        for ref in kv.group_data_refs[g]:
+            v = views[ref.tensor_idx]
+            dst = torch.as_strided(out, v.shape, v.stride(), v.storage_offset())  # vLLM's view, over `out`
+            page = kv.tensors[ref.tensor_idx].page_size_bytes
+            for i in range(n):
+                p = skip + i
+                row, sub = chunk_ids[c0 + p // f], p % f
+                dst[row, sub * page : sub * page + ref.page_size_bytes] = kv.tensors[ref.tensor_idx].tensor[
+                    gpu_ids[g0 + i], : ref.page_size_bytes
+                ]
+        g0, c0 = g0 + n, c0 + m
+    return out
+
+
+def submit_load(worker, job_id, src, dst):
+    kwargs = {"expedited": False} if "expedited" in inspect.signature(type(worker).submit_load).parameters else {}
+    assert worker.submit_load(job_id, src, dst, **kwargs)
+
+
+def finished(worker):
+    worker.wait(set(range(100)))
+    return worker.get_finished()
+
+
+LAYOUTS = [
+    pytest.param(1, 0, False, id="1worker"),
+    pytest.param(2, 1, False, id="rank1of2"),
+    pytest.param(2, 1, True, id="replicated-rank1"),
+]
+
+
+@pytest.mark.parametrize("f", [1, 2, 3], ids=lambda f: f"f{f}")
+@pytest.mark.parametrize("world_size,rank,replicated", LAYOUTS)
+def test_store_lands_where_vllm_views_say_and_loads_back(f, world_size, rank, replicated):
+    """Random GPU blocks, chunk ids and skips, two KV-cache groups: our worker's store equals, over the whole
+    region (other workers' slots and page padding included), what vLLM's worker writes through its views; a load
+    reads the bytes back exactly, into other GPU blocks, touching nothing else."""
+    rng = np.random.default_rng(f * 10 + rank + 5 * replicated)
+    kv = kv_caches(seed=f)
+    config = make_config(
+        {"cpu_bytes_to_use": 16 * 4096 * f * world_size},  # rows are 1408 x f x copies, rounded up to 4 KiB
+        num_groups=2,
+        worker_bytes=sum(PAGES),
+        f=f,
+        world_size=world_size,
+        rank=rank,
+        replicated=replicated,
+    )
+    spec = OffloadingSpecFactory.create_spec(config)
+    assert type(spec) is TritonTieringOffloadingSpec
+    slot_rank = 0 if replicated else rank
+    worker = spec.get_worker(kv)
+    region, views = vllm_views(config, spec, slot_rank)
+    try:
+        whole = region.base_tensor
+        whole.view(torch.uint8).fill_(SENTINEL)
+        before = whole.clone()
+        # Group 0: 5 blocks from position skip0; group 1: 3 blocks from skip1 (vLLM's block_indices % f).
+        sizes = [5, 3]
+        firsts = [int(rng.integers(0, 4)) * f + int(rng.integers(0, f)) for _ in sizes]
+        need = [-(-(b % f + n) // f) for b, n in zip(firsts, sizes)]
+        gpu = rng.permutation(12)[: sum(sizes)].tolist()
+        chunks = rng.permutation(spec.num_chunks)[: sum(need)].tolist()
+        assert worker.submit_store(0, GPULoadStoreSpec(gpu, sizes, firsts), CPULoadStoreSpec(chunks))
+        (res,) = finished(worker)
+        assert res.success and res.transfer_size == 5 * (384 + 384) + 3 * (256 + 320)
+        want = expected_store(before, views, kv, gpu, sizes, firsts, chunks, f)
+        assert torch.equal(whole, want), "bytes differ from vLLM's worker-slot layout"
+        assert not torch.equal(whole, before)
+
+        sources = [t.tensor.clone() for t in kv.tensors]
+        for t in kv.tensors:
+            t.tensor.view(torch.uint8).fill_(SENTINEL)
+        dst = rng.permutation(12)[: sum(sizes)].tolist()
+        submit_load(worker, 1, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts))
+        (res,) = finished(worker)
+        assert res.success
+        assert torch.equal(whole, want), "a load changed the region"
+        expect = [torch.full_like(s, SENTINEL) for s in sources]
+        g0 = 0
+        for g, n in enumerate(sizes):
+            for ref in kv.group_data_refs[g]:
+                e, s = expect[ref.tensor_idx], sources[ref.tensor_idx]
+                for i in range(n):
+                    e[dst[g0 + i], : ref.page_size_bytes] = s[gpu[g0 + i], : ref.page_size_bytes]
+            g0 += n
+        for t, e in zip(kv.tensors, expect):
+            assert torch.equal(t.tensor, e), "the load wrote other bytes than the refs' pages of its blocks"
+    finally:
+        worker.shutdown()
+        del views, whole
+        region.cleanup()
+    assert not os.path.exists(region_file(config))
+
+
+@pytest.mark.parametrize("f", [1, 2], ids=lambda f: f"f{f}")
+def test_loads_blocks_written_through_vllm_views(f):
+    """The other direction: chunks filled through vLLM's views as vLLM's worker lays them out (random bytes in every
+    page, padding included) are loaded by our kernel into exactly the refs' un-padded bytes."""
+    kv = kv_caches(seed=7)
+    config = make_config({"cpu_bytes_to_use": 8 * 4096 * f}, num_groups=2, worker_bytes=sum(PAGES), f=f)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = spec.get_worker(kv)
+    region, views = vllm_views(config, spec, 0)
+    try:
+        gen = torch.Generator().manual_seed(f)
+        for v in views:
+            v.copy_(torch.randint(-128, 128, v.shape, dtype=torch.int8, generator=gen))
+        sizes, firsts = [2 * f - 1, 1], [1, f]  # group 0 starts at sub-block 1 % f
+        chunks = [6, 2, 5, 0][: sum(-(-(b % f + n) // f) for b, n in zip(firsts, sizes))]
+        dst = [3, 8, 1, 10, 5, 0][: sum(sizes)]
+        submit_load(worker, 7, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts))
+        assert finished(worker)[0].success
+        g0 = c0 = 0
+        for g, (n, first) in enumerate(zip(sizes, firsts)):
+            skip = first % f
+            for ref in kv.group_data_refs[g]:
+                page = PAGES[ref.tensor_idx]
+                for i in range(n):
+                    p = skip + i
+                    row, sub = chunks[c0 + p // f], p % f
+                    want = views[ref.tensor_idx][row, sub * page : sub * page + ref.page_size_bytes]
+                    got = kv.tensors[ref.tensor_idx].tensor[dst[g0 + i], : ref.page_size_bytes]
+                    assert torch.equal(got, want), f"group {g}, tensor {ref.tensor_idx}, block {i}"
+            g0, c0 = g0 + n, c0 + -(-(skip + n) // f)
+    finally:
+        worker.shutdown()
+        del views
+        region.cleanup()
+
+
+def test_scheduler_view_sees_the_worker_bytes_and_drops_the_name():
+    """The scheduler's memoryview (what the fs/obj tiers persist) holds, for chunk c, exactly the row our worker
+    filled; once the scheduler has mapped the region its /dev/shm name is gone, and transfers still work."""
+    kv = kv_caches(seed=3)
+    config = make_config({"cpu_bytes_to_use": 8 * 4096}, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = spec.get_worker(kv)
+    assert os.path.exists(region_file(config)), "workers map the region by name first"
+    manager = spec.get_manager()
+    try:
+        assert not os.path.exists(region_file(config)), "the name outlived the last process that needed it"
+        view = manager.primary_tier.get_kv_memoryview()
+        assert worker.submit_store(0, GPULoadStoreSpec([4, 9], [1, 1], [0, 0]), CPULoadStoreSpec([2, 3]))
+        assert finished(worker)[0].success
+        rows = np.array(view, copy=True).view(np.int8)  # (num_chunks, row bytes), as the tiers address it
+        assert rows.shape == (spec.num_chunks, spec.kv_bytes_per_chunk)
+        t0, t1 = (kv.tensors[i].tensor[4].numpy() for i in (0, 1))
+        assert (rows[2, :384] == t0[:384]).all() and (rows[2, 512 : 512 + 384] == t1[:384]).all()
+        # Group 1's block: tensor 2 after 2 x 512 bytes, and tensor 0's first 320 bytes at the row's start.
+        assert (rows[3, 1024 : 1024 + 256] == kv.tensors[2].tensor[9].numpy()).all()
+        assert (rows[3, :320] == kv.tensors[0].tensor[9, :320].numpy()).all()
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+# -- the /dev/shm name on every exit path ------------------------------------------------------------------------------
+
+_KILLED_WORKER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_tiering import OffloadingSpecFactory, PAGES, kv_caches, make_config
+config = make_config({{"cpu_bytes_to_use": 4 * sum(PAGES)}}, num_groups=2, worker_bytes=sum(PAGES), f=1,
+                     engine_id={engine_id!r})
+worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches())
+print("MAPPED", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_killed_worker_leaves_no_region_file():
+    """A worker killed before the scheduler mapped the region (SIGKILL: no cleanup code runs) leaves no file."""
+    engine_id = f"tiertest-kill-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    script = _KILLED_WORKER.format(tests=os.path.dirname(__file__), engine_id=engine_id)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert "MAPPED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path), f"{path} left behind by a killed worker"
+
+
+def test_failed_worker_startup_removes_the_region_file():
+    """A worker that fails after creating the region (here: tensors larger than the slot vLLM sized) removes it."""
+    kv = kv_caches()
+    config = make_config({"cpu_bytes_to_use": 4 * sum(PAGES)}, num_groups=2, worker_bytes=sum(PAGES) - 128, f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    with pytest.raises((ValueError, AssertionError), match="slot|exceeds worker area"):
+        spec.get_worker(kv)
+    assert not os.path.exists(region_file(config))
+
+
+def test_failed_scheduler_startup_removes_the_region_file(tmp_path):
+    """The scheduler fails to build its tiers after the worker created the region: the name goes too."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    kv = kv_caches()
+    extra = {"cpu_bytes_to_use": 4 * sum(PAGES), "secondary_tiers": [{"type": "fs", "root_dir": str(blocker / "x")}]}
+    config = make_config(extra, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = spec.get_worker(kv)
+    try:
+        with pytest.raises(OSError):
+            spec.get_manager()  # the fs tier cannot create its directory under a file
+        assert not os.path.exists(region_file(config))
+    finally:
+        worker.shutdown()
+
+
+# -- configuration ---------------------------------------------------------------------------------------------------
+
+FS = {"type": "fs", "root_dir": "/x"}
+T0 = r"\['secondary_tiers'\]\[0\]"  # how messages name the first tier
+BAD = {
+    "unknown-tier": ({"secondary_tiers": [{**FS, "type": "nfs"}]}, T0 + r"\['type'\] = 'nfs' is not a usable"),
+    "no-root-dir": ({"secondary_tiers": [{"type": "fs"}]}, T0 + r" \(type 'fs'\) needs 'root_dir'"),
+    "no-type": ({"secondary_tiers": [{"root_dir": "/x"}]}, T0 + r"\['type'\] is missing"),
+    "typo": ({"secondary_tiers": [{**FS, "rootdir": 1}]}, r"unknown key\(s\) \['rootdir'\]"),
+    "not-a-list": ({"secondary_tiers": FS}, r"\['secondary_tiers'\] = .* must be a list"),
+    "not-a-dict": ({"secondary_tiers": ["fs"]}, T0 + " = 'fs' must be a dict"),
+    "bp-no-cls": ({"secondary_tiers": [{**FS, "backpressure": {}}]}, T0 + r"\['backpressure'\] .* 'backpressure_cls'"),
+    "bp-not-dict": ({"backpressure": [1], "secondary_tiers": [FS]}, r"\['backpressure'\] = \[1\] must be a dict"),
+    "policy": ({"eviction_policy": "fifo"}, "eviction_policy = 'fifo' is not usable"),
+    "store-threshold": ({"store_threshold": 2}, "store_threshold = 2 is not supported"),
+    "canonical": ({"canonical_layout": True}, "canonical_layout = True is not supported"),
+    "num-ctas": ({"num_ctas": 0}, "num_ctas = 0 must be a positive int"),
+    "no-budget": ({"cpu_bytes_to_use": None}, "needs 'cpu_bytes_to_use'"),
+    "bad-budget": ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use = 'lots' is not a size"),
+    "tiny-budget": ({"cpu_bytes_to_use": 100}, "cpu_bytes_to_use = 100 bytes is less than one chunk"),
+}
+
+
+@pytest.mark.parametrize("extra,message", list(BAD.values()), ids=list(BAD))
+def test_bad_config_is_refused_at_startup_naming_the_key(extra, message):
+    config = make_config({"cpu_bytes_to_use": "1MiB", **extra}, worker_bytes=sum(PAGES), f=1)
+    with pytest.raises(ValueError, match=message):
+        OffloadingSpecFactory.create_spec(config)
+    if "cpu_bytes_to_use" not in extra:  # the metrics vLLM builds from the raw config refuse it the same way
+        with pytest.raises(ValueError, match=message):
+            TritonTieringOffloadingSpec.build_metric_definitions(dict(config.extra_config))
+    assert not os.path.exists(region_file(config)), "nothing may be allocated for a refused config"
+
+
+def test_good_config_is_parsed_once_with_vllm_keys_passed_through(tmp_path):
+    extra = {
+        "cpu_bytes_to_use": "2MiB",
+        "eviction_policy": "arc",
+        "num_ctas": 4,
+        "backpressure": {"backpressure_cls": "EMABackpressureDetector"},
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 2, "n_write_threads": 2}],
+    }
+    config = make_config(extra, worker_bytes=sum(PAGES), f=2)
+    spec = OffloadingSpecFactory.create_spec(config)
+    assert spec.tiering_config == TritonTieringConfig(2 << 20, "arc", ("fs",), 4)
+    assert spec.extra_config["cpu_bytes_to_use"] == 2 << 20, "vLLM's spec reads int(cpu_bytes_to_use)"
+    assert spec.num_chunks == (2 << 20) // 4096  # 2 x 1408 bytes per chunk row, rounded up to a 4 KiB page
+    # vLLM merged the top-level backpressure into the tier, as its own spec does.
+    assert spec.secondary_tier_configs[0]["backpressure"] == {"backpressure_cls": "EMABackpressureDetector"}
+    metrics = TritonTieringOffloadingSpec.build_metric_definitions(dict(config.extra_config))
+    assert "vllm:kv_offload_tiering_chunk_hits" in metrics
+
+
+def test_registered_by_name_next_to_the_packed_spec():
+    plugin.register()
+    plugin.register()
+    assert OffloadingSpecFactory.get_spec_cls({"spec_name": plugin.TIERING_SPEC_NAME}) is TritonTieringOffloadingSpec
+    by_path = {"spec_name": plugin.TIERING_SPEC_NAME, "spec_module_path": "triton_offload.connector"}
+    assert OffloadingSpecFactory.get_spec_cls(by_path) is TritonTieringOffloadingSpec
