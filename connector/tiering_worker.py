@@ -12,6 +12,7 @@ The region's file name is handled by :class:`~triton_offload.connector.shm_regio
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -159,8 +160,10 @@ class TritonTieringWorker(TritonOffloadingWorker):
             # Unregister before the mapping goes away; release the name whatever happened.
             try:
                 unregister_host_ranges(self._registered)
-                # Our views of the mapping must go before vLLM closes it (it cannot close a buffer still exported).
+                # Our views of the mapping must go before vLLM closes it (it cannot close a buffer still exported);
+                # the interpreter's launches leave reference cycles holding views, hence the collection.
                 self.host = self.engine.host_buffer = None
+                gc.collect()
                 self.region.cleanup()
             finally:
                 self.name.release()
