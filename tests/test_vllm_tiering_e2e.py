@@ -1,0 +1,121 @@
+"""End to end: two vLLM engines (CPU platform), one after the other, sharing nothing but an ``fs`` tier directory.
+
+Engine A serves a 200-token prompt cold and exits once its chunks have cascaded GPU -> CPU tier -> files. Engine B,
+a fresh process with an empty CPU tier and the same ``root_dir``, serves the same prompt: its prefix must be promoted
+from the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 GPU blocks of 32, the last prompt
+token is always recomputed), with A's greedy tokens (a wrong byte changes them: tests/vllm_e2e_driver.py's tiny
+Llama). A and B run ``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that
+writes vLLM's native layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region
+file must be gone once it exits. One process per engine: tests/vllm_tiering_driver.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
+pytest.importorskip("transformers", reason="the e2e test builds its tiny model with transformers")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
+if not _platform():
+    pytest.skip("vLLM found no platform to run an engine on (no GPU and not the CPU build)", allow_module_level=True)
+
+TESTS = pathlib.Path(__file__).parent
+DRIVER = TESTS / "vllm_tiering_driver.py"
+GPU_BLOCK_BYTES = 65536  # 2 layers x K,V x 2 heads x 32 tokens x 64 dims x fp32
+REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
+
+
+def run_engine(model: pathlib.Path, root: pathlib.Path, block_size: int, *args: str, check: bool = True) -> dict:
+    env = dict(os.environ)
+    # The kernels pick Triton's interpreter for CPU tensors themselves; VLLM_CPU_KVCACHE_SPACE would override the
+    # driver's KV-cache size. The native writer is imported by vLLM's factory from this directory.
+    for name in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # our workers log their region's path
+    cmd = [sys.executable, str(DRIVER), "--model", str(model), "--root", str(root), "--block-size", str(block_size)]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=400, env=env)
+    log = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TIERING_RESULT ")]
+    if not check:
+        return {"returncode": proc.returncode, "log": log}
+    assert proc.returncode == 0 and lines, f"engine failed (rc={proc.returncode}):\n{log[-6000:]}"
+    result = json.loads(lines[-1][len("TIERING_RESULT ") :])
+    result["log"] = log
+    result["regions"] = sorted(set(REGION.findall(log)))
+    return result
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> pathlib.Path:
+    """One model directory for every engine: its path is part of the fs tier's namespace."""
+    from vllm_e2e_driver import build_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiering") / "tiny_llama"
+    build_tiny_llama(str(path))
+    return path
+
+
+def a_then_b(model: pathlib.Path, root: pathlib.Path, block_size: int, writer: str) -> tuple[dict, dict]:
+    chunks = 192 // block_size
+    a = run_engine(model, root, block_size, "--spec", writer, "--wait-files", str(chunks))
+    assert len(a["files"]) == chunks, f"A's chunks did not all reach the fs tier: {a['files']}"
+    b = run_engine(model, root, block_size)
+    return a, b
+
+
+CASES = {
+    "ours-f1": (32, "ours"),  # host block (chunk) = GPU block
+    "ours-f2": (64, "ours"),  # chunk = 2 GPU blocks
+    "native-f2": (64, "native"),  # A writes vLLM's native layout
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, model, tmp_path_factory):
+    block_size, writer = CASES[request.param]
+    a, b = a_then_b(model, tmp_path_factory.mktemp(request.param), block_size, writer)
+    return request.param, a, b
+
+
+def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
+    name, a, b = pair
+    assert a["cached"] == 0, "A runs cold"
+    assert b["cached"] == 192, f"{name}: B should find all 6 GPU blocks of the prefix in the fs tier"
+    assert b["tokens"] == a["tokens"], f"{name}: greedy tokens differ: the KV loaded back is not A's"
+    # Promoted from the files (vLLM's tiering metrics), then moved to the GPU by our kernel (our worker's totals).
+    assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:fs}"] == 192 // a["block_size"]
+    assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
+    assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}" in b["log"]
+
+
+def test_no_region_file_is_left_after_the_engines_exit(pair):
+    name, a, b = pair
+    ours = [a, b] if name.startswith("ours") else [b]
+    for result in ours:
+        assert len(result["regions"]) == 1, "our worker logs its shared region once"
+        assert not os.path.exists(result["regions"][0]), f"{result['regions'][0]} outlived its engine"
+
+
+def test_missing_root_dir_stops_the_engine_at_startup_naming_the_key(model, tmp_path):
+    bad = json.dumps({"secondary_tiers": [{"type": "fs"}]})
+    out = run_engine(model, tmp_path, 32, "--extra", bad, check=False)
+    assert out["returncode"] != 0
+    assert "kv_connector_extra_config['secondary_tiers'][0] (type 'fs') needs 'root_dir'" in out["log"]
+    assert not REGION.findall(out["log"]), "nothing may be allocated for a refused config"
