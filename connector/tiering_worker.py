@@ -116,7 +116,11 @@ class TritonTieringWorker(TritonOffloadingWorker):
         self.pinned = self.kv.device.type == "cuda" if pin is None else pin
         if self.pinned:
             self._registered = register_host_range(base.data_ptr(), region.total_size_bytes, row)
-        self.engine = TransferEngine(self.kv, self.host, blocks_per_host_block=f, num_ctas=num_ctas)
+        try:
+            self.engine = TransferEngine(self.kv, self.host, blocks_per_host_block=f, num_ctas=num_ctas)
+        except BaseException:
+            unregister_host_ranges(self._registered)  # the caller releases the region and its name
+            raise
         self.num_ctas = num_ctas
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
         logger.info(
