@@ -164,9 +164,10 @@ class TritonTieringWorker(TritonOffloadingWorker):
             # Unregister before the mapping goes away; release the name whatever happened.
             try:
                 unregister_host_ranges(self._registered)
-                # Our views of the mapping must go before vLLM closes it (it cannot close a buffer still exported);
-                # the interpreter's launches leave reference cycles holding views, hence the collection.
-                self.host = self.engine.host_buffer = None
+                # Our views of the mapping (ours, the engine's and its launcher's) must go before vLLM closes it: it
+                # cannot close a buffer still exported. The interpreter's launches leave reference cycles holding
+                # views, hence the collection.
+                self.host = self.engine = None
                 gc.collect()
                 self.region.cleanup()
             finally:

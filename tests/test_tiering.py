@@ -220,6 +220,21 @@ def test_store_lands_where_vllm_views_say_and_loads_back(f, world_size, rank, re
     assert not os.path.exists(region_file(config))
 
 
+def test_clean_shutdown_unmaps_the_region(caplog):
+    """After jobs ran through the interpreter, shutdown leaves no view of the mapping behind: vLLM's cleanup can
+    close it (it logs a warning and keeps the memory mapped when a buffer is still exported)."""
+    kv = kv_caches(seed=5)
+    config = make_config({"cpu_bytes_to_use": 8 * 4096}, num_groups=2, worker_bytes=sum(PAGES), f=2)
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(kv)
+    assert worker.submit_store(0, GPULoadStoreSpec([4, 9, 2], [2, 1], [0, 0]), CPULoadStoreSpec([2, 3]))
+    submit_load(worker, 1, CPULoadStoreSpec([2]), GPULoadStoreSpec([7, 8], [2, 0], [0, 0]))
+    assert all(r.success for r in finished(worker))
+    with caplog.at_level("WARNING"):
+        worker.shutdown()
+    assert not [r.getMessage() for r in caplog.records if "close" in r.getMessage()]
+    assert not os.path.exists(region_file(config))
+
+
 @pytest.mark.parametrize("f", [1, 2], ids=lambda f: f"f{f}")
 def test_loads_blocks_written_through_vllm_views(f):
     """The other direction: chunks filled through vLLM's views as vLLM's worker lays them out (random bytes in every
