@@ -207,9 +207,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         route_logs_through_vllm()
-        self.tiering_config = cfg = TritonTieringConfig.from_extra_config(config.extra_config)
-        if config.canonical_layout:
-            raise ValueError(f"canonical_layout is not supported by {TIERING_SPEC_NAME}; remove it from the config")
+        self.tiering_config = cfg = TritonTieringConfig.from_extra_config(config.extra_config)  # refuses canonical
         # vLLM's spec reads int(cpu_bytes_to_use): hand it the parsed size ("40GiB" is ours).
         config = replace(config, extra_config={**config.extra_config, "cpu_bytes_to_use": cfg.cpu_bytes_to_use})
         super().__init__(config)
@@ -224,7 +222,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         """vLLM's ``TieringOffloadingManager``, unchanged; then the region's name is dropped (see ``RegionName``)."""
         if self._manager is not None:
             return self._manager
-        path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"
+        path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"  # SharedOffloadRegion's name for this engine
         try:
             manager = super().get_manager()
         except BaseException:
