@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches
@@ -23,49 +24,11 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from triton_offload.connector.shm_region import RegionName
 from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
 from triton_offload.engine import TransferEngine
+from triton_offload.host_cache import REGISTER_CHUNK_BYTES, register_host_range, unregister_host_ranges
 
-__all__ = ["TritonTieringWorker", "register_host_range", "unregister_host_ranges"]
+__all__ = ["TritonTieringWorker"]
 
 logger = logging.getLogger(__name__)
-
-# cudaHostRegisterPortable | cudaHostRegisterMapped, as for the packed host cache (triton_offload/host_cache.py): the
-# kernels read and write the region through its host address.
-_CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x02
-# At most this many bytes per cudaHostRegister call, so no call holds the driver for long.
-REGISTER_CHUNK_BYTES = 1 << 30
-
-
-def register_host_range(ptr: int, nbytes: int, row_bytes: int) -> list[int]:
-    """Page-locks ``[ptr, ptr + nbytes)`` with the CUDA driver, in chunks of whole rows of at most 1 GiB, so that no
-    transfer straddles two registrations. Returns the registered addresses (for ``unregister_host_ranges``).
-
-    Raises:
-        RuntimeError: a registration failed; what was registered is released first. The kernels dereference the
-            region from the GPU, so pageable memory is not an option (vLLM's DMA worker can fall back; we cannot).
-    """
-    cudart = torch.cuda.cudart()
-    chunk = max(1, REGISTER_CHUNK_BYTES // row_bytes) * row_bytes
-    done: list[int] = []
-    for start in range(0, nbytes, chunk):
-        size = min(chunk, nbytes - start)
-        err = cudart.cudaHostRegister(ptr + start, size, _CUDA_HOST_REGISTER_FLAGS)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            unregister_host_ranges(done)
-            raise RuntimeError(
-                f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of the "
-                f"{nbytes}-byte shared offload region (registrations so far released); lower cpu_bytes_to_use or "
-                "raise the locked-memory limit (ulimit -l)"
-            )
-        done.append(ptr + start)
-    return done
-
-
-def unregister_host_ranges(addresses: list[int]) -> None:
-    if addresses:
-        cudart = torch.cuda.cudart()
-        while addresses:
-            cudart.cudaHostUnregister(addresses.pop())
 
 
 class TritonTieringWorker(TritonOffloadingWorker):
@@ -98,7 +61,9 @@ class TritonTieringWorker(TritonOffloadingWorker):
         pin: bool | None = None,
     ) -> None:
         self.region, self.name = region, name
-        self._registered: list[int] = []
+        # Unregistered at shutdown, or by the finalizer (which holds no reference to the worker) if it is dropped.
+        self._registered: list[tuple[int, int]] = []
+        self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
         self.kv = canonical_kv_spec(kv_caches, worker_slots=True)
         self.blocks_per_host_block = f = blocks_per_chunk
         used = self.kv.host_block_bytes(f)
@@ -115,7 +80,14 @@ class TritonTieringWorker(TritonOffloadingWorker):
         t0 = time.perf_counter()
         self.pinned = self.kv.device.type == "cuda" if pin is None else pin
         if self.pinned:
-            self._registered = register_host_range(base.data_ptr(), region.total_size_bytes, row)
+            # The kernels dereference the region from the GPU, so pageable memory is not an option (vLLM's DMA worker
+            # can fall back; we cannot). Chunks of whole rows: no transfer straddles two registrations.
+            chunk = max(1, REGISTER_CHUNK_BYTES // row) * row
+            self._registered.extend(
+                register_host_range(
+                    base.data_ptr(), region.total_size_bytes, chunk_bytes=chunk, what="shared offload region"
+                )
+            )
         try:
             self.engine = TransferEngine(self.kv, self.host, blocks_per_host_block=f, num_ctas=num_ctas)
         except BaseException:

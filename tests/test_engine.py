@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import triton_offload as to
+from triton_offload.engine import JobResult, TransferEngine
 from triton_offload.kernels import copy_blocks
-from triton_offload.engine import TransferEngine, JobResult
 
 from kv_factory import copy_blocks_into, make_caches, sentinel_like, storage_bytes
 

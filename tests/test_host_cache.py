@@ -72,7 +72,7 @@ class FakeCudart:
 def _fake_driver(monkeypatch, fake):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     # The real address check needs a GPU (tested under -m gpu); the fake driver maps nothing.
-    monkeypatch.setattr(HostCache, "_check_mapped_at_host_address", lambda self, base: None)
+    monkeypatch.setattr(host_cache, "check_mapped_at_host_address", lambda ranges: None)
 
 
 def test_registration_in_bounded_chunks(monkeypatch, make_host_cache):

@@ -239,9 +239,7 @@ def test_valid_grouped_call_writes(grouped):
     """Guards the test above: its valid baseline transfer does write."""
     caches, spec, host = grouped
     before = host.clone()
-    to.gather_blocks(
-        spec, [1, 4, 6, 2], host, [3, 0, 1], blocks_per_host_block=2, skip=[1, 0], group_sizes=[3, 1]
-    )
+    to.gather_blocks(spec, [1, 4, 6, 2], host, [3, 0, 1], blocks_per_host_block=2, skip=[1, 0], group_sizes=[3, 1])
     assert not torch.equal(before, host)
 
 

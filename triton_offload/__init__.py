@@ -28,8 +28,14 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
-    from triton_offload.transfer import check_transfer, gather_blocks, host_block_bytes, plan_transfer, scatter_blocks
+    from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv  # noqa: F401
+    from triton_offload.transfer import (  # noqa: F401
+        check_transfer,
+        gather_blocks,
+        host_block_bytes,
+        plan_transfer,
+        scatter_blocks,
+    )
 
 
 def __getattr__(name: str) -> Any:

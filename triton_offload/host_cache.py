@@ -19,7 +19,7 @@ import torch
 
 from triton_offload._checks import positive_int
 
-__all__ = ["HostCache", "host_blocks_for_budget"]
+__all__ = ["HostCache", "host_blocks_for_budget", "register_host_range", "unregister_host_ranges"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +63,82 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
         logger.info("transparent huge pages unavailable (%s): the host cache uses base pages", e)
 
 
-def _unregister_ranges(registered: list[tuple[int, int]]) -> None:
-    """Unregisters every range in ``registered`` from CUDA, emptying it. Holds no reference to the cache, so it can
-    run as the cache's finalizer."""
+def unregister_host_ranges(registered: list[tuple[int, int]]) -> None:
+    """Unregisters every ``(address, bytes)`` range in ``registered`` from CUDA, emptying the list. Holds no reference
+    to the owner of the memory, so it can run as its finalizer."""
     if not registered:
         return
     cudart = torch.cuda.cudart()
     while registered:
         ptr, _ = registered.pop()
         cudart.cudaHostUnregister(ptr)
+
+
+def register_host_range(
+    ptr: int, nbytes: int, *, chunk_bytes: int | None = None, what: str = "host buffer"
+) -> list[tuple[int, int]]:
+    """Page-locks ``[ptr, ptr + nbytes)`` with CUDA (portable, mapped) in chunks of at most ``chunk_bytes`` (default
+    :data:`REGISTER_CHUNK_BYTES`), so that no single call holds the driver for long, and checks that the memory is
+    mapped at its host address. Returns the registered ``(address, bytes)`` ranges, for
+    :func:`unregister_host_ranges`.
+
+    Raises:
+        RuntimeError: a registration or the address check failed; everything registered is released first, and the
+            message names the chunk, ``what`` was being registered and what to change.
+    """
+    chunk_bytes = chunk_bytes or REGISTER_CHUNK_BYTES
+    cudart = torch.cuda.cudart()
+    done: list[tuple[int, int]] = []
+    for start in range(0, nbytes, chunk_bytes):
+        size = min(chunk_bytes, nbytes - start)
+        err = cudart.cudaHostRegister(ptr + start, size, _CUDA_HOST_REGISTER_FLAGS)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            registered = sum(s for _, s in done)
+            unregister_host_ranges(done)
+            raise RuntimeError(
+                f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of a "
+                f"{nbytes}-byte {what} (after {registered} bytes registered, now released); lower "
+                f"cpu_bytes_to_use or raise the locked-memory limit (ulimit -l)"
+            )
+        done.append((ptr + start, size))
+    try:
+        check_mapped_at_host_address(done)
+    except RuntimeError:
+        unregister_host_ranges(done)
+        raise
+    return done
+
+
+def check_mapped_at_host_address(ranges: list[tuple[int, int]]) -> None:
+    """The kernels address a whole buffer from its base pointer, across separately registered chunks: that needs
+    registered memory mapped at its host address (cudaDevAttrCanUseHostPointerForRegisteredMem, true on Linux x86-64
+    GPUs). Verified through cuda-python where it is installed.
+
+    Raises:
+        RuntimeError: the query failed (naming the CUDA error) or a chunk maps elsewhere.
+    """
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        try:
+            from cuda import cudart as rt
+        except ImportError:
+            logger.info("cuda-python not installed: not verifying that registered memory is mapped at its address")
+            return
+    for ptr, _ in ranges:
+        err, dev_ptr = rt.cudaHostGetDevicePointer(ptr, 0)
+        if int(err) != 0:
+            # cuda-python returns (err, None) on failure: report the driver's error, not a formatting one.
+            raise RuntimeError(
+                f"cudaHostGetDevicePointer failed for registered host memory at {ptr:#x}: "
+                f"{getattr(err, 'name', err)} ({int(err)}); the registration was released"
+            )
+        if int(dev_ptr) != ptr:
+            raise RuntimeError(
+                f"registered host memory at {ptr:#x} maps to device address {int(dev_ptr):#x}: this platform "
+                "does not map registered memory at its host address, which the kernels need"
+            )
 
 
 class HostCache:
@@ -110,7 +177,7 @@ class HostCache:
         # closed *or* dropped. A registration that outlives its munmap makes the driver treat whatever is mapped
         # there next as pinned (copies then touch stale pages) and fails the next cudaHostRegister at that address.
         self._registered: list[tuple[int, int]] = []
-        self._finalizer = weakref.finalize(self, _unregister_ranges, self._registered)
+        self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
         t0 = time.perf_counter()
         self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         _advise_huge_pages(self._mmap)
@@ -121,7 +188,7 @@ class HostCache:
             self._populate(flat, populate_threads)
             t1 = time.perf_counter()
             if self.pinned:
-                self._register(flat.data_ptr())
+                self._registered.extend(register_host_range(flat.data_ptr(), self.nbytes, what="host cache"))
             t2 = time.perf_counter()
             self.buffer = flat.view(self.num_blocks, host_block_bytes)
         logger.info(
@@ -142,51 +209,6 @@ class HostCache:
         spans = [(s, min(s + step, flat.numel())) for s in range(0, flat.numel(), step)]
         with ThreadPoolExecutor(max_workers=len(spans)) as pool:  # torch ops release the GIL
             list(pool.map(lambda s: flat[s[0] : s[1] : _PAGE].zero_(), spans))
-
-    def _register(self, base: int) -> None:
-        cudart = torch.cuda.cudart()
-        for start in range(0, self.nbytes, REGISTER_CHUNK_BYTES):
-            size = min(REGISTER_CHUNK_BYTES, self.nbytes - start)
-            err = cudart.cudaHostRegister(base + start, size, _CUDA_HOST_REGISTER_FLAGS)
-            code = int(getattr(err, "value", err))
-            if code != 0:
-                done = sum(s for _, s in self._registered)
-                _unregister_ranges(self._registered)
-                raise RuntimeError(
-                    f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of a "
-                    f"{self.nbytes}-byte host cache (after {done} bytes registered, now released); lower "
-                    f"cpu_bytes_to_use or raise the locked-memory limit (ulimit -l)"
-                )
-            self._registered.append((base + start, size))
-        self._check_mapped_at_host_address(base)
-
-    def _check_mapped_at_host_address(self, base: int) -> None:
-        """The kernels address the whole buffer from its base pointer, across separately registered chunks: that
-        needs registered memory mapped at its host address (cudaDevAttrCanUseHostPointerForRegisteredMem, true on
-        Linux x86-64 GPUs). Verified through cuda-python where it is installed."""
-        try:
-            from cuda.bindings import runtime as rt
-        except ImportError:
-            try:
-                from cuda import cudart as rt
-            except ImportError:
-                logger.info("cuda-python not installed: not verifying that the host cache is mapped at its address")
-                return
-        for ptr, _ in self._registered:
-            err, dev_ptr = rt.cudaHostGetDevicePointer(ptr, 0)
-            if int(err) != 0:
-                # cuda-python returns (err, None) on failure: report the driver's error, not a formatting one.
-                _unregister_ranges(self._registered)
-                raise RuntimeError(
-                    f"cudaHostGetDevicePointer failed for registered host memory at {ptr:#x}: "
-                    f"{getattr(err, 'name', err)} ({int(err)}); the host cache was unregistered"
-                )
-            if int(dev_ptr) != ptr:
-                _unregister_ranges(self._registered)
-                raise RuntimeError(
-                    f"registered host memory at {ptr:#x} maps to device address {int(dev_ptr):#x}: this platform "
-                    "does not map registered memory at its host address, which the kernels need"
-                )
 
     def close(self) -> None:
         """Unregisters the pages from CUDA and drops this object's references to the buffer. Idempotent; also done
