@@ -177,8 +177,14 @@ class TritonOffloadingManager(OffloadingManager):
         """Totals since start: host blocks loaded (hits), stored, evicted; and the blocks cached now."""
         return {**self._totals, "cached_blocks": self._manager.num_cached, "host_blocks": self.num_blocks}
 
+    @property
+    def occupancy(self) -> dict[str, int]:
+        """The host blocks now: ready (cached), with a store in flight, free; and the cached ones pinned by loads."""
+        m = self._manager
+        return {"cached": m.num_cached, "storing": m.num_storing, "free": m.num_free, "pinned": m.num_pinned}
+
     def shutdown(self) -> None:
-        logger.info("triton-offload scheduler counters: %s", self.counters)
+        logger.info("triton-offload scheduler counters: %s; host blocks at shutdown: %s", self.counters, self.occupancy)
 
     def _request_use(self, req_context: ReqContext) -> RequestUse:
         state = req_context.get_state(_RequestState)
