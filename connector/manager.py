@@ -4,13 +4,19 @@ vLLM's keys (``OffloadKey`` bytes: a block hash plus the KV-cache group index) a
 host block. The load and store specs handed back to vLLM carry host block ids in the order of the keys, which is
 the order vLLM walks the request's GPU blocks (group by group, chunk by chunk) when it builds the matching
 ``GPULoadStoreSpec``.
+
+Each request's uses go through one :class:`~triton_offload.manager.RequestUse` kept in vLLM's ``ReqContext``, so a
+request reading or offering again blocks it stored itself, or reusing a block twice, counts one use (vLLM's rule;
+it matters for ARC). The policy sees each call's keys in prefix order (by the end token vLLM records for each key,
+group-interleaved), while the specs keep vLLM's order; without recorded positions, the order vLLM passed them in. A
+job's completion changes no recency (vLLM reports a job's keys as a set, whose order varies from run to run).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -25,7 +31,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from triton_offload.manager import OffloadManager
+from triton_offload.manager import OffloadManager, RequestUse
 
 __all__ = ["HostBlocksSpec", "TritonOffloadingManager", "METRICS"]
 
@@ -88,15 +94,18 @@ class TritonOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostBlocksSpec:
         keys = list(keys)
-        block_ids = self._manager.prepare_load(keys)  # in the order of the keys, as vLLM pairs them with GPU blocks
+        # A load is a use, applied now (not at the request's end): this request's own stores that follow must not
+        # evict what it just loaded.
+        ordered = _prefix_order(keys, req_context)
+        block_ids = self._manager.prepare_load(ordered, self._request_use(req_context))
+        if ordered is not keys:  # ids go back in vLLM's order of the keys, as it pairs them with GPU blocks
+            where = dict(zip(ordered, block_ids))
+            block_ids = [where[key] for key in keys]
         self._totals["hit_blocks"] += len(keys)
-        # A load is a reuse: make the keys recent now, or this request's own stores could evict them right away.
-        self._manager.touch(_prefix_order(keys, req_context))
-        _reused(req_context).update(dict.fromkeys(keys))
         return HostBlocksSpec(block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.touch(_prefix_order(keys, req_context))
+        self._manager.touch(_prefix_order(list(keys), req_context), self._request_use(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._manager.complete_load(list(keys))
@@ -105,25 +114,27 @@ class TritonOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        # Offered keys already on the host were computed again on the GPU (device prefix hits): reused all the same.
-        state = self._manager.key_state
-        _reused(req_context).update(dict.fromkeys(key for key in keys if state(key) == "ready"))
-        out = self._manager.prepare_store(keys)
+        ordered = _prefix_order(keys, req_context)
+        out = self._manager.prepare_store(ordered, self._request_use(req_context))
         if out is None:
             return None  # vLLM counts it (allocation failure) and stores nothing for this offer
         self._totals["evicted_blocks"] += len(out.evicted_keys)
+        keys_to_store, host_ids = out.keys_to_store, out.host_block_ids
+        if ordered is not keys:  # back to vLLM's order, in which it walks the request's GPU blocks
+            where = dict(zip(keys_to_store, host_ids))
+            keys_to_store = [key for key in dict.fromkeys(keys) if key in where]
+            host_ids = [where[key] for key in keys_to_store]
         return PrepareStoreOutput(
-            keys_to_store=list(out.keys_to_store),
-            store_spec=HostBlocksSpec(out.host_block_ids),
+            keys_to_store=list(keys_to_store),
+            store_spec=HostBlocksSpec(host_ids),
             evicted_keys=list(out.evicted_keys),
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        # vLLM hands back a job's keys as a set: restore prefix order so the policy keeps prefix heads longest.
-        keys = _prefix_order(keys, req_context)
-        self._manager.complete_store(keys, success=success)
+        # A key with no store in flight (completed already, or dropped by reset_cache) is a no-op, as in vLLM.
+        done = self._manager.complete_store(list(keys), success=success)
         if success:
-            self._totals["stored_blocks"] += len(keys)
+            self._totals["stored_blocks"] += len(done)
 
     # -- requests, events, housekeeping --------------------------------------------------------------------------
 
@@ -131,13 +142,12 @@ class TritonOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        # vLLM calls touch() nowhere (0.32, 0.33). Refresh the request's reused keys once more at its end, head
-        # first, so they are more recent than the tail it stored meanwhile: losing a prefix head makes every block
-        # after it useless, losing the tail costs only the tail.
-        reused = req_context.get_state(_ReusedKeys)
-        if reused is not None and reused.keys:
-            self._manager.touch(_prefix_order(reused.keys, req_context))
-            reused.keys.clear()
+        # vLLM calls touch() nowhere (0.32, 0.33). The request used all its blocks until now, so they become recent
+        # again, head first: losing a prefix head makes every block after it useless, losing the tail costs only the
+        # tail. Counts no reuse.
+        state = req_context.get_state(_RequestState)
+        if state is not None and state.manager is self._manager and state.use.keys:
+            self._manager.finish_request(state.use, _prefix_order(list(state.use.keys), req_context))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self._manager.take_events():
@@ -167,29 +177,38 @@ class TritonOffloadingManager(OffloadingManager):
         """Totals since start: host blocks loaded (hits), stored, evicted; and the blocks cached now."""
         return {**self._totals, "cached_blocks": self._manager.num_cached, "host_blocks": self.num_blocks}
 
+    @property
+    def occupancy(self) -> dict[str, int]:
+        """The host blocks now: ready (cached), with a store in flight, free; and the cached ones pinned by loads."""
+        m = self._manager
+        return {"cached": m.num_cached, "storing": m.num_storing, "free": m.num_free, "pinned": m.num_pinned}
+
     def shutdown(self) -> None:
-        logger.info("triton-offload scheduler counters: %s", self.counters)
+        logger.info("triton-offload scheduler counters: %s; host blocks at shutdown: %s", self.counters, self.occupancy)
+
+    def _request_use(self, req_context: ReqContext) -> RequestUse:
+        state = req_context.get_state(_RequestState)
+        if state is None or state.manager is not self._manager:  # new request, or its history predates a reset
+            state = _RequestState(self._manager, RequestUse())
+            req_context.set_state(state)
+        return state.use
 
 
 @dataclass
-class _ReusedKeys:
-    """Per-request scratch (kept in vLLM's ReqContext): host keys the request loaded or found already stored."""
+class _RequestState:
+    """Per-request scratch kept in vLLM's ReqContext: the request's uses, for the manager they belong to."""
 
-    keys: dict[OffloadKey, None] = field(default_factory=dict)
-
-
-def _reused(req_context: ReqContext) -> dict[OffloadKey, None]:
-    state = req_context.get_state(_ReusedKeys)
-    if state is None:
-        state = _ReusedKeys()
-        req_context.set_state(state)
-    return state.keys
+    manager: OffloadManager
+    use: RequestUse
 
 
-def _prefix_order(keys: Collection[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
-    """The keys ordered by the end token vLLM recorded for each, or as given when a position is unknown."""
-    keys = list(keys)
-    positions = [req_context.get_offload_key_position(key) for key in keys]
-    if len(keys) > 1 and None not in positions:
-        keys = [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
-    return keys
+def _prefix_order(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
+    """The keys sorted by the end token vLLM recorded for each (stable: groups interleave block by block), or the
+    same list object when a position is unknown or the keys are in that order already."""
+    if len(keys) < 2:
+        return keys
+    position = req_context.get_offload_key_position
+    positions = [position(key) for key in keys]
+    if None in positions or all(a <= b for a, b in zip(positions, positions[1:])):
+        return keys
+    return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]

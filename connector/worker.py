@@ -87,6 +87,10 @@ class TritonOffloadingWorker(OffloadingWorker):
         budget_block_bytes: the bytes per host block the budget was divided by; a larger packed block is warned of.
     """
 
+    # Test hook, the only one: a subclass may name another engine class. tests/offload_fault_plugin.py uses it to make
+    # one transfer fail inside the engine, to check that a failure stops vLLM and is never reported as a success.
+    engine_class: type[TransferEngine] = TransferEngine
+
     def __init__(
         self,
         kv_caches: CanonicalKVCaches,
@@ -108,7 +112,7 @@ class TritonOffloadingWorker(OffloadingWorker):
             )
         # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
         self.host_cache = HostCache(host_block_bytes, num_blocks=num_host_blocks, pin=self.kv.device.type == "cuda")
-        self.engine = TransferEngine(self.kv, self.host_cache.buffer, blocks_per_host_block=f, num_ctas=num_ctas)
+        self.engine = self.engine_class(self.kv, self.host_cache.buffer, blocks_per_host_block=f, num_ctas=num_ctas)
         self.num_ctas = num_ctas
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
         logger.info(

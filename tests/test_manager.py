@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from triton_offload.manager import OffloadEvent, OffloadManager, PrepareStoreOutput
+from triton_offload.manager import OffloadEvent, OffloadManager, PrepareStoreOutput, RequestUse
 from triton_offload.policies import POLICIES, ARCPolicy, LRUPolicy, make_policy
 
 BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -124,6 +126,91 @@ def test_store_call_keeps_prefix_head_longest():
     assert m.lookup([k(0), k(1), k(2)]) == 2
 
 
+@BOTH
+def test_recency_follows_use_not_store_completion(policy):
+    """Request a stores its blocks, then b stores its own; a's copy completes last. A late completion is no use:
+    a's blocks, used earlier, are evicted first (tail first), not b's."""
+    m = OffloadManager(4, policy)
+    a = m.prepare_store([k(0), k(1)])
+    b = m.prepare_store([k(10), k(11)])
+    m.complete_store(b.keys_to_store)
+    m.complete_store(a.keys_to_store)
+    out = m.prepare_store([k(20)])
+    assert out is not None and out.evicted_keys == [k(1)]
+    m.complete_store(out.keys_to_store)
+    out = m.prepare_store([k(21)])
+    assert out is not None and out.evicted_keys == [k(0)]
+
+
+def test_a_store_in_flight_takes_its_place_when_used():
+    """A key whose store is in flight is used (touched, offered again): it moves up in recency like a ready key,
+    and keeps that place when its store completes. Eviction skips it meanwhile."""
+    m = OffloadManager(3, "lru")
+    store_each(m, [k(0), k(1)])
+    assert m.prepare_store([k(2)]) is not None  # in flight, the most recent
+    m.touch([k(0)])  # order: 1, 2, 0
+    out = m.prepare_store([k(3)])  # evicts 1; k2 is not evictable yet, nothing else is older
+    assert out is not None and out.evicted_keys == [k(1)]
+    m.complete_store([k(3)])
+    m.prepare_store([k(2)])  # offered again while in flight: a use, so the most recent now
+    m.complete_store([k(2)])
+    assert m.snapshot().policy == {"order": (k(0), k(3), k(2))}
+
+
+def test_arc_counts_reuse_once_per_request():
+    """ARC, as vLLM: a request loading, touching or offering again blocks it stored itself keeps them in T1 (one use);
+    another request's load is a reuse (T2); its second load, its offer and its end count nothing more."""
+    m = OffloadManager(8, "arc")
+    r, s = RequestUse(), RequestUse()
+    out = m.prepare_store([k(0), k(1)], r)
+    m.complete_store(out.keys_to_store)
+    m.prepare_load([k(0), k(1)], r)
+    m.complete_load([k(0), k(1)])
+    m.touch([k(1)], r)
+    assert m.prepare_store([k(0), k(1), k(2)], r).keys_to_store == [k(2)]
+    m.complete_store([k(2)])
+    m.finish_request(r)
+    pol = m.snapshot().policy
+    assert (set(pol["t1"]), pol["t2"]) == ({k(0), k(1), k(2)}, ()), "a request's own blocks counted as reused"
+
+    m.prepare_load([k(0)], s)
+    m.complete_load([k(0)])
+    assert m.snapshot().policy["t2"] == (k(0),)
+    m.prepare_load([k(1)], s)
+    m.complete_load([k(1)])
+    m.prepare_store([k(0), k(1)], s)
+    m.finish_request(s)
+    pol = m.snapshot().policy
+    assert (pol["t1"], pol["t2"]) == ((k(2),), (k(1), k(0))), "the head, first in the request, is the most recent"
+    assert m.snapshot().policy["p"] == 0
+
+    m.prepare_load([k(2)])  # no request: every use counts
+    m.complete_load([k(2)])
+    assert m.snapshot().policy["t1"] == ()
+
+
+def test_finish_request_makes_its_keys_recent_head_first():
+    """A request that ends used all its blocks until then: they become newer than blocks another request stored
+    meanwhile, the head most recent; keys it no longer holds are skipped; an explicit order wins; a second finish
+    changes nothing."""
+    m = OffloadManager(5, "lru")
+    r = RequestUse()
+    m.complete_store(m.prepare_store([k(0), k(1)], r).keys_to_store)
+    m.complete_store(m.prepare_store([k(10), k(11)]).keys_to_store)  # another request, later
+    assert m.prepare_store([k(2)], r) is not None  # r's tail, still in flight when it ends
+    assert list(r.keys) == [k(0), k(1), k(2)]
+    m.finish_request(r)
+    assert m.snapshot().policy == {"order": (k(11), k(10), k(2), k(1), k(0))}
+    assert not r.keys
+    m.finish_request(r)
+    assert m.snapshot().policy == {"order": (k(11), k(10), k(2), k(1), k(0))}
+
+    q = RequestUse()
+    m.touch([k(10), k(11), k(99)], q)
+    m.finish_request(q, order=[k(11), k(98), k(10)])  # e.g. sorted by token position
+    assert m.snapshot().policy == {"order": (k(2), k(1), k(0), k(10), k(11))}
+
+
 @pytest.mark.parametrize("policy, survives", [("lru", False), ("arc", True)])
 def test_arc_keeps_frequent_key_through_a_scan(policy, survives):
     """A key used twice, then a scan of once-used keys as long as the cache: LRU loses it, ARC keeps it in T2."""
@@ -211,11 +298,38 @@ def test_store_skips_cached_and_in_flight_keys(policy):
     assert len(set(out.host_block_ids) | set(first.host_block_ids)) == 3, "blocks handed out twice"
     assert m.num_free == 8 - 5
     assert m.prepare_store([k(0), k(2)]) == PrepareStoreOutput([], [], [])
-    with pytest.raises(ValueError, match="h0000.*already stored"):
-        m.complete_store([k(0)])
-    with pytest.raises(ValueError, match="h0007.*not being stored"):
-        m.complete_store([k(2), k(7)])
-    assert m.num_storing == 3, "a rejected complete_store must not complete any key"
+
+
+@BOTH
+@pytest.mark.parametrize("success", [True, False], ids=["success", "failure"])
+def test_complete_store_of_a_key_not_in_flight_is_a_no_op(policy, success, caplog):
+    """vLLM's manager ignores a completion of a key already stored or never prepared, and callers rely on it: such a
+    key changes nothing (no counter, no event, no block freed, no recency) and is logged at debug level; the keys of
+    the same call that are in flight complete normally."""
+    m = OffloadManager(4, policy, enable_events=True)
+    store(m, [k(0)])
+    assert m.prepare_store([k(1), k(2)]) is not None
+    m.take_events()
+    before = m.snapshot()
+    with caplog.at_level(logging.DEBUG, logger="triton_offload.manager"):
+        assert m.complete_store([k(0)], success=success) == []
+        assert m.complete_store([k(7), k(7)], success=success) == []
+    assert m.snapshot() == before
+    assert "h0000" in caplog.text and "already stored" in caplog.text
+    assert "h0007" in caplog.text and "not being stored" in caplog.text
+
+    assert m.complete_store([k(0), k(2), k(7), k(2)], success=success) == [k(2)]
+    assert (m.key_state(k(0)), m.key_state(k(1)), m.key_state(k(2))) == (
+        "ready",
+        "storing",
+        "ready" if success else None,
+    )
+    assert (m.num_cached, m.num_storing, m.num_free) == ((2, 1, 1) if success else (1, 1, 2))
+    assert (m.stats.stores, m.stats.store_failures) == ((2, 0) if success else (1, 1))
+    assert m.take_events() == ([OffloadEvent("stored", [k(2)])] if success else [])
+    policy_keys = m.snapshot().policy
+    resident = set(policy_keys["order"]) if policy == "lru" else set(policy_keys["t1"]) | set(policy_keys["t2"])
+    assert resident == ({k(0), k(1), k(2)} if success else {k(0), k(1)})
 
 
 @BOTH

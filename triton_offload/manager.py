@@ -9,10 +9,22 @@ A key is in one of two states:
   unless pinned. :meth:`OffloadManager.prepare_load` pins it (a count: two requests may load it at once) until the
   matching :meth:`OffloadManager.complete_load`, because the host-to-GPU copy reads its block.
 
+Recency follows use: a key takes its place in the eviction order when a request stores it
+(:meth:`~OffloadManager.prepare_store`), loads it (:meth:`~OffloadManager.prepare_load`) or touches it, never when
+its copy completes. A store of an older request that completes late must not make its keys look newer than those a
+later request used meanwhile. So a key is in the policy from ``prepare_store`` on; eviction skips it while its store
+is in flight.
+
 Order within a call: vLLM passes the blocks of a request prefix first, and :meth:`OffloadManager.lookup` counts only
 the *leading* ready keys, so losing the first block of a prefix makes the blocks after it useless while losing the
-last one costs one block. :meth:`~OffloadManager.touch` and :meth:`~OffloadManager.complete_store` therefore apply
-keys to the policy in reverse: the first key of a call ends up the most recently used and is evicted last.
+last one costs one block. Every call applies its keys to the policy in reverse: the first key of a call ends up the
+most recently used and is evicted last.
+
+Reuse counts once per request (vLLM's rule, which matters for ARC, where a second use moves a key into the
+frequency list T2): a :class:`RequestUse` passed to the calls of one request remembers what that request stored and
+reused, so a request reading or offering again a block it stored itself, or reusing a block twice, counts no new
+reuse; such uses only refresh the key's recency. :meth:`~OffloadManager.finish_request` then makes every key the
+request used recent once more, its prefix head most recent, because the request used all of them until its end.
 
 Costs are O(1) amortised per key (dicts, a free-list stack and the policy's ``OrderedDict``\\ s) because this runs in
 the scheduler's critical path; only :meth:`~OffloadManager.reset` and :meth:`~OffloadManager.snapshot` are O(n).
@@ -21,6 +33,7 @@ Pure Python and stdlib only: no torch, triton or vLLM imports.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -29,7 +42,9 @@ from typing import Literal
 from triton_offload._checks import positive_int
 from triton_offload.policies import EvictionPolicy, make_policy
 
-__all__ = ["OffloadManager", "PrepareStoreOutput", "OffloadEvent", "ManagerStats", "ManagerSnapshot"]
+__all__ = ["OffloadManager", "PrepareStoreOutput", "OffloadEvent", "ManagerStats", "ManagerSnapshot", "RequestUse"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,32 @@ class ManagerSnapshot:
     policy: dict[str, object]
     stats: ManagerStats
     pending_events: tuple[OffloadEvent, ...]
+
+
+class RequestUse:
+    """What one request did with the cache, so that its uses count once; create one per request.
+
+    Pass it to every :meth:`OffloadManager.prepare_store`, :meth:`~OffloadManager.prepare_load` and
+    :meth:`~OffloadManager.touch` of the request, then to :meth:`~OffloadManager.finish_request`. It holds only keys
+    the request named (dropped with the request) and no reference to the manager, so a caller that replaces its
+    manager (a reset) must start new ones.
+
+    Attributes:
+        inserted: keys this request's stores put into the cache: reading or offering them again is not a reuse.
+        reused: keys cached by others that this request has reused (counted once).
+        keys: every key the request stored or used while it was cached, in the order first named: its prefix order
+            when the caller passes keys head first, as vLLM does.
+    """
+
+    __slots__ = ("inserted", "reused", "keys")
+
+    def __init__(self) -> None:
+        self.inserted: set[Hashable] = set()
+        self.reused: set[Hashable] = set()
+        self.keys: dict[Hashable, None] = {}
+
+    def __repr__(self) -> str:
+        return f"RequestUse(inserted={len(self.inserted)}, reused={len(self.reused)}, keys={len(self.keys)})"
 
 
 class OffloadManager:
@@ -180,11 +221,12 @@ class OffloadManager:
 
     # -- loads ---------------------------------------------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
+    def prepare_load(self, keys: Sequence[Hashable], request: RequestUse | None = None) -> list[int]:
         """Pins ready keys for a load and returns their host block ids, in order.
 
-        A key may appear more than once (in one call or across calls); each occurrence is one pin and needs one
-        occurrence in :meth:`complete_load`.
+        A load is a use: the keys become the most recently used, the first key most of all (see :meth:`touch` for
+        what counts as a reuse). A key may appear more than once (in one call or across calls); each occurrence is
+        one pin and needs one occurrence in :meth:`complete_load`.
 
         Raises:
             ValueError: a key is not ready (not cached, or its store is in flight). Nothing is pinned then.
@@ -199,6 +241,8 @@ class OffloadManager:
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
             block_ids.append(ready[key])
+        # Now, not when the load completes: the request's own stores that follow must not evict what it loads.
+        self._use(keys, request)
         return block_ids
 
     def complete_load(self, keys: Sequence[Hashable]) -> None:
@@ -219,20 +263,70 @@ class OffloadManager:
             else:
                 del pins[key]
 
-    def touch(self, keys: Sequence[Hashable]) -> None:
-        """Marks ready keys as used; other keys are ignored. The first key ends up the most recently used."""
-        ready, access = self._ready, self._policy.access
-        for key in reversed(keys):  # see the module docstring: prefix heads are evicted last
-            if key in ready:
-                access(key)
+    def touch(self, keys: Sequence[Hashable], request: RequestUse | None = None) -> None:
+        """Marks keys as used, the first one the most recently used; keys not cached are ignored.
+
+        A ready key is reused (ARC moves a once-used key to T2) unless ``request`` already stored or reused it; then,
+        like a key whose store is in flight, it is only made recent. Without ``request`` every ready key is reused.
+        """
+        self._use(keys, request)
+
+    def finish_request(self, request: RequestUse, order: Sequence[Hashable] | None = None) -> None:
+        """Ends a request: every key it stored or used that is still cached becomes recent again, counting no reuse.
+
+        The request used its blocks until its end (attention reads the whole prefix at every step), so they are
+        newer than anything used before; the first key of ``order`` (default: the order the request first named its
+        keys) ends up the most recently used. The request's key list is emptied, so a second call does nothing.
+        """
+        keys = list(request.keys) if order is None else order
+        resident, refresh = self._policy.__contains__, self._policy.refresh
+        for key in reversed(keys):
+            if resident(key):
+                refresh(key)
+        request.keys.clear()
+
+    def _use(self, keys: Sequence[Hashable], request: RequestUse | None, new: frozenset | set = frozenset()) -> None:
+        """Applies one call's keys to the policy in reverse (module docstring); ``new`` keys are inserted.
+
+        A key named twice in one call is one use, at its first position.
+        """
+        keys = dict.fromkeys(keys)
+        ready, storing, policy = self._ready, self._storing, self._policy
+        access, refresh, insert = policy.access, policy.refresh, policy.insert
+        if request is None:
+            for key in reversed(keys):
+                if key in new:
+                    insert(key)
+                elif key in ready:
+                    access(key)
+                elif key in storing:
+                    refresh(key)
+            return
+        inserted, reused = request.inserted, request.reused
+        for key in reversed(keys):
+            if key in new:
+                insert(key)
+                inserted.add(key)
+            elif key in ready:
+                if key in inserted or key in reused:
+                    refresh(key)  # the request's own block, or a reuse it already counted
+                else:
+                    access(key)
+                    reused.add(key)
+            elif key in storing:
+                refresh(key)  # not loadable yet, so not a reuse; still in use by this request
+        # dict.update keeps the first position of a key seen before: the request's prefix order.
+        request.keys.update((key, None) for key in keys if key in ready or key in storing)
 
     # -- stores --------------------------------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Hashable]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[Hashable], request: RequestUse | None = None) -> PrepareStoreOutput | None:
         """Allocates host blocks for the keys not cached yet, evicting per the policy if the free list runs out.
 
         Keys that are ready or storing are not stored again. Free blocks are used first; eviction never takes a
-        pinned key, a storing key (they are not in the policy) or a key named in this call.
+        pinned key, a storing key or a key named in this call. Every key of the call is a use, applied as in
+        :meth:`touch` (new keys enter the policy now, the first key of the call the most recently used); for ARC a
+        new key that is a ghost adapts the target and enters T2.
 
         Returns:
             The decision, or None when room cannot be made for every key to store; then nothing changed (no
@@ -250,7 +344,7 @@ class OffloadManager:
             pins, in_call = self._pins, set(keys)
             # Collect first, evict after: a call that cannot be satisfied must leave everything untouched.
             for key in self._policy.evict_candidates():
-                if key in pins or key in in_call:
+                if key in pins or key in in_call or key in storing:
                     continue
                 victims.append(key)
                 if len(victims) == shortfall:
@@ -268,36 +362,43 @@ class OffloadManager:
                 self._events.append(OffloadEvent("removed", list(victims)))
         block_ids = [free.pop() for _ in to_store]
         storing.update(zip(to_store, block_ids))
+        self._use(keys, request, new=set(to_store))
         return PrepareStoreOutput(to_store, block_ids, victims)
 
-    def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
-        """Ends stores started by :meth:`prepare_store`.
+    def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> list[Hashable]:
+        """Ends stores started by :meth:`prepare_store`; returns the keys it ended, in call order.
 
-        On success the keys become ready (hits) and are inserted into the policy, the first key as the most
-        recently used. On failure their blocks are freed and they are not reported as cached.
-
-        Raises:
-            ValueError: a key has no store in flight. Nothing changes then.
+        On success the keys become ready (hits). Their place in the eviction order stays the one their request gave
+        them: a late completion does not make them recent. On failure their blocks are freed, they leave the policy
+        and are not reported as cached. A key with no store in flight (already stored, never prepared, dropped by a
+        reset) is skipped with a debug log, as vLLM's own manager does, so a repeated or stale completion cannot
+        stop the engine.
         """
         storing = self._storing
-        unique = list(dict.fromkeys(keys))
-        for key in unique:
-            if key not in storing:
-                state = "already stored" if key in self._ready else "not being stored"
-                raise ValueError(f"complete_store of key {key!r}, but it is {state}")
+        unique = []
+        for key in dict.fromkeys(keys):
+            if key in storing:
+                unique.append(key)
+            else:
+                logger.debug(
+                    "complete_store of key %r ignored: it is %s",
+                    key,
+                    "already stored" if key in self._ready else "not being stored",
+                )
         if success:
-            ready, insert = self._ready, self._policy.insert
-            for key in reversed(unique):
+            ready = self._ready
+            for key in unique:
                 ready[key] = storing.pop(key)
-                insert(key)
             self._stores += len(unique)
             if self._events is not None and unique:
                 self._events.append(OffloadEvent("stored", unique))
         else:
-            free = self._free
+            free, remove = self._free, self._policy.remove
             for key in unique:
                 free.append(storing.pop(key))
+                remove(key)
             self._store_failures += len(unique)
+        return unique
 
     # -- housekeeping --------------------------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """Eviction policies for the host KV cache: which resident key gives up its block when the cache is full.
 
 A policy only orders keys. The :class:`~triton_offload.manager.OffloadManager` owns blocks, pins and in-flight
-stores; it tells the policy when a key becomes resident (:meth:`insert`), is used (:meth:`access`), is dropped
-without being evicted (:meth:`remove`) or is evicted (:meth:`on_evict`), and asks it for candidates in eviction
-order (:meth:`evict_candidates`), skipping the ones it may not evict (pinned keys). Every operation is O(1)
-amortised; all state lives in ``OrderedDict``\\ s used as linked lists (LRU end first).
+stores; it tells the policy when a key becomes resident (:meth:`insert`, when its store is prepared), is reused
+(:meth:`access`), is used again by a request that already counted it (:meth:`refresh`), is dropped without being
+evicted (:meth:`remove`) or is evicted (:meth:`on_evict`), and asks it for candidates in eviction order
+(:meth:`evict_candidates`), skipping the ones it may not evict (pinned keys, keys whose store is in flight). Every
+operation is O(1) amortised; all state lives in ``OrderedDict``\\ s used as linked lists (LRU end first).
 
 Pure Python on purpose: this runs in the serving scheduler's process, which must not import torch or vLLM for it.
 """
@@ -32,10 +33,16 @@ class EvictionPolicy(Protocol):
     capacity: int
 
     def insert(self, key: Hashable) -> None:
-        """Makes a newly cached key resident. ``ValueError`` if it already is or the policy is at capacity."""
+        """Makes a key given a block resident (its store may be in flight); it counts as its first use.
+
+        ``ValueError`` if it already is resident or the policy is at capacity.
+        """
 
     def access(self, key: Hashable) -> None:
-        """Records a use (hit or touch) of a resident key."""
+        """Records a reuse of a resident key (a load or touch by a request that did not count it yet)."""
+
+    def refresh(self, key: Hashable) -> None:
+        """Makes a resident key the most recently used without counting a reuse (ARC keeps it in its list)."""
 
     def remove(self, key: Hashable) -> None:
         """Drops a resident key that is not being evicted (failed store, reset): it leaves no history behind."""
@@ -79,6 +86,8 @@ class LRUPolicy:
     def access(self, key: Hashable) -> None:
         self._order.move_to_end(key)
 
+    refresh = access  # LRU knows only recency
+
     def remove(self, key: Hashable) -> None:
         del self._order[key]
 
@@ -107,11 +116,14 @@ class ARCPolicy:
     while T1 is longer than ``p``, else T2's, so keys used twice survive a scan of keys used once that would flush
     them out of an LRU cache.
 
-    Differences from the paper, both forced by the manager deciding *when* blocks are needed: eviction
-    (:meth:`evict_candidates`) happens at ``prepare_store``, before the incoming key is known to be a ghost, so the
-    paper's tie-break (``|T1| == p`` and the new key in B2) is not applied; and the ghost-hit adaptation happens when
-    the store completes (:meth:`insert`). Ghost lists are trimmed so that ``|T1| + |B1| <= c`` and
-    ``|T1| + |T2| + |B1| + |B2| <= 2c`` always hold.
+    Difference from the paper, forced by the manager evicting for a whole call at once: eviction
+    (:meth:`evict_candidates`) runs before the call's keys are inserted, so the paper's tie-break (``|T1| == p`` and
+    the new key in B2) is not applied. The ghost-hit adaptation happens when a store is prepared (:meth:`insert`),
+    the one moment a key evicted too early costs work, and nowhere else. Ghost lists are trimmed so that
+    ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c`` always hold (the paper's bounds).
+
+    :meth:`refresh` (a request using again a block it stored or already reused) moves a key to the most recent end of
+    the list it is in: a request counts as one use, so it never promotes a key from T1 to T2.
     """
 
     name = "arc"
@@ -158,6 +170,12 @@ class ARCPolicy:
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
+        else:
+            self._t2.move_to_end(key)
+
+    def refresh(self, key: Hashable) -> None:
+        if key in self._t1:
+            self._t1.move_to_end(key)
         else:
             self._t2.move_to_end(key)
 
