@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from triton_offload.manager import OffloadEvent, OffloadManager, PrepareStoreOutput, RequestUse
+from triton_offload.manager import OffloadEvent, OffloadManager, StoreAllocation, RequestUse
 from triton_offload.policies import POLICIES, ARCPolicy, LRUPolicy, make_policy
 
 BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -17,7 +17,7 @@ def k(i: int) -> bytes:
     return b"h%04d" % i
 
 
-def store(m: OffloadManager, keys: list[bytes], success: bool = True) -> PrepareStoreOutput:
+def store(m: OffloadManager, keys: list[bytes], success: bool = True) -> StoreAllocation:
     out = m.prepare_store(keys)
     assert out is not None, f"no room to store {keys}"
     m.complete_store(out.keys_to_store, success=success)
@@ -35,7 +35,7 @@ def test_fill_then_hit(policy):
     """Filling the cache hands out every block exactly once; keys become hits only once their store completes."""
     m = OffloadManager(4, policy)
     out = m.prepare_store([k(0), k(1), k(2), k(3)])
-    assert out == PrepareStoreOutput([k(0), k(1), k(2), k(3)], [0, 1, 2, 3], [])
+    assert out == StoreAllocation([k(0), k(1), k(2), k(3)], [0, 1, 2, 3], [])
     assert (m.num_free, m.num_cached, m.num_storing, len(m)) == (0, 0, 4, 4)
     assert m.lookup([k(0)]) == 0, "an in-flight store must not be a hit"
     m.complete_store(out.keys_to_store)
@@ -297,7 +297,7 @@ def test_store_skips_cached_and_in_flight_keys(policy):
     assert out.keys_to_store == [k(3), k(4)]
     assert len(set(out.host_block_ids) | set(first.host_block_ids)) == 3, "blocks handed out twice"
     assert m.num_free == 8 - 5
-    assert m.prepare_store([k(0), k(2)]) == PrepareStoreOutput([], [], [])
+    assert m.prepare_store([k(0), k(2)]) == StoreAllocation([], [], [])
 
 
 @BOTH

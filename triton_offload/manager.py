@@ -42,13 +42,21 @@ from typing import Literal
 from triton_offload._checks import positive_int
 from triton_offload.policies import EvictionPolicy, make_policy
 
-__all__ = ["OffloadManager", "PrepareStoreOutput", "OffloadEvent", "ManagerStats", "ManagerSnapshot", "RequestUse"]
+__all__ = [
+    "OffloadManager",
+    "StoreAllocation",
+    "PrepareStoreOutput",
+    "OffloadEvent",
+    "ManagerStats",
+    "ManagerSnapshot",
+    "RequestUse",
+]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PrepareStoreOutput:
+class StoreAllocation:
     """What a successful :meth:`OffloadManager.prepare_store` decided.
 
     Attributes:
@@ -60,6 +68,10 @@ class PrepareStoreOutput:
     keys_to_store: list[Hashable]
     host_block_ids: list[int]
     evicted_keys: list[Hashable]
+
+
+# The 0.1 name; vLLM's OffloadingManager API has its own ``PrepareStoreOutput``, which the plugin builds from ours.
+PrepareStoreOutput = StoreAllocation
 
 
 @dataclass(frozen=True)
@@ -320,7 +332,7 @@ class OffloadManager:
 
     # -- stores --------------------------------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Hashable], request: RequestUse | None = None) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[Hashable], request: RequestUse | None = None) -> StoreAllocation | None:
         """Allocates host blocks for the keys not cached yet, evicting per the policy if the free list runs out.
 
         Keys that are ready or storing are not stored again. Free blocks are used first; eviction never takes a
@@ -363,7 +375,7 @@ class OffloadManager:
         block_ids = [free.pop() for _ in to_store]
         storing.update(zip(to_store, block_ids))
         self._use(keys, request, new=set(to_store))
-        return PrepareStoreOutput(to_store, block_ids, victims)
+        return StoreAllocation(to_store, block_ids, victims)
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> list[Hashable]:
         """Ends stores started by :meth:`prepare_store`; returns the keys it ended, in call order.
