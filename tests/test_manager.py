@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from triton_offload.manager import OffloadEvent, OffloadManager, StoreAllocation, RequestUse
+from triton_offload.manager import OffloadEvent, OffloadManager, RequestUse, StoreAllocation
 from triton_offload.policies import POLICIES, ARCPolicy, LRUPolicy, make_policy
 
 BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
