@@ -105,11 +105,16 @@ class TritonOffloadingSpec(OffloadingSpec):
             )
         return self._manager
 
+    @staticmethod
+    def _worker_class() -> type[OffloadingWorker]:
+        """The worker built by :meth:`get_worker`; a subclass of ours may substitute another (the fault tests do)."""
+        from triton_offload.connector.worker import TritonOffloadingWorker  # torch/Triton: worker processes only
+
+        return TritonOffloadingWorker
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            from triton_offload.connector.worker import TritonOffloadingWorker  # torch/Triton: worker processes only
-
-            self._worker = TritonOffloadingWorker(
+            self._worker = self._worker_class()(
                 kv_caches,
                 num_host_blocks=self.num_host_blocks,
                 blocks_per_host_block=self.offload_config.blocks_per_host_block,

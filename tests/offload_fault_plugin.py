@@ -122,13 +122,6 @@ class FaultInjectingSpec(TritonOffloadingSpec):
             self._manager = RecordingManager(self.num_host_blocks, cfg.eviction_policy)
         return self._manager
 
-    def get_worker(self, kv_caches):
-        if self._worker is None:
-            self._worker = FaultWorker(
-                kv_caches,
-                num_host_blocks=self.num_host_blocks,
-                blocks_per_host_block=self.offload_config.blocks_per_host_block,
-                num_ctas=self.offload_config.num_ctas,
-                budget_block_bytes=self.budget_block_bytes,
-            )
-        return self._worker
+    @staticmethod
+    def _worker_class():
+        return FaultWorker

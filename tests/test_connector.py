@@ -6,7 +6,6 @@ scheduler drives it and the worker the way vLLM's worker does, on CPU tensors (k
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import pickle
@@ -17,7 +16,6 @@ import torch
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
 
-from vllm.v1.kv_offload import config as vcfg  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -30,6 +28,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_configs import offloading_config  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
 from triton_offload.connector.manager import HostBlocksSpec, TritonOffloadingManager  # noqa: E402
@@ -41,39 +40,17 @@ pytestmark = pytest.mark.vllm
 SENTINEL = 0x5A
 
 
-def build(cls, **kw):
-    """Constructs a vLLM config dataclass from the fields this vLLM version has (0.33 added some with defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in kw.items() if k in names})
-
-
 def make_config(extra, *, groups=((0, 1),), worker_bytes=1024, f=2, tokens=16, world_size=1, rank=0, events=False):
     """An OffloadingConfig as vLLM's connector builds it: one group config per KV-cache group."""
-    return vcfg.OffloadingConfig(
-        groups=tuple(
-            build(
-                vcfg.OffloadingGroupConfig, tokens_per_block=tokens, layer_names=tuple(f"l{i}" for i in g), group_id=gi
-            )
-            for gi, g in enumerate(groups)
-        ),
-        worker_kv_bytes_per_block=worker_bytes,
-        enable_kv_cache_events=events,
-        extra_config={"spec_name": plugin.SPEC_NAME, **extra},
-        engine_id="test",
-        model=build(vcfg.OffloadingModelConfig, name="tiny", dtype="float16", max_model_len=1024),
-        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=tokens, blocks_per_chunk=f),
-        parallel=vcfg.OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+    return offloading_config(
+        {"spec_name": plugin.SPEC_NAME, **extra},
+        groups=groups,
+        worker_bytes=worker_bytes,
+        f=f,
+        tokens=tokens,
+        world_size=world_size,
+        rank=rank,
+        events=events,
     )
 
 

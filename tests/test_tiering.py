@@ -10,7 +10,6 @@ its worker takes them) with vLLM's placement rule: sub-block j of chunk c of ten
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import signal
@@ -25,7 +24,6 @@ import torch
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
 
-from vllm.v1.kv_offload import config as vcfg  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -35,6 +33,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_configs import offloading_config  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
 from triton_offload.connector.tiering import TritonTieringConfig, TritonTieringOffloadingSpec  # noqa: E402
@@ -45,39 +44,17 @@ plugin.register()  # what vLLM's plugin loader does in each of its processes
 SENTINEL = 0x5A
 
 
-def build(cls, **kw):
-    """A vLLM config dataclass from the fields this vLLM version has (0.33 added some, with defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in kw.items() if k in names})
-
-
 def make_config(extra, *, num_groups=1, worker_bytes, f, world_size=1, rank=0, replicated=False, engine_id=None):
     """An OffloadingConfig as vLLM's connector builds it for the tiering spec."""
-    return build(
-        vcfg.OffloadingConfig,
-        groups=tuple(
-            build(vcfg.OffloadingGroupConfig, tokens_per_block=16, layer_names=(f"l{g}",), group_id=g)
-            for g in range(num_groups)
-        ),
-        worker_kv_bytes_per_block=worker_bytes,
-        enable_kv_cache_events=False,
-        extra_config={"spec_name": plugin.TIERING_SPEC_NAME, **extra},
+    return offloading_config(
+        {"spec_name": plugin.TIERING_SPEC_NAME, **extra},
+        groups=tuple((g,) for g in range(num_groups)),
+        worker_bytes=worker_bytes,
+        f=f,
+        world_size=world_size,
+        rank=rank,
         engine_id=engine_id or f"tiertest-{uuid.uuid4().hex[:12]}",
-        model=build(vcfg.OffloadingModelConfig, name="tiny", dtype="float16", max_model_len=1024),
-        cache=vcfg.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=f),
-        parallel=vcfg.OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=not replicated,
-        ),
-        replicated_layout=replicated,
+        replicated=replicated,
     )
 
 

@@ -8,55 +8,21 @@ every repeated prompt must equal those of its first (cold) run: a wrong byte loa
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
-
-pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
-pytest.importorskip("transformers", reason="the e2e test builds its tiny model with transformers")
+import vllm_harness
+from vllm_harness import GPU_BLOCK_BYTES, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
-
-
-if not _platform():
-    # An imports-only install (vLLM's CUDA wheel on a machine without a GPU): the API tests still run, an engine can't.
-    pytest.skip("vLLM found no platform to run an engine on (no GPU and not the CPU build)", allow_module_level=True)
+require_engine()
 
 DRIVER = pathlib.Path(__file__).with_name("vllm_e2e_driver.py")
-GPU_BLOCK_BYTES = 65536  # 2 layers x K,V x 2 heads x 32 tokens x 64 dims x fp32
 
 
 def run_driver(config: str, *extra_args: str) -> dict:
-    env = dict(os.environ)
-    # Deliberately unset: the kernels pick Triton's interpreter for CPU tensors themselves (tests/conftest.py sets it
-    # for this process). VLLM_CPU_KVCACHE_SPACE would override the driver's KV-cache size.
-    for name in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE"):
-        env.pop(name, None)
-    env["VLLM_LOGGING_LEVEL"] = "INFO"  # the startup lines are checked below
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), "--config", config, *extra_args],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("E2E_RESULT ")]
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0 and lines, f"driver failed (rc={proc.returncode}):\n{tail}"
-    result = json.loads(lines[-1][len("E2E_RESULT ") :])
-    result["log"] = proc.stdout + proc.stderr
-    return result
+    return vllm_harness.run_driver(DRIVER, ["--config", config, *extra_args], "E2E_RESULT", timeout=400)
 
 
 def cached(result: dict) -> dict[str, int]:

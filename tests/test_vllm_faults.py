@@ -9,55 +9,24 @@ and injects the failure through the worker's documented test hook; nothing in th
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
-
-pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
-pytest.importorskip("transformers", reason="the e2e test builds its tiny model with transformers")
+import vllm_harness
+from vllm_harness import ERROR_LINE, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
-
-
-if not _platform():
-    pytest.skip("vLLM found no platform to run an engine on (no GPU and not the CPU build)", allow_module_level=True)
+require_engine()
 
 TESTS = pathlib.Path(__file__).parent
 DRIVER = TESTS / "vllm_fault_driver.py"
-ERROR_LINE = re.compile(r"^(\([^)]*\) )?(ERROR|CRITICAL) |^Traceback ")
 
 
 def run_driver(scenario: str, tmp_path: pathlib.Path, *extra: str) -> dict:
     record = tmp_path / f"{scenario}.jsonl"
-    env = dict(os.environ)
-    for name in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE", "TRITON_OFFLOAD_FAULT"):
-        env.pop(name, None)
-    env["VLLM_LOGGING_LEVEL"] = "INFO"
-    env["TRITON_OFFLOAD_FAULT_RECORD"] = str(record)
-    # vLLM imports the plugin by module name (spec_module_path) in every process it starts.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), "--scenario", scenario, *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FAULT_RESULT ")]
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and lines, f"driver failed (rc={proc.returncode}):\n{log[-6000:]}"
-    result = json.loads(lines[-1][len("FAULT_RESULT ") :])
-    result["log"] = log
+    # TRITON_OFFLOAD_FAULT is set by the driver itself, for the offloading engine only.
+    env = {"TRITON_OFFLOAD_FAULT": None, "TRITON_OFFLOAD_FAULT_RECORD": str(record)}
+    result = vllm_harness.run_driver(DRIVER, ["--scenario", scenario, *extra], "FAULT_RESULT", timeout=300, env=env)
     result["events"] = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return result
 

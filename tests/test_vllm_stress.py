@@ -9,59 +9,30 @@ reference is the same engine without the connector, run the same way. About 3.5 
 from __future__ import annotations
 
 import ast
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
-
-pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
-pytest.importorskip("transformers", reason="the e2e test builds its tiny model with transformers")
+import vllm_harness
+from vllm_harness import ERROR_LINE, GPU_BLOCK_BYTES, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
-
-
-if not _platform():
-    pytest.skip("vLLM found no platform to run an engine on (no GPU and not the CPU build)", allow_module_level=True)
+require_engine()
 
 DRIVER = pathlib.Path(__file__).with_name("vllm_stress_driver.py")
-GPU_BLOCK_BYTES = 65536  # the whole model's bytes per GPU block (tests/vllm_e2e_driver.py)
-# A log record at ERROR or CRITICAL level, or an uncaught exception's traceback (vLLM prints its own handled warnings'
-# tracebacks on WARNING lines, e.g. the chat-template warmup that fails without a tokenizer: those are not errors).
-ERROR_LINE = re.compile(r"^(\([^)]*\) )?(ERROR|CRITICAL) |^Traceback ")
 SCHEDULER_LINE = re.compile(r"triton-offload scheduler counters: (\{.*?\}); host blocks at shutdown: (\{.*?\})")
 
 
 def run_driver(*args: str) -> dict:
-    env = dict(os.environ)
-    # The kernels pick Triton's interpreter for CPU tensors themselves (tests/conftest.py sets it for this process).
-    for name in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE"):
-        env.pop(name, None)
-    env["VLLM_LOGGING_LEVEL"] = "INFO"  # the scheduler's final counters are an INFO line
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), *args], capture_output=True, text=True, timeout=480, env=env, cwd=DRIVER.parent
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("STRESS_RESULT ")]
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0 and lines, f"driver {args} failed (rc={proc.returncode}):\n{tail}"
-    result = json.loads(lines[-1][len("STRESS_RESULT ") :])
-    result["log"] = proc.stdout + proc.stderr
-    return result
+    return vllm_harness.run_driver(DRIVER, list(args), "STRESS_RESULT", timeout=480)
 
 
 def tp2_unavailable() -> str | None:
     """Why tensor parallelism 2 cannot run here, or None. vLLM 0.32's CPU platform runs it (one worker process per
     rank, gloo between them), so only a GPU machine with a single GPU cannot."""
-    if _platform() == "cpu":
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cpu":
         return None
     import torch
 

@@ -15,57 +15,31 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
-
-pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
-pytest.importorskip("transformers", reason="the e2e test builds its tiny model with transformers")
+import vllm_harness
+from vllm_harness import GPU_BLOCK_BYTES, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
-
-
-if not _platform():
-    pytest.skip("vLLM found no platform to run an engine on (no GPU and not the CPU build)", allow_module_level=True)
+require_engine("vllm.v1.kv_offload.tiering.spec")
 
 TESTS = pathlib.Path(__file__).parent
 DRIVER = TESTS / "vllm_tiering_driver.py"
-GPU_BLOCK_BYTES = 65536  # 2 layers x K,V x 2 heads x 32 tokens x 64 dims x fp32
 REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
 
 
 def run_engine(model: pathlib.Path, root: pathlib.Path, block_size: int, *args: str, check: bool = True) -> dict:
-    env = dict(os.environ)
-    # The kernels pick Triton's interpreter for CPU tensors themselves; VLLM_CPU_KVCACHE_SPACE would override the
-    # driver's KV-cache size. The native writer is imported by vLLM's factory from this directory.
-    for name in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
-    env["VLLM_LOGGING_LEVEL"] = "INFO"  # our workers log their region's path
-    cmd = [sys.executable, str(DRIVER), "--model", str(model), "--root", str(root), "--block-size", str(block_size)]
-    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=400, env=env)
-    log = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("TIERING_RESULT ")]
-    if not check:
-        return {"returncode": proc.returncode, "log": log}
-    assert proc.returncode == 0 and lines, f"engine failed (rc={proc.returncode}):\n{log[-6000:]}"
-    result = json.loads(lines[-1][len("TIERING_RESULT ") :])
-    result["log"] = log
-    result["regions"] = sorted(set(REGION.findall(log)))
+    cmd = ["--model", str(model), "--root", str(root), "--block-size", str(block_size), *args]
+    result = vllm_harness.run_driver(DRIVER, cmd, "TIERING_RESULT", timeout=400, check=check)
+    if check:
+        result["regions"] = sorted(set(REGION.findall(result["log"])))
     return result
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> pathlib.Path:
     """One model directory for every engine: its path is part of the fs tier's namespace."""
-    from vllm_e2e_driver import build_tiny_llama
+    from vllm_harness import build_tiny_llama
 
     path = tmp_path_factory.mktemp("tiering") / "tiny_llama"
     build_tiny_llama(str(path))

@@ -18,10 +18,9 @@ import sys
 import tempfile
 import time
 
-GPU_BLOCK = 32  # tokens; CPU attention needs a multiple of 32
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, tiny_llm
+
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
-# Bytes of one GPU block, all layers: 2 layers x K,V x 2 KV heads x 32 tokens x 64 dims x fp32.
-GPU_BLOCK_BYTES = 2 * 2 * 2 * GPU_BLOCK * 64 * 4
 
 CONFIGS = {
     # Host block = GPU block; room for 14 host blocks, fewer than three prompts of 6 blocks each.
@@ -29,31 +28,6 @@ CONFIGS = {
     # Host block = 2 GPU blocks; a budget given as a string, ample for every prompt here.
     "f2": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": "16MiB", "num_ctas": 4},
 }
-
-
-def build_tiny_llama(path: str, seed: int = 0) -> None:
-    """A random-weight 2-layer Llama. initializer_range=0.5 makes greedy tokens depend strongly on the KV, so a
-    wrong byte loaded back changes the output (the HF default 0.02 gives near-constant tokens)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        initializer_range=0.5,
-        torch_dtype="float32",
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 
 class Runner:
@@ -124,35 +98,14 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2-core CI machine: no core pinning
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
     extra = {"spec_name": "TritonOffloadingSpec", **CONFIGS[args.config], **json.loads(args.extra)}
     if args.spec_module_path:
         extra["spec_module_path"] = args.spec_module_path
     with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
         build_tiny_llama(model_dir)
         t_model = time.perf_counter()
-        llm = LLM(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            block_size=GPU_BLOCK,
-            max_model_len=512,
-            max_num_seqs=4,
-            max_num_batched_tokens=512,
-            enable_prefix_caching=True,
-            kv_cache_memory_bytes=32 << 20,
-            enforce_eager=True,
-            seed=0,
-            disable_log_stats=False,  # keeps the Prometheus registry, so get_metrics() shows our counters
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-            ),
-        )
+        llm = tiny_llm(model_dir, extra)
         t_llm = time.perf_counter()
         runner = Runner(llm, seed=1)
         SCENARIOS[args.config](runner)

@@ -23,7 +23,7 @@ import random
 import sys
 import tempfile
 
-from vllm_e2e_driver import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, tiny_llm
 
 SCENARIOS = {
     "no-room": {"cpu_bytes_to_use": 4 * GPU_BLOCK_BYTES, "fault": None},
@@ -47,15 +47,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-offload", action="store_true", help="the same engine without the connector (reference)")
     args = ap.parse_args(argv)
     scenario = SCENARIOS[args.scenario]
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2-core CI machine: no core pinning
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if scenario["fault"] and not args.no_offload:
         os.environ["TRITON_OFFLOAD_FAULT"] = scenario["fault"]  # read by the plugin in the worker process
 
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
-    kw = {}
+    extra = None
     if not args.no_offload:
         extra = {
             "spec_name": "FaultInjectingSpec",
@@ -63,9 +61,6 @@ def main(argv=None) -> int:
             "block_size": GPU_BLOCK,
             "cpu_bytes_to_use": scenario["cpu_bytes_to_use"],
         }
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-        )
     rng = random.Random(7)
     p_long = [rng.randrange(3, 512) for _ in range(200)]  # 6 full blocks
     p_short = [rng.randrange(3, 512) for _ in range(100)]  # 3 full blocks
@@ -74,20 +69,7 @@ def main(argv=None) -> int:
     raised = None
     with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
         build_tiny_llama(model_dir)
-        llm = LLM(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            block_size=GPU_BLOCK,
-            max_model_len=512,
-            max_num_seqs=4,
-            max_num_batched_tokens=512,
-            enable_prefix_caching=True,
-            kv_cache_memory_bytes=32 << 20,
-            enforce_eager=True,
-            seed=0,
-            **kw,
-        )
+        llm = tiny_llm(model_dir, extra)
 
         try:
             if args.scenario == "no-room":

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from vllm_e2e_driver import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, tiny_llm
 
 # A dozen shared prefixes, whole blocks and not, 1 to 12 blocks long.
 PREFIX_LENS = (32, 40, 64, 90, 128, 150, 192, 210, 256, 300, 352, 384)
@@ -86,17 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2-core CI machine: no core pinning
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = make_prompts(args.num_prompts)
     ws = working_set_blocks(prompts)
     host_blocks = max(1, round(ws * args.host_fraction))
-    kw = {}
     extra = None
     if not args.no_offload:
         # The whole model's bytes per block: with TP each rank holds its share of the heads and of the budget.
@@ -106,29 +103,18 @@ def main(argv=None) -> int:
             "cpu_bytes_to_use": host_blocks * GPU_BLOCK_BYTES,
             "eviction_policy": args.policy,
         }
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-        )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     order2 = list(range(len(prompts)))
     random.Random(99).shuffle(order2)
     with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
         build_tiny_llama(model_dir)
-        llm = LLM(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            block_size=GPU_BLOCK,
-            max_model_len=512,
+        llm = tiny_llm(
+            model_dir,
+            extra,
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=2048,
-            enable_prefix_caching=True,
             kv_cache_memory_bytes=args.kv_blocks * GPU_BLOCK_BYTES // args.tp,
             tensor_parallel_size=args.tp,
-            enforce_eager=True,
-            seed=0,
-            disable_log_stats=False,  # keeps the Prometheus registry, so get_metrics() shows our counters
-            **kw,
         )
         t_llm = time.perf_counter()
 

@@ -21,7 +21,8 @@ import os
 import sys
 import time
 
-GPU_BLOCK = 32  # tokens; CPU attention needs a multiple of 32
+from vllm_harness import GPU_BLOCK, tiny_llm
+
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 SPECS = {
     "ours": {"spec_name": "TritonTieringOffloadingSpec"},
@@ -49,10 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-files", type=int, default=0, help="after serving, wait until this many chunk files exist")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     args = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2-core CI machine: no core pinning
-
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = {
@@ -63,23 +61,7 @@ def main(argv=None) -> int:
         **json.loads(args.extra),
     }
     t0 = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=GPU_BLOCK,
-        max_model_len=512,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=32 << 20,
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,  # keeps the Prometheus registry for get_metrics()
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-        ),
-    )
+    llm = tiny_llm(args.model, extra)
     t_start = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt())], params, use_tqdm=False)[0]
