@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, tiny_llm
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, shutdown, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             },
         }
         print("E2E_RESULT " + json.dumps(result), flush=True)
-        del llm
+        shutdown(llm)
     return 0
 
 

@@ -23,7 +23,7 @@ import random
 import sys
 import tempfile
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, tiny_llm
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, shutdown, tiny_llm
 
 SCENARIOS = {
     "no-room": {"cpu_bytes_to_use": 4 * GPU_BLOCK_BYTES, "fault": None},
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             raised = f"{type(e).__name__}: {e}"
         print("FAULT_RESULT " + json.dumps({"scenario": args.scenario, "probes": probes, "raised": raised}), flush=True)
         if raised is None:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown(llm)
     return 0
 
 

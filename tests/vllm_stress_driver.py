@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, tiny_llm
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, shutdown, tiny_llm
 
 # A dozen shared prefixes, whole blocks and not, 1 to 12 blocks long.
 PREFIX_LENS = (32, 40, 64, 90, 128, 150, 192, 210, 256, 300, 352, 384)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         }
         print("STRESS_RESULT " + json.dumps(result), flush=True)
         # Shut the engine down here, so the scheduler logs its final counters before this process exits.
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
         del llm
     return 0
 
