@@ -76,8 +76,8 @@ def check_host_buffer(spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_h
     want = spec.host_block_bytes(blocks_per_host_block)
     if host_buffer.dim() != 2 or host_buffer.shape[1] != want:
         raise ValueError(
-            f"host_buffer must be (num_host_blocks, {want}) for {blocks_per_host_block} GPU block(s) per host block "
-            f"(spec.host_block_bytes({blocks_per_host_block})), got shape {tuple(host_buffer.shape)}"
+            f"host_buffer must be (num_host_blocks, {want}) for {blocks_per_host_block} block(s) of "
+            f"{spec.host_block_bytes(1)} bytes, got shape {tuple(host_buffer.shape)}"
         )
     if host_buffer.stride(1) != 1 or (host_buffer.shape[0] > 1 and host_buffer.stride(0) < want):
         raise ValueError(f"host_buffer rows must be contiguous and disjoint, got strides {host_buffer.stride()}")
