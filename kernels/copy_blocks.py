@@ -358,7 +358,8 @@ class CopyLauncher:
             if table is None:
                 table = state.tables[key] = build_segment_table(spec, cfg.elem, key[1])
             host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
-            self._launch_args[store] = (cfg, table, host_buffer.view(cfg.dtype), host_row)
+            # The anchor (the table's storage as the element type) and the host view are made once, not per launch.
+            self._launch_args[store] = (cfg, table, table.view(cfg.dtype), host_buffer.view(cfg.dtype), host_row)
 
     def config(self, store: bool) -> LaunchConfig:
         return self._launch_args[store][0]
@@ -373,7 +374,7 @@ class CopyLauncher:
         """
         spec = self.spec
         assert ids.dtype == torch.int64 and ids.device == spec.device
-        cfg, table, host, host_row = self._launch_args[plan.store]
+        cfg, table, anchor, host, host_row = self._launch_args[plan.store]
         n_segs = spec.segments_per_group
         n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
         programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
@@ -384,7 +385,7 @@ class CopyLauncher:
                 raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
             kernel = _jit_kernel
         kernel[(programs,)](
-            table.view(cfg.dtype),
+            anchor,
             host,
             table,
             ids,

@@ -169,10 +169,11 @@ def _layer_runs(t: torch.Tensor, i: int, layout: Layout) -> list[tuple[int, int,
 
 
 def _group_segments(
-    runs: list[list[tuple[int, int, int]]], groups: list[list[int]], host_slots: HostSlots | None
+    runs: list[list[tuple[int, int, int]]], pages: list[int], groups: list[list[int]], host_slots: HostSlots | None
 ) -> tuple[tuple[Segment, ...], ...]:
     """Each group's segments in packed order (its layers in the order given, K before V), with their host placement:
-    packed (one sub-block of the largest group's bytes, the layers side by side) or ``host_slots``."""
+    packed (one sub-block of the largest group's bytes, the layers side by side) or ``host_slots``. ``pages[i]`` is
+    entry i's bytes per block (the sum of its runs)."""
     for gi, layers in enumerate(groups):
         if not layers:
             raise ValueError(f"group {gi} is empty: every group needs at least one layer")
@@ -180,7 +181,7 @@ def _group_segments(
             raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(runs)})")
     if host_slots is not None and len(host_slots.regions) != len(runs):
         raise ValueError(f"host_slots names a region for {len(host_slots.regions)} entries, but there are {len(runs)}")
-    packed_stride = max(sum(r[2] for i in layers for r in runs[i]) for layers in groups)
+    packed_stride = max(sum(pages[i] for i in layers) for layers in groups)
     out = []
     for layers in groups:
         offset, segs = 0, []
@@ -189,9 +190,9 @@ def _group_segments(
                 # Each entry's bytes start its own region's sub-block, whatever the group holds before it.
                 region = host_slots.regions[i]
                 offset, host_stride, host_region = 0, host_slots.pages[region], sum(host_slots.pages[:region])
-                if sum(r[2] for r in runs[i]) > host_stride:
+                if pages[i] > host_stride:
                     raise ValueError(
-                        f"entry {i} moves {sum(r[2] for r in runs[i])} bytes per block, more than the "
+                        f"entry {i} moves {pages[i]} bytes per block, more than the "
                         f"{host_stride}-byte page of its host region {region}"
                     )
             else:
@@ -251,14 +252,15 @@ class KVCacheSpec:
         self.groups = tuple(tuple(g) for g in groups)
         self.num_groups = len(groups)
         self.host_slots = host_slots
-        self.group_segments = _group_segments(runs, groups, host_slots)
+        pages = [sum(nbytes for _, _, nbytes in layer_runs) for layer_runs in runs]
+        self.group_segments = _group_segments(runs, pages, groups, host_slots)
         # Rows per group in the kernel's segment table: the largest group's segment count (others are padded).
         self.segments_per_group = max(len(segs) for segs in self.group_segments)
         self.segments = tuple(s for segs in self.group_segments for s in segs)
         self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in self.group_segments)
         self.bytes_per_block = max(self.group_bytes)
         self.max_segment_bytes = max(s.nbytes for s in self.segments)
-        self._layer_page_bytes = tuple(sum(r[2] for r in layer_runs) for layer_runs in runs)
+        self._layer_page_bytes = tuple(pages)
         # Largest power of two (at most MAX_ACCESS_BYTES) dividing every GPU address, stride, size and host position:
         # the widest access the kernel may use. Computed once: the per-call path must not loop over layers.
         self.alignment = math.gcd(
