@@ -13,7 +13,7 @@ Differences from vLLM's spec, all at startup: the configuration is checked befor
 takes sizes such as ``"40GiB"``; ``num_ctas`` is ours; ``canonical_layout`` is refused (the Triton worker writes
 vLLM's direct worker-slot layout only); the CPU platform is supported (the kernels run through Triton's
 interpreter); and the region's ``/dev/shm`` file is removed on every exit path (:class:`~triton_offload.connector.
-tiering_worker.RegionName`).
+shm_region.RegionName`).
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from triton_offload.connector import route_logs_through_vllm
+from triton_offload._checks import positive_int
+from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
 
 logger = logging.getLogger(__name__)
-
-TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
 
 # Keys vLLM's TieringOffloadingSpec reads (0.32 and 0.33), with their meaning; docs/tiering.md is the user-facing copy.
 TIERING_KEYS = {
@@ -156,8 +155,8 @@ class TritonTieringConfig:
                 "TieringOffloadingSpec, CUDA only)"
             )
         num_ctas = extra.get("num_ctas")
-        if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas <= 0):
-            raise ValueError(f"num_ctas = {num_ctas!r} must be a positive int")
+        if num_ctas is not None:
+            num_ctas = positive_int(num_ctas, "num_ctas")
         threshold = extra.get("store_threshold", 0)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
             raise ValueError(

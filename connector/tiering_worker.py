@@ -23,7 +23,6 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from triton_offload.connector.shm_region import RegionName
 from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
-from triton_offload.engine import TransferEngine
 from triton_offload.host_cache import REGISTER_CHUNK_BYTES, register_host_range, unregister_host_ranges
 
 __all__ = ["TritonTieringWorker"]
@@ -89,12 +88,10 @@ class TritonTieringWorker(TritonOffloadingWorker):
                 )
             )
         try:
-            self.engine = TransferEngine(self.kv, self.host, blocks_per_host_block=f, num_ctas=num_ctas)
+            self._start_engine(self.host, num_ctas)
         except BaseException:
             unregister_host_ranges(self._registered)  # the caller releases the region and its name
             raise
-        self.num_ctas = num_ctas
-        self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
         logger.info(
             "triton-offload tiering worker: shared region %s, %d chunks x %d-byte rows, this worker's slot at byte "
             "%d (%d of %d bytes used); %s; %s; num_ctas=%s",

@@ -87,8 +87,9 @@ class TritonOffloadingWorker(OffloadingWorker):
         budget_block_bytes: the bytes per host block the budget was divided by; a larger packed block is warned of.
     """
 
-    # Test hook, the only one: a subclass may name another engine class. tests/offload_fault_plugin.py uses it to make
-    # one transfer fail inside the engine, to check that a failure stops vLLM and is never reported as a success.
+    # Test hook: a subclass may name another engine class (the spec's ``_worker_class`` picks the subclass).
+    # tests/offload_fault_plugin.py uses both to make one transfer fail inside the engine, to check that a failure
+    # stops vLLM and is never reported as a success.
     engine_class: type[TransferEngine] = TransferEngine
 
     def __init__(
@@ -112,9 +113,7 @@ class TritonOffloadingWorker(OffloadingWorker):
             )
         # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
         self.host_cache = HostCache(host_block_bytes, num_blocks=num_host_blocks, pin=self.kv.device.type == "cuda")
-        self.engine = self.engine_class(self.kv, self.host_cache.buffer, blocks_per_host_block=f, num_ctas=num_ctas)
-        self.num_ctas = num_ctas
-        self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
+        self._start_engine(self.host_cache.buffer, num_ctas)
         logger.info(
             "triton-offload worker: host cache %.3f GiB = %d blocks x %d bytes (%d GPU blocks of %d bytes each), "
             "%s; %s; num_ctas=%s",
@@ -127,6 +126,14 @@ class TritonOffloadingWorker(OffloadingWorker):
             self.kv,
             "kernel default" if num_ctas is None else num_ctas,
         )
+
+    def _start_engine(self, host_buffer: torch.Tensor, num_ctas: int | None) -> None:
+        """The transfer engine between ``self.kv`` and ``host_buffer``, and the counters :meth:`get_finished` keeps."""
+        self.engine = self.engine_class(
+            self.kv, host_buffer, blocks_per_host_block=self.blocks_per_host_block, num_ctas=num_ctas
+        )
+        self.num_ctas = num_ctas
+        self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
 
     def _host_ids(self, spec: LoadStoreSpec):
         if not isinstance(spec, BlockIDsLoadStoreSpec) or isinstance(spec, GPULoadStoreSpec):
