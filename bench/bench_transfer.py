@@ -28,11 +28,12 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from cpu_check import run_cpu
+from grid import FULL, QUICK, grid
 from parts import PARTS
 from plot import plot_results
 from report import say
 from results import result_stem, write_json
-from sweep import BLOCKS, SWEEP, run_gpu
+from sweep import run_gpu
 from timing import HIDE_US
 from workloads import WORKLOADS
 
@@ -49,9 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", action="store_true", help="write both to bench/results/<device>-<date>[-<part>].json/.png")
     p.add_argument("--workloads", nargs="+", metavar="NAME", help=f"subset of {sorted(WORKLOADS)}")
     p.add_argument("--layouts", nargs="+", choices=("kv_first", "block_first", "mla"), help="subset of layouts")
-    p.add_argument("--blocks", nargs="+", type=int, metavar="N", help=f"blocks per transfer (default {BLOCKS})")
-    p.add_argument("--num-ctas", nargs="+", type=int, metavar="C", help=f"Triton sweep (default {SWEEP})")
-    p.add_argument("--budget-ms", type=float, default=None, help="device time per measurement (default 100, quick 30)")
+    p.add_argument("--blocks", nargs="+", type=int, metavar="N", help=f"blocks per transfer (default {FULL.blocks})")
+    p.add_argument("--num-ctas", nargs="+", type=int, metavar="C", help=f"Triton sweep (default {FULL.num_ctas})")
+    p.add_argument("--budget-ms", type=float, default=None, help="device time per measurement "
+                   f"(default {FULL.budget_ms:g}, quick {QUICK.budget_ms:g})")  # fmt: skip
     p.add_argument("--hide-us", type=float, default=HIDE_US, help="GPU sleep after each flush, hiding that much "
                    f"more of a call's host work (default {HIDE_US:g}; 0: flush only)")  # fmt: skip
     p.add_argument("--gemm-size", type=int, default=8192, help="M = N = K of the interference GEMM")
@@ -65,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # A part's presets come first, so options given with it still apply.
     args = p.parse_args(PARTS[part] + argv if part else argv)
     if args.budget_ms is None:
-        args.budget_ms = 30.0 if args.quick else 100.0
+        args.budget_ms = grid(args.quick).budget_ms
     for name, values in (("--blocks", args.blocks), ("--num-ctas", args.num_ctas)):
         if values and min(values) < 1:
             p.error(f"{name} values must be >= 1, got {values}")

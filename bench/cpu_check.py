@@ -12,10 +12,11 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from case import Env
+from grid import grid
 from report import ProgressBar, print_table, say
 from session import Session, allocate, environment, make_case, method_specs
 from summary import print_header
-from sweep import HOST_CONFIGS, selected_groups
+from sweep import selected_groups
 
 __all__ = ["CPU_BLOCKS", "run_cpu"]
 
@@ -32,7 +33,7 @@ def run_cpu(args) -> tuple[dict, int]:
     print_header(meta, "CPU correctness check (Triton interpreter)")
     say("No CUDA device: checking every method's bytes on CPU. NO BANDWIDTH IS MEASURED.", style="bold yellow")
     n = CPU_BLOCKS
-    host_configs = ((4, 1),) if args.quick else HOST_CONFIGS
+    host_configs = grid(args.quick).host_configs
     run = Session(meta, env, method_specs(sorted({1, DEFAULT_NUM_CTAS})))
     groups = selected_groups(args)
     table: list[list] = []
@@ -46,7 +47,6 @@ def run_cpu(args) -> tuple[dict, int]:
                     for ms in run.specs:
                         bar.describe(f"{w.name}/{layout} f={f} {ms.name}")
                         status, note, prepared = run.check(group, case, ms)
-                        run.record_check(group, case, ms, status, note)
                         run.rows.append(run.row(group, case, ms, prepared and prepared.impl, status, note))
                         line.append(status + ("*" if status == "n/a" else ""))
                         bar.advance()
@@ -58,8 +58,7 @@ def run_cpu(args) -> tuple[dict, int]:
         note="n/a*: needs CUDA (cudaMemcpyAsync / cuMemcpyBatchAsync); its copy plan (src, dst, size per copy) "
         "was replayed with memmove on CPU and moved the right bytes.",
     )
-    methods = [(m, impl) for m, impls in run.impls.items() for impl in impls]
-    print_table("Methods (on this machine)", ["method", "implementation"], methods)
+    print_table("Methods (on this machine)", ["method", "implementation"], run.method_impls())
     counts = Counter(r["status"] for r in run.rows)
     say(
         f"{counts['pass']} passed, {counts['FAIL'] + counts['ERROR']} failed, {counts['n/a']} not applicable on CPU. "

@@ -20,7 +20,8 @@ import sys
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from results import result_stem
+from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, QUICK, Grid
+from results import BASELINE_ORDER, result_stem
 from workloads import WORKLOADS
 
 __all__ = ["TEST_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
@@ -46,6 +47,10 @@ SAMPLE_OVERHEAD_S = 0.3e-3 + 0.2e-3  # flush + sleep, and the host's per-sample 
 HOST_MEMSET_BPS = 10e9
 STARTUP_S = 60.0  # dev's install check, torch import and CUDA init, the C++ helper, Triton compiles
 TESTS_S = 5 * 60.0  # `pytest -m gpu`: the review's 3-5 minutes, mostly CPU-side random caches
+GEMM_S = 1.6e-3  # one 8192^3 bf16 GEMM on an H100
+# sm_copy.MAX_PAGE_BYTES: vllm033 loads smaller pages with its SM copy (sm_copy imports Triton, which this module,
+# run before the project is installed, must not; tests/test_bench_runner.py checks that the two agree).
+SM_COPY_MAX_PAGE_BYTES = 28 * 1024
 
 
 def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: bool, page: int) -> float:
@@ -54,7 +59,7 @@ def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: 
         return nbytes / min(LINK_BPS, ctas * PER_PROGRAM_BPS)
     if method == "memcpy_per_block":
         return max(link, copies * COPY_ISSUE_S)
-    if method == "vllm033" and not store and page < 28 * 1024:
+    if method == "vllm033" and not store and page < SM_COPY_MAX_PAGE_BYTES:
         return nbytes / min(LINK_BPS, 12 * PER_PROGRAM_BPS)
     if method in ("memcpy_batch", "vllm033"):
         return max(link, copies * BATCH_DESCRIPTOR_S)
@@ -70,19 +75,20 @@ def _host_bytes(n: int, f: int, skip: int, block_bytes: int) -> int:
     return (math.ceil((skip + n) / f) + 2) * f * block_bytes  # as session.allocate / make_case size it
 
 
-def _sweep_s(workloads, layouts_per_workload, blocks, host_configs, ctas, budget_s) -> float:
-    methods = [("triton", c) for c in ctas] + [(m, None) for m in BASELINE_METHODS]
+def _sweep_s(workloads, grid: Grid, one_layout: bool) -> float:
+    methods = [("triton", c) for c in grid.num_ctas] + [(m, None) for m in BASELINE_ORDER]
+    budget_s = grid.budget_ms / 1e3
     total = 0.0
     for w in workloads:
-        layouts = w.layouts[:layouts_per_workload]
+        layouts = w.layouts[:1] if one_layout else w.layouts
         for layout in layouts:
             runs = w.num_layers * (2 if layout == "kv_first" else 1)
             block_bytes = w.num_layers * w.page_bytes
-            host_bytes = max(_host_bytes(blocks[-1], f, skip, block_bytes) for f, skip in host_configs)
+            host_bytes = max(_host_bytes(grid.blocks[-1], f, skip, block_bytes) for f, skip in grid.host_configs)
             total += 2.0 + host_bytes / 5e9  # allocation: pinning runs at a few GB/s
-            for n in blocks:
+            for n in grid.blocks:
                 nbytes = n * block_bytes
-                for f, skip in host_configs:
+                for f, skip in grid.host_configs:
                     # A check fills the case's host view, moves it over the link a few times and compares on the GPU.
                     case_host = _host_bytes(n, f, skip, block_bytes)
                     check = 4 * case_host / LINK_BPS + case_host / HOST_MEMSET_BPS + 0.02
@@ -93,18 +99,15 @@ def _sweep_s(workloads, layouts_per_workload, blocks, host_configs, ctas, budget
     return total
 
 
-BASELINE_METHODS = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak")
-
-
-def _extras_s(quick: bool) -> float:
-    w = WORKLOADS["llama3-70b-tp8"]
-    t = 1024 * w.num_layers * w.page_bytes / LINK_BPS  # 640 MiB per call, link-bound
-    points = (len((1, 8, 32)) if quick else 6) + 2  # triton at every num_ctas, memcpy_batch, vllm033
+def _extras_s(grid: Grid) -> float:
+    w = WORKLOADS[EXTRAS_WORKLOAD]
+    t = EXTRAS_BLOCKS * w.num_layers * w.page_bytes / LINK_BPS  # 640 MiB per call, link-bound
+    points = len(grid.num_ctas) + len(EXTRAS_BASELINES)  # triton at every num_ctas, and the baselines
     checks = 2 * points * (6 * t + 0.05)
-    overhead = 2 * (5 if quick else 25) * 8 * t
-    iters, repeats = (10, 1) if quick else (30, 3)
-    gemm_s = 1.6e-3  # 8192^3 bf16 on an H100
-    inter = 2 * points * (4 * t + repeats * 1.3 * iters * gemm_s * 2)
+    bursts, per_burst = grid.bursts
+    overhead = 2 * bursts * per_burst * t
+    iters, repeats = grid.gemm_runs
+    inter = 2 * points * (4 * t + repeats * 1.3 * iters * GEMM_S * 2)
     return checks + overhead + inter
 
 
@@ -114,12 +117,12 @@ def estimate_seconds(part: str) -> float:
         return STARTUP_S + TESTS_S
     args = PARTS[part]
     if part == "quick":
-        work = _sweep_s(WORKLOADS.values(), 1, (128,), ((4, 1),), (1, 8, 32), 0.03) + _extras_s(True)
+        work = _sweep_s(WORKLOADS.values(), QUICK, one_layout=True) + _extras_s(QUICK)
     elif part == "extras":
-        work = _extras_s(False)
+        work = _extras_s(FULL)
     else:
         workloads = [WORKLOADS[args[args.index("--workloads") + 1]]]
-        work = _sweep_s(workloads, 3, (16, 128, 1024), ((1, 0), (4, 1)), (1, 2, 4, 8, 16, 32), 0.1)
+        work = _sweep_s(workloads, FULL, one_layout=False)
     return STARTUP_S + work
 
 

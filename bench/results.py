@@ -22,6 +22,7 @@ from collections import defaultdict
 __all__ = [
     "ROW_KEYS",
     "BASELINE_NAMES",
+    "BASELINE_ORDER",
     "new_row",
     "by_case",
     "fill_relative",
@@ -33,6 +34,8 @@ __all__ = [
 
 # Baselines a speedup column is computed against, in table order.
 BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033")
+# Every method but triton, in the order a run measures them (after the triton sweep).
+BASELINE_ORDER = (*BASELINE_NAMES, "peak")
 
 ROW_KEYS = (
     "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",

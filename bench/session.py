@@ -24,7 +24,7 @@ from baselines import METHODS, Triton
 from case import Env, Prepared, TransferCase, Unavailable, runs_of
 from cuda_driver import driver_info
 from report import say
-from results import BASELINE_NAMES, machine_info, new_row
+from results import BASELINE_ORDER, machine_info, new_row
 from timing import Timing
 from verify import check_method, reference_blocks
 from workloads import Workload, make_caches
@@ -41,8 +41,6 @@ __all__ = [
     "FatalCudaError",
     "Session",
 ]
-
-BASELINE_ORDER = (*BASELINE_NAMES, "peak")  # after the triton sweep
 
 
 @dataclass(frozen=True)
@@ -148,6 +146,20 @@ def environment(device: torch.device, driver_note: str) -> dict:
     return info
 
 
+def _labels(group: Group, case: TransferCase, ms: MethodSpec) -> dict:
+    """What names one method on one case, in a check entry and in a row."""
+    return {
+        "workload": group.workload.name,
+        "layout": group.layout,
+        "direction": case.direction,
+        "method": ms.label,
+        "num_ctas": ms.num_ctas,
+        "blocks": case.n,
+        "blocks_per_host_block": case.f,
+        "skip": case.skip,
+    }
+
+
 class FatalCudaError(RuntimeError):
     """The CUDA context is unusable (a sticky error such as an illegal address): nothing after it can be measured."""
 
@@ -167,8 +179,14 @@ class Session:
         self.peak_cache: dict = {}
 
     def check(self, group: Group, case: TransferCase, ms: MethodSpec) -> tuple[str, str, Prepared | None]:
-        """(status, note, prepared) of one method on one case: pass, FAIL (wrong bytes), ERROR (raised), n/a (cannot
-        run here). The prepared method is returned for timing, which only a ``pass`` allows."""
+        """(status, note, prepared) of one method on one case, recorded (:meth:`record_check`): pass, FAIL (wrong
+        bytes), ERROR (raised), n/a (cannot run here). The prepared method is returned for timing, which only a
+        ``pass`` allows."""
+        status, note, prepared = self._verify(group, case, ms)
+        self.record_check(group, case, ms, status, note)
+        return status, note, prepared
+
+    def _verify(self, group: Group, case: TransferCase, ms: MethodSpec) -> tuple[str, str, Prepared | None]:
         try:
             with self.stream_context():  # buffers a method allocates belong to the stream that uses them
                 prepared = ms.factory().prepare(case, self.env)
@@ -189,18 +207,7 @@ class Session:
         return "pass", "", prepared
 
     def record_check(self, group: Group, case: TransferCase, ms: MethodSpec, status: str, note: str) -> None:
-        entry = {
-            "workload": group.workload.name,
-            "layout": group.layout,
-            "direction": case.direction,
-            "method": ms.label,
-            "num_ctas": ms.num_ctas,
-            "blocks": case.n,
-            "blocks_per_host_block": case.f,
-            "skip": case.skip,
-            "status": status,
-            "note": note,
-        }
+        entry = {**_labels(group, case, ms), "status": status, "note": note}
         self.checks.append(entry)
         if status == "n/a" and self.env.cuda and ms.name not in self.skipped:
             self.skipped[ms.name] = note
@@ -213,17 +220,10 @@ class Session:
         """A :data:`results.ROW_KEYS` row for one method on one case; the timing fields stay None without samples."""
         row = new_row(
             device=self.meta["device"],
-            workload=group.workload.name,
-            layout=group.layout,
-            direction=case.direction,
-            method=ms.label,
-            num_ctas=ms.num_ctas,
+            **_labels(group, case, ms),
             impl=impl,
             page_bytes=group.spec.page_bytes[0],
             num_layers=group.spec.num_layers,
-            blocks=case.n,
-            blocks_per_host_block=case.f,
-            skip=case.skip,
             total_bytes=case.total_bytes,
             status=status,
             note=note or None,
@@ -232,6 +232,10 @@ class Session:
             row.update(timing.fields())
             row["gbps"] = round(case.total_bytes / (row["median_ms"] * 1e-3) / 1e9, 3)
         return row
+
+    def method_impls(self) -> list[tuple[str, str]]:
+        """(method, implementation) for every implementation each method used, for the methods table."""
+        return [(m, impl) for m, impls in self.impls.items() for impl in impls]
 
     def result(self, mode: str, args, complete: bool, **sections) -> dict:
         """The results document: the envelope both benchmarks share, then this run's sections."""

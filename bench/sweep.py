@@ -14,6 +14,7 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 from case import Env, TransferCase
 from cuda_driver import load_driver
 from extras import cpu_overhead, interference
+from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_LAYOUT, EXTRAS_WORKLOAD, grid
 from report import ProgressBar, print_table, say
 from results import fill_relative
 from session import FatalCudaError, Group, MethodSpec, Session, allocate, environment, make_case, method_specs, release
@@ -21,13 +22,7 @@ from summary import evaluate_targets, print_extras, print_header, print_results,
 from timing import GpuTimer
 from workloads import WORKLOADS, Workload, resolve_workloads
 
-__all__ = ["SWEEP", "QUICK_SWEEP", "BLOCKS", "HOST_CONFIGS", "selected_groups", "run_gpu"]
-
-SWEEP = (1, 2, 4, 8, 16, 32)
-QUICK_SWEEP = (1, 8, 32)
-BLOCKS = (16, 128, 1024)
-HOST_CONFIGS = ((1, 0), (4, 1))  # (blocks_per_host_block, skip): plain, and f=4 starting mid-block
-EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024  # 1024 blocks x 80 layers
+__all__ = ["selected_groups", "run_gpu"]
 
 
 def selected_groups(args) -> list[tuple[Workload, str]]:
@@ -50,7 +45,6 @@ def _measure(run: Session, group: Group, case: TransferCase, ms: MethodSpec, tim
         impl, timing = run.peak_cache[peak_key]
         return run.row(group, case, ms, impl, "pass", "timed once per direction and size", timing)
     status, note, prepared = run.check(group, case, ms)
-    run.record_check(group, case, ms, status, note)
     impl = prepared and prepared.impl
     if status != "pass":
         return run.row(group, case, ms, impl, status, note)
@@ -87,9 +81,10 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
     env = Env(device, driver, driver_note, stream.cuda_stream)
     meta = environment(device, driver_note)
     print_header(meta, "GPU")
-    sweep = sorted(set(args.num_ctas or (QUICK_SWEEP if args.quick else SWEEP)) | {DEFAULT_NUM_CTAS})
-    blocks = sorted(args.blocks or ((128,) if args.quick else BLOCKS))
-    host_configs = ((4, 1),) if args.quick else HOST_CONFIGS
+    mode = grid(args.quick)
+    sweep = sorted(set(args.num_ctas or mode.num_ctas) | {DEFAULT_NUM_CTAS})
+    blocks = sorted(args.blocks or mode.blocks)
+    host_configs = mode.host_configs
     groups = [] if args.no_sweep else selected_groups(args)
     run = Session(meta, env, method_specs(sweep), stream)
     timer = GpuTimer(stream, device, args.hide_us)
@@ -114,8 +109,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
         say(f"FATAL: the CUDA context is unusable after {fatal}; stopping, results so far follow", "bold red")
     fill_relative(run.rows)
     print_results(run.rows, sweep)
-    methods = [(m, impl) for m, impls in run.impls.items() for impl in impls]
-    methods += [(m, f"skipped: {why}") for m, why in run.skipped.items()]
+    methods = run.method_impls() + [(m, f"skipped: {why}") for m, why in run.skipped.items()]
     print_table("Methods", ["method", "implementation"], methods)
     print_extras(overhead, inter, f"{EXTRAS_BLOCKS} blocks x 80 layers ({EXTRAS_WORKLOAD}, {EXTRAS_LAYOUT})")
     targets = evaluate_targets(run.rows, overhead, inter)
@@ -142,17 +136,16 @@ def run_extras(run: Session, args, env: Env, stream, sweep) -> tuple[dict | None
     group = allocate(w, EXTRAS_LAYOUT, EXTRAS_BLOCKS, ((1, 0),), env.device, args.seed + 1)
     cases = {d: make_case(group, EXTRAS_BLOCKS, 1, 0, d == "store") for d in ("store", "load")}
     # Only methods that moved the right bytes here are timed.
-    used = method_specs(sweep, baselines=("memcpy_batch", "vllm033"))
+    used = method_specs(sweep, baselines=EXTRAS_BASELINES)
     ok = set()
     for d, case in cases.items():
         for ms in used:
-            status, note, _ = run.check(group, case, ms)
-            run.record_check(group, case, ms, status, note)
+            status, _, _ = run.check(group, case, ms)
             if status == "pass":
                 ok.add((ms.label, ms.num_ctas, d))
     overhead = inter = None
     if not args.no_overhead and ("triton", DEFAULT_NUM_CTAS, "store") in ok:
-        bursts, per_burst = (5, 8) if args.quick else (25, 8)
+        bursts, per_burst = grid(args.quick).bursts
         overhead = cpu_overhead({"gather": cases["store"], "scatter": cases["load"]}, env, stream, bursts, per_burst)
     if not args.no_interference:
         preparers = {
@@ -161,7 +154,7 @@ def run_extras(run: Session, args, env: Env, stream, sweep) -> tuple[dict | None
             for ms in used
             if (ms.label, ms.num_ctas, d) in ok
         }
-        iters, repeats = (10, 1) if args.quick else (30, 3)
+        iters, repeats = grid(args.quick).gemm_runs
         try:
             inter = interference(preparers, cases["store"].total_bytes, env, stream, args.gemm_size, iters, repeats)
         except RuntimeError as exc:

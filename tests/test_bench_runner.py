@@ -99,3 +99,8 @@ def test_each_part_expands_to_valid_benchmark_options():
     assert args["full-70b"]["budget_ms"] == 100.0 and not args["full-70b"]["quick"]
     assert args["extras"]["no_sweep"] and not args["extras"]["no_overhead"]
     assert all(a["json"] == "x.json" for a in args.values())
+
+
+def test_the_time_model_uses_the_sm_copy_threshold(parts):
+    with bench_modules("sm_copy") as (sm_copy,):
+        assert parts.SM_COPY_MAX_PAGE_BYTES == sm_copy.MAX_PAGE_BYTES

@@ -1,0 +1,45 @@
+"""What the transfer benchmark measures, in one place: the sweep grid of a full run and of ``--quick``, and what the
+extras measure on. Stdlib only: ``parts.py`` sizes the GPU runner's parts from it before the project is installed,
+and ``sweep.py``, ``cpu_check.py`` and ``bench_transfer.py`` run from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Grid", "FULL", "QUICK", "grid", "EXTRAS_WORKLOAD", "EXTRAS_LAYOUT", "EXTRAS_BLOCKS", "EXTRAS_BASELINES"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One mode's sweep and the sizes of its measurements.
+
+    Attributes:
+        num_ctas: the Triton sweep (the kernel's default is always added).
+        blocks: blocks per transfer.
+        host_configs: (blocks_per_host_block, skip) pairs.
+        budget_ms: device time per measurement.
+        bursts: (bursts, calls per burst) of the CPU cost per call.
+        gemm_runs: (GEMM iterations, repeats) of the interference measurement.
+    """
+
+    num_ctas: tuple[int, ...]
+    blocks: tuple[int, ...]
+    host_configs: tuple[tuple[int, int], ...]
+    budget_ms: float
+    bursts: tuple[int, int]
+    gemm_runs: tuple[int, int]
+
+
+# Host configurations: plain, and f=4 starting mid-block.
+FULL = Grid((1, 2, 4, 8, 16, 32), (16, 128, 1024), ((1, 0), (4, 1)), 100.0, (25, 8), (30, 3))
+QUICK = Grid((1, 8, 32), (128,), ((4, 1),), 30.0, (5, 8), (10, 1))
+
+
+def grid(quick: bool) -> Grid:
+    return QUICK if quick else FULL
+
+
+# The extras (CPU cost per call, GEMM interference): 1024 blocks x 80 layers of Llama-3-70B TP8 pages, Triton at
+# every num_ctas of the sweep and these baselines.
+EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024
+EXTRAS_BASELINES = ("memcpy_batch", "vllm033")
