@@ -76,3 +76,14 @@ def copy_blocks_into(dst: torch.Tensor, src: torch.Tensor, layout: str, g) -> No
         dst[:, g] = src[:, g]
     else:
         dst[g] = src[g]
+
+
+def assert_loaded_exactly(loaded, sources, layout: str, g, what: str = "a load") -> None:
+    """Each tensor of ``loaded`` (sentinel-filled before the load) holds ``sources``' blocks ``g`` and the sentinel in
+    every other storage byte, padding included."""
+    for out, src in zip(loaded, sources, strict=True):
+        want = sentinel_like(src)
+        copy_blocks_into(want, src, layout, g)
+        assert torch.equal(storage_bytes(out), storage_bytes(want)), (
+            f"{what} wrote other bytes than the addressed blocks"
+        )

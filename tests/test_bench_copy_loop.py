@@ -109,8 +109,6 @@ def test_a_build_failure_is_a_reason_not_a_crash(mods, tmp_path, monkeypatch):
 class _FakeDriver:
     """The driver's cuMemcpyAsync, done with memmove on host memory; records the stream it was given."""
 
-    driver_note = "fake"
-
     def __init__(self):
         self.streams = []
 

@@ -4,7 +4,6 @@ and every part it runs is sized by bench/parts.py's time model to finish in unde
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pathlib
 import shutil
@@ -79,21 +78,9 @@ def test_result_names_are_device_date_part():
     assert stem == "nvidia-h100-80gb-hbm3-2026-11-22-full-70b"
 
 
-_PART_ARGS = """
-import sys
-sys.path.insert(0, {bench!r})
-import json, bench_transfer, parts
-out = {{name: vars(bench_transfer.parse_args(["--part", name, "--json", "x.json"])) for name in parts.PARTS}}
-print(json.dumps(out))
-"""
-
-
 def test_each_part_expands_to_valid_benchmark_options():
-    proc = subprocess.run(
-        [sys.executable, "-c", _PART_ARGS.format(bench=str(ROOT / "bench"))], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stderr
-    args = json.loads(proc.stdout)
+    with bench_modules("bench_transfer", "parts") as (bench_transfer, parts):
+        args = {name: vars(bench_transfer.parse_args(["--part", name, "--json", "x.json"])) for name in parts.PARTS}
     assert args["quick"]["quick"] and args["quick"]["budget_ms"] == 30.0
     assert args["full-70b"]["workloads"] == ["llama3-70b-tp8"] and args["full-70b"]["no_interference"]
     assert args["full-70b"]["budget_ms"] == 100.0 and not args["full-70b"]["quick"]

@@ -6,7 +6,6 @@ scheduler drives it and the worker the way vLLM's worker does, on CPU tensors (k
 
 from __future__ import annotations
 
-import inspect
 import logging
 import pickle
 
@@ -24,11 +23,9 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     Medium,
     OffloadingEvent,
-    ReqContext,
-    make_offload_key,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_configs import offloading_config  # noqa: E402
+from vllm_configs import ctx, finished, key, offloading_config, submit_load  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
 from triton_offload.connector.manager import HostBlocksSpec, TritonOffloadingManager  # noqa: E402
@@ -52,22 +49,6 @@ def make_config(extra, *, groups=((0, 1),), worker_bytes=1024, f=2, tokens=16, w
         rank=rank,
         events=events,
     )
-
-
-def key(i: int, group: int = 0) -> bytes:
-    return make_offload_key(i.to_bytes(4, "big") * 8, group)
-
-
-def ctx(name: str = "r", positions: dict | None = None) -> ReqContext:
-    rc = ReqContext(req_id=name)
-    for k, pos in (positions or {}).items():
-        rc.set_offload_key_position(k, pos)
-    return rc
-
-
-def finished(worker) -> list:
-    worker.wait(set(range(1000)))
-    return worker.get_finished()
 
 
 # -- registration and sizing -----------------------------------------------------------------------------------------
@@ -278,11 +259,6 @@ def spec_and_worker(kv: CanonicalKVCaches, *, f: int, worker_bytes: int, num_gro
     return spec, spec.get_manager(), spec.get_worker(kv)
 
 
-def submit_load(worker, job_id, src, dst):
-    kwargs = {"expedited": True} if "expedited" in inspect.signature(type(worker).submit_load).parameters else {}
-    assert worker.submit_load(job_id, src, dst, **kwargs)
-
-
 def test_store_f2_then_load_with_skip_into_other_blocks():
     """6 GPU blocks stored into 3 host blocks (f=2); the load skips the first one (the device holds it) and writes
     5 other blocks. Source and unaddressed blocks stay as they were."""
@@ -302,7 +278,7 @@ def test_store_f2_then_load_with_skip_into_other_blocks():
     assert stores[0].transfer_time >= 0
     mgr.complete_store(keys, rc)
     dst = [13, 14, 15, 0, 2]
-    submit_load(worker, 1, mgr.prepare_load(keys, rc), GPULoadStoreSpec(dst, [5], [1]))
+    submit_load(worker, 1, mgr.prepare_load(keys, rc), GPULoadStoreSpec(dst, [5], [1]), expedited=True)
     assert [(r.job_id, r.success, r.transfer_size) for r in finished(worker)] == [(1, True, 5 * 1024)]
     assert finished(worker) == [], "every job is reported exactly once"
     mgr.complete_load(keys, rc)
@@ -333,7 +309,7 @@ def test_two_groups_with_different_layers_and_pages():
     mgr.complete_store(g0 + g1, rc)
     dst0, dst1 = [10, 11, 12], [13, 14]  # the device holds group 0's first block and group 1's first two
     load = mgr.prepare_load([g0[0], g0[1], g1[1]], rc)
-    submit_load(worker, 1, load, GPULoadStoreSpec(dst0 + dst1, [3, 2], [1, 2]))
+    submit_load(worker, 1, load, GPULoadStoreSpec(dst0 + dst1, [3, 2], [1, 2]), expedited=True)
     assert [r.transfer_size for r in finished(worker)] == [3 * 1024 + 2 * 256]
     expect = [b.clone() for b in before]
     for layer in (0, 1):
@@ -358,7 +334,7 @@ def test_padded_pages_move_only_the_unpadded_bytes():
     mgr.complete_store([key(0), key(1)], rc)
     for t in tensors:
         t.tensor[[6, 7]] = SENTINEL
-    submit_load(worker, 1, mgr.prepare_load([key(0), key(1)], rc), GPULoadStoreSpec([6, 7], [2], [0]))
+    submit_load(worker, 1, mgr.prepare_load([key(0), key(1)], rc), GPULoadStoreSpec([6, 7], [2], [0]), expedited=True)
     assert [r.transfer_size for r in finished(worker)] == [2 * 768]
     for t, s in zip(tensors, src):
         assert torch.equal(t.tensor[[6, 7], :384], s[:, :384])
@@ -386,7 +362,13 @@ def test_aliased_refs_are_moved_once():
     assert worker.submit_store(0, GPULoadStoreSpec([1, 2], [1, 1], [0, 0]), out.store_spec)
     finished(worker)
     mgr.complete_store([key(0, 0), key(0, 1)], rc)
-    submit_load(worker, 1, mgr.prepare_load([key(0, 0), key(0, 1)], rc), GPULoadStoreSpec([5, 6], [1, 1], [0, 0]))
+    submit_load(
+        worker,
+        1,
+        mgr.prepare_load([key(0, 0), key(0, 1)], rc),
+        GPULoadStoreSpec([5, 6], [1, 1], [0, 0]),
+        expedited=True,
+    )
     assert [r.transfer_size for r in finished(worker)] == [768 + 512]
     expect = [b.clone() for b in before]
     expect[0][5], expect[1][5], expect[0][6] = before[0][1], before[1][1], before[0][2]

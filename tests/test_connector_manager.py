@@ -16,24 +16,14 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm_configs import ctx, key  # noqa: E402
 
 from triton_offload.connector.manager import TritonOffloadingManager  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
-
-
-def key(i: int, group: int = 0) -> bytes:
-    return make_offload_key(i.to_bytes(4, "big") * 8, group)
-
-
-def ctx(name: str, positions: dict | None = None) -> ReqContext:
-    rc = ReqContext(req_id=name)
-    for k, pos in (positions or {}).items():
-        rc.set_offload_key_position(k, pos)
-    return rc
 
 
 def policy_state(m: TritonOffloadingManager) -> dict:

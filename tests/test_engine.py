@@ -12,7 +12,7 @@ import triton_offload as to
 from triton_offload.engine import JobResult, TransferEngine
 from triton_offload.kernels import copy_blocks
 
-from kv_factory import copy_blocks_into, make_caches, sentinel_like, storage_bytes
+from kv_factory import SENTINEL, assert_loaded_exactly, make_caches
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
 
@@ -41,14 +41,11 @@ def test_store_then_load_round_trip(f, skip, make_engine):
 
     originals = [c.clone() for c in caches]
     for c in caches:
-        c.untyped_storage().fill_(0xA5)
+        c.untyped_storage().fill_(SENTINEL)
     eng.submit_load(12, g, h, skip=skip)
     (res,) = eng.get_finished()
     assert (res.job_id, res.ok, res.direction) == (12, True, "load")
-    for c, o in zip(caches, originals):
-        want = sentinel_like(o)
-        copy_blocks_into(want, o, "block_first", g)
-        assert torch.equal(storage_bytes(c), storage_bytes(want))
+    assert_loaded_exactly(caches, originals, "block_first", g)
     assert eng.get_finished() == []
     assert eng.shutdown() == []
 

@@ -14,6 +14,7 @@ import test_tiering as tt  # noqa: E402
 from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_configs import finished  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -36,11 +37,11 @@ def test_pinned_region_store_and_load_on_cuda(f):
         gpu, sizes, firsts = [3, 7, 1, 9, 4], [3, 2], [1, 0]
         chunks = [5, 2, 6, 0, 7][: sum(-(-(b % f + n) // f) for b, n in zip(firsts, sizes))]
         assert worker.submit_store(0, GPULoadStoreSpec(gpu, sizes, firsts), CPULoadStoreSpec(chunks))
-        assert tt.finished(worker)[0].success
+        assert finished(worker)[0].success
         assert torch.equal(whole, tt.expected_store(before, views, cpu_kv, gpu, sizes, firsts, chunks, f))
         dst = [10, 11, 2, 5, 8]
         assert worker.submit_load(1, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts))
-        assert tt.finished(worker)[0].success
+        assert finished(worker)[0].success
         g0 = 0
         for g, n in enumerate(sizes):
             for ref in kv.group_data_refs[g]:
@@ -53,4 +54,4 @@ def test_pinned_region_store_and_load_on_cuda(f):
         worker.shutdown()
         del views
         region.cleanup()
-    assert not os.path.exists(tt.region_file(config))
+    assert not os.path.exists(tt.region_file(config.engine_id))

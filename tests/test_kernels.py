@@ -13,7 +13,7 @@ from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_r
 
 from kv_factory import (
     SENTINEL,
-    copy_blocks_into,
+    assert_loaded_exactly,
     host_buffer,
     make_caches,
     random_transfer,
@@ -56,10 +56,7 @@ def round_trip(caches, layout, *, f, skip, n, num_host=None, seed=0, num_ctas=No
     out = [sentinel_like(t) for t in caches]
     host_before = host.clone()
     to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
-    for t, o in zip(caches, out):
-        want = sentinel_like(t)
-        copy_blocks_into(want, t, layout, g)
-        assert torch.equal(storage_bytes(o), storage_bytes(want)), "scatter wrote other bytes than the addressed blocks"
+    assert_loaded_exactly(out, caches, layout, g, "scatter")
     assert torch.equal(host, host_before), "scatter changed its source"
     ref_out = [sentinel_like(t) for t in caches]
     scatter_blocks_ref(host, h, ref_out, layout, g, blocks_per_host_block=f, skip=skip)

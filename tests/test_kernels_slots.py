@@ -16,7 +16,7 @@ from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.layouts import HostSlots
 
-from kv_factory import SENTINEL, copy_blocks_into, make_caches, random_transfer, sentinel_like, storage_bytes
+from kv_factory import SENTINEL, assert_loaded_exactly, make_caches, random_transfer, sentinel_like, storage_bytes
 
 PAGES = {
     "kv_first": dict(block_size=3, heads=2, head_dim=4),
@@ -68,7 +68,7 @@ def test_slot_round_trip_matches_reference(layout, f, skip, spare):
     region, host = slot_buffer(spec, rows, f, before=32, after=16)
     expected_region, expected = slot_buffer(spec, rows, f, before=32, after=16)
 
-    to.gather_blocks(spec, None, g, host, h, blocks_per_host_block=f, skip=skip)
+    to.gather_blocks(spec, g, host, h, blocks_per_host_block=f, skip=skip)
     gather_blocks_ref(caches, layout, g, expected, h, blocks_per_host_block=f, skip=skip, host_slots=slots)
     assert torch.equal(region, expected_region), "host bytes differ from the reference (or bytes outside the slot)"
     assert not torch.equal(host, torch.full_like(host, SENTINEL)), "nothing was written"
@@ -76,12 +76,9 @@ def test_slot_round_trip_matches_reference(layout, f, skip, spare):
     out = [sentinel_like(t) for t in caches]
     region_before = region.clone()
     out_spec = to.KVCacheSpec(out, layout, host_slots=slots)
-    to.scatter_blocks(host, h, out_spec, None, g, blocks_per_host_block=f, skip=skip)
+    to.scatter_blocks(host, h, out_spec, g, blocks_per_host_block=f, skip=skip)
     assert torch.equal(region, region_before), "a load changed the host"
-    for t, o in zip(caches, out):
-        want = sentinel_like(t)
-        copy_blocks_into(want, t, layout, g)
-        assert torch.equal(storage_bytes(o), storage_bytes(want)), "a load wrote other bytes than the addressed blocks"
+    assert_loaded_exactly(out, caches, layout, g)
     ref_out = [sentinel_like(t) for t in caches]
     scatter_blocks_ref(host, h, ref_out, layout, g, blocks_per_host_block=f, skip=skip, host_slots=slots)
     assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref_out))
@@ -97,7 +94,7 @@ def test_slot_placement_by_hand(f):
     g, h, skip = [4, 1, 3], [2, 0, 1], 1 % f
     h = h[: -(-(skip + len(g)) // f)]
     region, host = slot_buffer(spec, 3, f, before=0, after=0)
-    to.gather_blocks(spec, None, g, host, h, blocks_per_host_block=f, skip=skip)
+    to.gather_blocks(spec, g, host, h, blocks_per_host_block=f, skip=skip)
     want = torch.full_like(host, SENTINEL)
     for i, block in enumerate(g):
         p = skip + i
@@ -118,7 +115,7 @@ def test_slot_groups_share_a_region():
     h = [3, 1, 0]  # group 0: ceil((1 + 3) / 2) = 2 host blocks; group 1: 1
     region, host = slot_buffer(spec, 4, f, before=16, after=0)
     expected_region, expected = slot_buffer(spec, 4, f, before=16, after=0)
-    to.gather_blocks(spec, None, g, host, h, blocks_per_host_block=f, skip=skips, group_sizes=sizes)
+    to.gather_blocks(spec, g, host, h, blocks_per_host_block=f, skip=skips, group_sizes=sizes)
     gather_blocks_ref(
         caches, "canonical", g, expected, h, blocks_per_host_block=f, skip=skips, groups=[[0, 1], [2]],
         group_sizes=sizes, host_slots=slots,
@@ -150,4 +147,4 @@ def test_bad_host_slots_are_refused():
     spec = to.KVCacheSpec(caches, "canonical", host_slots=HostSlots((32, 32), (0, 1)))
     wrong = torch.zeros(2, 2 * 32, dtype=torch.uint8)  # one region's worth of f=2 rows, not two
     with pytest.raises(ValueError, match=r"host_buffer must be \(num_host_blocks, 128\)"):
-        to.gather_blocks(spec, None, [0], wrong, [0], blocks_per_host_block=2)
+        to.gather_blocks(spec, [0], wrong, [0], blocks_per_host_block=2)

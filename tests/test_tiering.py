@@ -10,7 +10,6 @@ its worker takes them) with vLLM's placement rule: sub-block j of chunk c of ten
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_configs import offloading_config  # noqa: E402
+from vllm_configs import finished, offloading_config, submit_load  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
 from triton_offload.connector.tiering import TritonTieringConfig, TritonTieringOffloadingSpec  # noqa: E402
@@ -58,8 +57,9 @@ def make_config(extra, *, num_groups=1, worker_bytes, f, world_size=1, rank=0, r
     )
 
 
-def region_file(config) -> str:
-    return f"/dev/shm/vllm_offload_{config.engine_id}.mmap"
+def region_file(engine_id: str) -> str:
+    """vLLM's name for an engine's shared region."""
+    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
 
 
 # The model: 4 canonical tensors. Tensor 0 and 1 (group 0) have 512-byte padded pages of which the layers use 384;
@@ -94,36 +94,31 @@ def vllm_views(config, spec, rank: int) -> tuple[SharedOffloadRegion, list[torch
     return region, [region.create_next_worker_view(p * f) for p in PAGES]
 
 
-def expected_store(before: torch.Tensor, views, kv, gpu_ids, group_sizes, block_indices, chunk_ids, f):
-    """The whole region after vLLM's worker ran the store: ``before`` with, for each group, each ref's un-padded
-    page of block i written at position p = block_indices[g] % f + i, chunk chunk_ids[p // f], sub-block p % f."""
-    out = before.clone()
+def positions(group_sizes, block_indices, chunk_ids, f):
+    """vLLM's placement of a job's GPU blocks, written out independently of the code under test: for block i of
+    group g, (g, its index in the job's GPU ids, chunk, sub-block), at position p = block_indices[g] % f + i of the
+    group's chunks, chunk chunk_ids[p // f], sub-block p % f."""
     g0 = c0 = 0
     for g, (n, first) in enumerate(zip(group_sizes, block_indices)):
         skip = first % f
-        m = -(-(skip + n) // f) if n else 0
+        for i in range(n):
+            p = skip + i
+            yield g, g0 + i, chunk_ids[c0 + p // f], p % f
+        g0, c0 = g0 + n, c0 + (-(-(skip + n) // f) if n else 0)
+
+
+def expected_store(before: torch.Tensor, views, kv, gpu_ids, group_sizes, block_indices, chunk_ids, f):
+    """The whole region after vLLM's worker ran the store: ``before`` with each ref's un-padded page of each block
+    written at its :func:`positions` entry, through vLLM's view of its tensor."""
+    out = before.clone()
+    dsts = [torch.as_strided(out, v.shape, v.stride(), v.storage_offset()) for v in views]  # vLLM's views, over out
+    for g, j, row, sub in positions(group_sizes, block_indices, chunk_ids, f):
         for ref in kv.group_data_refs[g]:
-            v = views[ref.tensor_idx]
-            dst = torch.as_strided(out, v.shape, v.stride(), v.storage_offset())  # vLLM's view, over `out`
             page = kv.tensors[ref.tensor_idx].page_size_bytes
-            for i in range(n):
-                p = skip + i
-                row, sub = chunk_ids[c0 + p // f], p % f
-                dst[row, sub * page : sub * page + ref.page_size_bytes] = kv.tensors[ref.tensor_idx].tensor[
-                    gpu_ids[g0 + i], : ref.page_size_bytes
-                ]
-        g0, c0 = g0 + n, c0 + m
+            dsts[ref.tensor_idx][row, sub * page : sub * page + ref.page_size_bytes] = kv.tensors[
+                ref.tensor_idx
+            ].tensor[gpu_ids[j], : ref.page_size_bytes]
     return out
-
-
-def submit_load(worker, job_id, src, dst):
-    kwargs = {"expedited": False} if "expedited" in inspect.signature(type(worker).submit_load).parameters else {}
-    assert worker.submit_load(job_id, src, dst, **kwargs)
-
-
-def finished(worker):
-    worker.wait(set(range(100)))
-    return worker.get_finished()
 
 
 LAYOUTS = [
@@ -176,7 +171,7 @@ def test_store_lands_where_vllm_views_say_and_loads_back(f, world_size, rank, re
         for t in kv.tensors:
             t.tensor.view(torch.uint8).fill_(SENTINEL)
         dst = rng.permutation(12)[: sum(sizes)].tolist()
-        submit_load(worker, 1, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts))
+        submit_load(worker, 1, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts), expedited=False)
         (res,) = finished(worker)
         assert res.success
         assert torch.equal(whole, want), "a load changed the region"
@@ -194,7 +189,7 @@ def test_store_lands_where_vllm_views_say_and_loads_back(f, world_size, rank, re
         worker.shutdown()
         del views, whole
         region.cleanup()
-    assert not os.path.exists(region_file(config))
+    assert not os.path.exists(region_file(config.engine_id))
 
 
 def test_clean_shutdown_unmaps_the_region(caplog):
@@ -204,12 +199,12 @@ def test_clean_shutdown_unmaps_the_region(caplog):
     config = make_config({"cpu_bytes_to_use": 8 * 4096}, num_groups=2, worker_bytes=sum(PAGES), f=2)
     worker = OffloadingSpecFactory.create_spec(config).get_worker(kv)
     assert worker.submit_store(0, GPULoadStoreSpec([4, 9, 2], [2, 1], [0, 0]), CPULoadStoreSpec([2, 3]))
-    submit_load(worker, 1, CPULoadStoreSpec([2]), GPULoadStoreSpec([7, 8], [2, 0], [0, 0]))
+    submit_load(worker, 1, CPULoadStoreSpec([2]), GPULoadStoreSpec([7, 8], [2, 0], [0, 0]), expedited=False)
     assert all(r.success for r in finished(worker))
     with caplog.at_level("WARNING"):
         worker.shutdown()
     assert not [r.getMessage() for r in caplog.records if "close" in r.getMessage()]
-    assert not os.path.exists(region_file(config))
+    assert not os.path.exists(region_file(config.engine_id))
 
 
 @pytest.mark.parametrize("f", [1, 2], ids=lambda f: f"f{f}")
@@ -228,20 +223,14 @@ def test_loads_blocks_written_through_vllm_views(f):
         sizes, firsts = [2 * f - 1, 1], [1, f]  # group 0 starts at sub-block 1 % f
         chunks = [6, 2, 5, 0][: sum(-(-(b % f + n) // f) for b, n in zip(firsts, sizes))]
         dst = [3, 8, 1, 10, 5, 0][: sum(sizes)]
-        submit_load(worker, 7, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts))
+        submit_load(worker, 7, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, sizes, firsts), expedited=False)
         assert finished(worker)[0].success
-        g0 = c0 = 0
-        for g, (n, first) in enumerate(zip(sizes, firsts)):
-            skip = first % f
+        for g, j, row, sub in positions(sizes, firsts, chunks, f):
             for ref in kv.group_data_refs[g]:
                 page = PAGES[ref.tensor_idx]
-                for i in range(n):
-                    p = skip + i
-                    row, sub = chunks[c0 + p // f], p % f
-                    want = views[ref.tensor_idx][row, sub * page : sub * page + ref.page_size_bytes]
-                    got = kv.tensors[ref.tensor_idx].tensor[dst[g0 + i], : ref.page_size_bytes]
-                    assert torch.equal(got, want), f"group {g}, tensor {ref.tensor_idx}, block {i}"
-            g0, c0 = g0 + n, c0 + -(-(skip + n) // f)
+                want = views[ref.tensor_idx][row, sub * page : sub * page + ref.page_size_bytes]
+                got = kv.tensors[ref.tensor_idx].tensor[dst[j], : ref.page_size_bytes]
+                assert torch.equal(got, want), f"group {g}, tensor {ref.tensor_idx}, block {j}"
     finally:
         worker.shutdown()
         del views
@@ -255,10 +244,10 @@ def test_scheduler_view_sees_the_worker_bytes_and_drops_the_name():
     config = make_config({"cpu_bytes_to_use": 8 * 4096}, num_groups=2, worker_bytes=sum(PAGES), f=1)
     spec = OffloadingSpecFactory.create_spec(config)
     worker = spec.get_worker(kv)
-    assert os.path.exists(region_file(config)), "workers map the region by name first"
+    assert os.path.exists(region_file(config.engine_id)), "workers map the region by name first"
     manager = spec.get_manager()
     try:
-        assert not os.path.exists(region_file(config)), "the name outlived the last process that needed it"
+        assert not os.path.exists(region_file(config.engine_id)), "the name outlived the last process that needed it"
         view = manager.primary_tier.get_kv_memoryview()
         assert worker.submit_store(0, GPULoadStoreSpec([4, 9], [1, 1], [0, 0]), CPULoadStoreSpec([2, 3]))
         assert finished(worker)[0].success
@@ -291,7 +280,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_killed_worker_leaves_no_region_file():
     """A worker killed before the scheduler mapped the region (SIGKILL: no cleanup code runs) leaves no file."""
     engine_id = f"tiertest-kill-{uuid.uuid4().hex[:8]}"
-    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    path = region_file(engine_id)
     script = _KILLED_WORKER.format(tests=os.path.dirname(__file__), engine_id=engine_id)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
@@ -310,7 +299,7 @@ def test_failed_worker_startup_removes_the_region_file():
     spec = OffloadingSpecFactory.create_spec(config)
     with pytest.raises((ValueError, AssertionError), match="slot|exceeds worker area"):
         spec.get_worker(kv)
-    assert not os.path.exists(region_file(config))
+    assert not os.path.exists(region_file(config.engine_id))
 
 
 def test_failed_scheduler_startup_removes_the_region_file(tmp_path):
@@ -325,7 +314,7 @@ def test_failed_scheduler_startup_removes_the_region_file(tmp_path):
     try:
         with pytest.raises(OSError):
             spec.get_manager()  # the fs tier cannot create its directory under a file
-        assert not os.path.exists(region_file(config))
+        assert not os.path.exists(region_file(config.engine_id))
     finally:
         worker.shutdown()
 
@@ -361,7 +350,7 @@ def test_bad_config_is_refused_at_startup_naming_the_key(extra, message):
     if "cpu_bytes_to_use" not in extra:  # the metrics vLLM builds from the raw config refuse it the same way
         with pytest.raises(ValueError, match=message):
             TritonTieringOffloadingSpec.build_metric_definitions(dict(config.extra_config))
-    assert not os.path.exists(region_file(config)), "nothing may be allocated for a refused config"
+    assert not os.path.exists(region_file(config.engine_id)), "nothing may be allocated for a refused config"
 
 
 def test_good_config_is_parsed_once_with_vllm_keys_passed_through(tmp_path):

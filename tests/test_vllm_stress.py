@@ -9,12 +9,13 @@ reference is the same engine without the connector, run the same way. About 5 mi
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 
 import pytest
 import vllm_harness
-from vllm_harness import ERROR_LINE, GPU_BLOCK_BYTES, require_engine
+from vllm_harness import GPU_BLOCK_BYTES, assert_no_errors, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 require_engine()
@@ -40,14 +41,8 @@ def tp2_unavailable() -> str | None:
     return None if found >= 2 else f"tensor parallelism 2 needs 2 GPUs, found {found}"
 
 
-_cache: dict[tuple, dict] = {}
-
-
-def result_for(*args: str) -> dict:
-    """Each configuration runs once per session (the reference serves both policies)."""
-    if args not in _cache:
-        _cache[args] = run_driver(*args)
-    return _cache[args]
+# Each configuration runs once per session (the reference serves both policies).
+result_for = functools.cache(run_driver)
 
 
 CONFIGS = [
@@ -94,8 +89,7 @@ def test_heavy_eviction_and_loads_from_the_host_in_the_second_pass(run):
 
 def test_no_error_in_the_log(run):
     result, _ = run
-    errors = [line for line in result["log"].splitlines() if ERROR_LINE.search(line)]
-    assert not errors, "\n".join(errors[:20])
+    assert_no_errors(result["log"])
 
 
 def test_the_managers_accounting_closes(run):

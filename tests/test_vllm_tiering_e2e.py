@@ -39,10 +39,8 @@ def run_engine(model: pathlib.Path, root: pathlib.Path, block_size: int, *args: 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> pathlib.Path:
     """One model directory for every engine: its path is part of the fs tier's namespace."""
-    from vllm_harness import build_tiny_llama
-
     path = tmp_path_factory.mktemp("tiering") / "tiny_llama"
-    build_tiny_llama(str(path))
+    vllm_harness.build_tiny_llama(str(path))
     return path
 
 

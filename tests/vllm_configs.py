@@ -1,10 +1,38 @@
-"""vLLM's ``OffloadingConfig`` as its connector builds one, for the plugin's unit tests (imports vLLM)."""
+"""vLLM's ``OffloadingConfig`` as its connector builds one, and the keys, request contexts and worker calls the
+plugin's unit tests drive it with, as vLLM's connector does (imports vLLM)."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from vllm.v1.kv_offload import config as vcfg
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+
+def key(i: int, group: int = 0) -> bytes:
+    """vLLM's ``OffloadKey`` for block ``i`` of KV-cache group ``group``."""
+    return make_offload_key(i.to_bytes(4, "big") * 8, group)
+
+
+def ctx(name: str = "r", positions: dict | None = None) -> ReqContext:
+    """A request's ``ReqContext``, with the end token of each key in ``positions`` recorded as vLLM records it."""
+    rc = ReqContext(req_id=name)
+    for k, pos in (positions or {}).items():
+        rc.set_offload_key_position(k, pos)
+    return rc
+
+
+def submit_load(worker, job_id, src, dst, *, expedited: bool) -> None:
+    """``worker.submit_load``, with vLLM 0.33's ``expedited`` flag where the API has it; the submission must succeed."""
+    kwargs = {"expedited": expedited} if "expedited" in inspect.signature(type(worker).submit_load).parameters else {}
+    assert worker.submit_load(job_id, src, dst, **kwargs)
+
+
+def finished(worker) -> list:
+    """Waits for every job (ids below 1000) and returns the worker's results."""
+    worker.wait(set(range(1000)))
+    return worker.get_finished()
 
 
 def build(cls, **kw):

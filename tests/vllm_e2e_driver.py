@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, shutdown, tiny_llm
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, offload_metrics, shutdown, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 
@@ -110,14 +110,7 @@ def main(argv=None) -> int:
         runner = Runner(llm, seed=1)
         SCENARIOS[args.config](runner)
         t_runs = time.perf_counter()
-        metrics = {
-            m.name: m.value
-            for m in llm.get_metrics()
-            if m.name.startswith(
-                ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
-            )
-            and hasattr(m, "value")
-        }
+        metrics = offload_metrics(llm)
         result = {
             "config": args.config,
             "extra_config": extra,

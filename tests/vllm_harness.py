@@ -13,6 +13,19 @@ GPU_BLOCK_BYTES = 2 * 2 * 2 * GPU_BLOCK * 64 * 4
 # A log record at ERROR or CRITICAL level, or an uncaught exception's traceback (vLLM prints its own handled warnings'
 # tracebacks on WARNING lines, e.g. the chat-template warmup that fails without a tokenizer: those are not errors).
 ERROR_LINE = re.compile(r"^(\([^)]*\) )?(ERROR|CRITICAL) |^Traceback ")
+# The metrics an end-to-end driver reports: ours, vLLM's offloading connector's and its prefix caches'.
+METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
+
+
+def assert_no_errors(log: str) -> None:
+    """Fails naming the first 20 :data:`ERROR_LINE` lines of a driver's log, if it has any."""
+    errors = [line for line in log.splitlines() if ERROR_LINE.search(line)]
+    assert not errors, "\n".join(errors[:20])
+
+
+def offload_metrics(llm) -> dict:
+    """The engine's :data:`METRIC_PREFIXES` metrics that have a single value, by name."""
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith(METRIC_PREFIXES) and hasattr(m, "value")}
 
 
 def require_engine(api_module: str = "vllm.v1.kv_offload.base") -> None:

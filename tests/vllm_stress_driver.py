@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, shutdown, tiny_llm
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, offload_metrics, shutdown, tiny_llm
 
 # A dozen shared prefixes, whole blocks and not, 1 to 12 blocks long.
 PREFIX_LENS = (32, 40, 64, 90, 128, 150, 192, 210, 256, 300, 352, 384)
@@ -49,17 +49,6 @@ def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = 1234) -> list[list[
 def working_set_blocks(prompts: list[list[int]]) -> int:
     """Distinct full GPU blocks of all prompts (a block is identified by the tokens up to its end, as its hash)."""
     return len({tuple(p[: (i + 1) * GPU_BLOCK]) for p in prompts for i in range(len(p) // GPU_BLOCK)})
-
-
-def metrics(llm) -> dict:
-    return {
-        m.name: m.value
-        for m in llm.get_metrics()
-        if m.name.startswith(
-            ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
-        )
-        and hasattr(m, "value")
-    }
 
 
 def run_pass(llm, params, prompts: list[list[int]], order: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
@@ -126,7 +115,7 @@ def main(argv=None) -> int:
                 {
                     "tokens": [tokens[i] for i in range(len(prompts))],
                     "cached": [cached[i] for i in range(len(prompts))],
-                    "metrics": metrics(llm),
+                    "metrics": offload_metrics(llm),
                     "seconds": round(time.perf_counter() - t, 1),
                 }
             )
@@ -148,7 +137,6 @@ def main(argv=None) -> int:
         print("STRESS_RESULT " + json.dumps(result), flush=True)
         # Shut the engine down here, so the scheduler logs its final counters before this process exits.
         shutdown(llm)
-        del llm
     return 0
 
 
