@@ -134,7 +134,7 @@ def plan_ids(
     g = _as_ids(gpu_block_ids, "gpu_block_ids")
     h = _as_ids(host_block_ids, "host_block_ids")
     sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
-    need = [-(-(s + k) // f) if k else 0 for s, k in zip(skips, sizes)]
+    need = [-(-(k + n) // f) if n else 0 for k, n in zip(skips, sizes)]  # host ids per group
     if h.size != sum(need):
         if len(sizes) == 1:
             expect = f"ceil((skip + n) / f) = ceil(({skips[0]} + {g.size}) / {f}) = {need[0]}"
