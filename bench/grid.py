@@ -4,9 +4,20 @@ and ``sweep.py``, ``cpu_check.py`` and ``bench_transfer.py`` run from it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["Grid", "FULL", "QUICK", "grid", "EXTRAS_WORKLOAD", "EXTRAS_LAYOUT", "EXTRAS_BLOCKS", "EXTRAS_BASELINES"]
+__all__ = [
+    "Grid",
+    "FULL",
+    "QUICK",
+    "grid",
+    "host_rows",
+    "EXTRAS_WORKLOAD",
+    "EXTRAS_LAYOUT",
+    "EXTRAS_BLOCKS",
+    "EXTRAS_BASELINES",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,13 @@ QUICK = Grid((1, 8, 32), (128,), ((4, 1),), 30.0, (5, 8), (10, 1))
 
 def grid(quick: bool) -> Grid:
     return QUICK if quick else FULL
+
+
+def host_rows(n: int, f: int, skip: int) -> int:
+    """Rows of a case's host view: the ceil((skip + n) / f) a transfer addresses, +1 because torch_staged's
+    consecutive host ids start at 1, +1 for an unaddressed row whose sentinel must survive. The sweep's buffers and
+    the runner's time model are both sized by it."""
+    return math.ceil((skip + n) / f) + 2
 
 
 # The extras (CPU cost per call, GEMM interference): 1024 blocks x 80 layers of Llama-3-70B TP8 pages, Triton at

@@ -15,12 +15,11 @@ helper's build, Triton compiles). The rates are the pessimistic ends of the rang
 
 from __future__ import annotations
 
-import math
 import sys
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, QUICK, Grid
+from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, QUICK, Grid, host_rows
 from results import BASELINE_ORDER, result_stem
 from workloads import WORKLOADS
 
@@ -72,7 +71,7 @@ def _measure_s(t: float, budget_s: float) -> float:
 
 
 def _host_bytes(n: int, f: int, skip: int, block_bytes: int) -> int:
-    return (math.ceil((skip + n) / f) + 2) * f * block_bytes  # as session.allocate / make_case size it
+    return host_rows(n, f, skip) * f * block_bytes  # as session.allocate / make_case size it
 
 
 def _sweep_s(workloads, grid: Grid, one_layout: bool) -> float:

@@ -23,6 +23,7 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 from baselines import METHODS, Triton
 from case import Env, Prepared, TransferCase, Unavailable, runs_of
 from cuda_driver import driver_info
+from grid import host_rows
 from report import say
 from results import BASELINE_ORDER, machine_info, new_row
 from timing import Timing
@@ -82,18 +83,13 @@ class Group:
     rng: np.random.Generator
 
 
-def _host_rows(n: int, f: int, skip: int) -> int:
-    # +1: torch_staged's consecutive host ids start at 1; +1: an unaddressed row whose sentinel must survive.
-    return math.ceil((skip + n) / f) + 2
-
-
 def allocate(w: Workload, layout: str, n_max: int, host_configs, device: torch.device, seed: int) -> Group:
     """Caches with room for disjoint store sources and load destinations, one pinned host buffer sized for the
     largest transfer of any host configuration (each case is a view of it), and the expected bytes."""
     num_blocks = 2 * n_max + 16
     spec = to.KVCacheSpec(make_caches(w, layout, num_blocks, device, seed), layout)
     bpb = spec.bytes_per_block
-    host_bytes = max(_host_rows(n_max, f, skip) * f for f, skip in host_configs) * bpb
+    host_bytes = max(host_rows(n_max, f, skip) * f for f, skip in host_configs) * bpb
     host_flat = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     staging = torch.empty(n_max * bpb, dtype=torch.uint8, device=device)
     rng = np.random.default_rng(seed)
@@ -106,7 +102,7 @@ def allocate(w: Workload, layout: str, n_max: int, host_configs, device: torch.d
 def make_case(group: Group, n: int, f: int, skip: int, store: bool) -> TransferCase:
     bpb = group.spec.bytes_per_block
     m = math.ceil((skip + n) / f)
-    rows = _host_rows(n, f, skip)
+    rows = host_rows(n, f, skip)
     host = group.host_flat[: rows * f * bpb].view(rows, f * bpb)
     host_ids = group.rng.permutation(rows)[:m].astype(np.int64)
     gpu_ids = (group.g_src if store else group.g_dst)[:n]
