@@ -51,6 +51,11 @@ FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COM
 _GET_PROC_ADDRESS_DEFAULT = 0
 
 
+def cuda_version_text(version: int) -> str:
+    """A driver's CUDA version as cuDriverGetVersion encodes it (1000 * major + 10 * minor) -> ``"major.minor"``."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
 class CudaError(RuntimeError):
     """A driver call failed, or the driver lacks what a baseline needs; the message names the call."""
 
@@ -220,7 +225,7 @@ class CudaDriver:
 
     @property
     def note(self) -> str:
-        return f"driver API via ctypes on libcuda.so.1, CUDA {self.version // 1000}.{self.version % 1000 // 10}"
+        return f"driver API via ctypes on libcuda.so.1, CUDA {cuda_version_text(self.version)}"
 
     def _proc(self, symbol: str, cuda_version: int, exported: str) -> int:
         pfn, status = ctypes.c_void_p(), ctypes.c_int(0)
@@ -289,7 +294,7 @@ def driver_info() -> dict:
         lib = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int(0)
         if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
-            info["driver_cuda"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+            info["driver_cuda"] = cuda_version_text(version.value)
     except OSError:
         pass
     return info
