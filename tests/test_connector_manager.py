@@ -56,11 +56,9 @@ def test_complete_store_of_a_key_not_in_flight_is_a_no_op(policy):
 _EVICTION_ORDER = textwrap.dedent(
     """
     import json
-    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm_configs import key
     from triton_offload.connector.manager import TritonOffloadingManager
-
-    def key(i):
-        return make_offload_key(i.to_bytes(4, "big") * 8, 0)
 
     orders = {}
     for policy in ("lru", "arc"):
@@ -87,7 +85,9 @@ def test_eviction_order_does_not_depend_on_the_hash_seed():
     processes) and takes a request's prefix tail before its head."""
     orders = []
     for seed in ("0", "4242"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
+        # This directory on the path: the script imports vllm_configs as the tests here do.
+        path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path}
         proc = subprocess.run(
             [sys.executable, "-c", _EVICTION_ORDER], capture_output=True, text=True, env=env, timeout=120
         )
