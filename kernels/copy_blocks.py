@@ -340,26 +340,30 @@ class CopyLauncher:
         host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row (checked by
             :func:`triton_offload.transfer.check_host_buffer`).
         blocks_per_host_block: GPU blocks per host block.
+        store: the one direction this launcher serves (a single public call); None for both (an engine).
     """
 
-    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
+    def __init__(
+        self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, store: bool | None = None
+    ):
         self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
         state = _STATE.get(spec)
         if state is None:
             state = _STATE[spec] = _SpecKernelState()
         width = access_width(spec, host_buffer)
         self._launch_args = {}
-        for store in (True, False):
-            cfg = state.configs.get((width, store))
+        directions = (True, False) if store is None else (store,)
+        for d in directions:  # True: a store
+            cfg = state.configs.get((width, d))
             if cfg is None:
-                cfg = state.configs[(width, store)] = launch_config(spec, width, store)
+                cfg = state.configs[(width, d)] = launch_config(spec, width, d)
             key = (cfg.elem, table_key(spec, blocks_per_host_block))
             table = state.tables.get(key)
             if table is None:
                 table = state.tables[key] = build_segment_table(spec, cfg.elem, key[1])
             host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
             # The anchor (the table's storage as the element type) and the host view are made once, not per launch.
-            self._launch_args[store] = (cfg, table, table.view(cfg.dtype), host_buffer.view(cfg.dtype), host_row)
+            self._launch_args[d] = (cfg, table, table.view(cfg.dtype), host_buffer.view(cfg.dtype), host_row)
 
     def config(self, store: bool) -> LaunchConfig:
         return self._launch_args[store][0]

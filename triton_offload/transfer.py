@@ -215,7 +215,7 @@ def _transfer(
         # Staged in pinned memory so the upload is truly asynchronous: a copy from pageable memory may synchronise
         # with the stream. The caching host allocator keeps the pinned block until the copy has completed.
         ids = ids.pin_memory().to(spec.device, non_blocking=True)
-    CopyLauncher(spec, host_buffer, blocks_per_host_block).launch(plan, ids, num_ctas)
+    CopyLauncher(spec, host_buffer, blocks_per_host_block, store).launch(plan, ids, num_ctas)
 
 
 def _is_layout(value) -> bool:
