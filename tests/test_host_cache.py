@@ -6,6 +6,8 @@ import gc
 import logging
 import mmap
 import sys
+import threading
+import time
 import types
 
 import pytest
@@ -51,17 +53,22 @@ def test_cpu_cache_is_plain_memory_of_the_right_shape(make_host_cache):
 
 
 class FakeCudart:
-    """Records cudaHostRegister/Unregister calls; fails the registration numbered ``fail_at`` (1-based)."""
+    """Records cudaHostRegister/Unregister calls; fails the registration numbered ``fail_at`` (1-based), or every one of
+    ``fail_size`` bytes."""
 
-    def __init__(self, fail_at=None):
-        self.fail_at, self.calls, self.registered = fail_at, 0, {}
+    def __init__(self, fail_at=None, fail_size=None):
+        self.fail_at, self.fail_size, self.calls, self.registered = fail_at, fail_size, 0, {}
+        self.lock, self.threads = threading.Lock(), set()
 
     def cudaHostRegister(self, ptr, size, flags):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            return 2  # cudaErrorMemoryAllocation
-        assert flags == 3 and ptr not in self.registered
-        self.registered[ptr] = size
+        with self.lock:
+            self.calls += 1
+            self.threads.add(threading.get_ident())
+            if self.calls == self.fail_at or size == self.fail_size:
+                return 2  # cudaErrorMemoryAllocation
+            assert flags == 3 and ptr not in self.registered
+            self.registered[ptr] = size
+        time.sleep(0.01)  # a driver call takes a while: lets the pool's threads overlap
         return 0
 
     def cudaHostUnregister(self, ptr):
@@ -97,6 +104,39 @@ def test_registration_failure_releases_what_was_registered(monkeypatch):
     ):
         HostCache(10_000, 300_000, pin=True)
     assert fake.registered == {}
+
+
+def test_threaded_registration_registers_every_chunk_in_address_order(monkeypatch, make_host_cache):
+    fake = FakeCudart()
+    _fake_driver(monkeypatch, fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    cache = make_host_cache(10_000, 300_000, pin=True, register_threads=4)
+    base = cache.buffer.data_ptr()
+    want = [(base + i * 65536, min(65536, 300_000 - i * 65536)) for i in range(5)]
+    assert cache._registered == want and sorted(fake.registered.items()) == want
+    assert len(fake.threads) > 1, "the chunks were registered from one thread"
+    cache.close()
+    assert fake.registered == {}
+
+
+def test_threaded_registration_failure_releases_every_other_chunk(monkeypatch):
+    """With threads every chunk is tried; when one fails, the chunks registered around it are all released, and the
+    message names the failed chunk (here the last, partial one, whichever thread got to it)."""
+    fake = FakeCudart(fail_size=300_000 - 4 * 65536)
+    _fake_driver(monkeypatch, fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    with pytest.raises(
+        RuntimeError,
+        match=r"CUDA error 2 for 37856 bytes at offset 262144 .* \(after 262144 bytes registered, now released\)",
+    ):
+        HostCache(10_000, 300_000, pin=True, register_threads=3)
+    assert fake.calls == 5 and fake.registered == {}
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_register_threads_must_be_a_positive_int(threads):
+    with pytest.raises(ValueError, match=f"register_threads = {threads!r} must be a positive int"):
+        HostCache(10_000, 300_000, pin=False, register_threads=threads)
 
 
 def test_dropped_cache_unregisters_without_close(monkeypatch):

@@ -75,33 +75,57 @@ def unregister_host_ranges(registered: list[tuple[int, int]]) -> None:
 
 
 def register_host_range(
-    ptr: int, nbytes: int, *, chunk_bytes: int | None = None, what: str = "host buffer"
+    ptr: int, nbytes: int, *, chunk_bytes: int | None = None, threads: int = 1, what: str = "host buffer"
 ) -> list[tuple[int, int]]:
     """Page-locks ``[ptr, ptr + nbytes)`` with CUDA (portable, mapped) in chunks of at most ``chunk_bytes`` (default
     :data:`REGISTER_CHUNK_BYTES`), so that no single call holds the driver for long, and checks that the memory is
-    mapped at its host address. Returns the registered ``(address, bytes)`` ranges, for
+    mapped at its host address. Returns the registered ``(address, bytes)`` ranges, in address order, for
     :func:`unregister_host_ranges`.
+
+    Args:
+        threads: chunks registered at once (the calls release the GIL); 1 registers them one after another.
 
     Raises:
         RuntimeError: a registration or the address check failed; everything registered is released first, and the
-            message names the chunk, ``what`` was being registered and what to change.
+            message names the (first failed) chunk, ``what`` was being registered and what to change.
     """
     chunk_bytes = chunk_bytes or REGISTER_CHUNK_BYTES
+    positive_int(threads, "threads")
     cudart = torch.cuda.cudart()
-    done: list[tuple[int, int]] = []
-    for start in range(0, nbytes, chunk_bytes):
-        size = min(chunk_bytes, nbytes - start)
+    chunks = [(start, min(chunk_bytes, nbytes - start)) for start in range(0, nbytes, chunk_bytes)]
+
+    def register(chunk: tuple[int, int]) -> int:
+        start, size = chunk
         err = cudart.cudaHostRegister(ptr + start, size, _CUDA_HOST_REGISTER_FLAGS)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            registered = sum(s for _, s in done)
-            unregister_host_ranges(done)
-            raise RuntimeError(
-                f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of a "
-                f"{nbytes}-byte {what} (after {registered} bytes registered, now released); lower "
-                f"cpu_bytes_to_use or raise the locked-memory limit (ulimit -l)"
-            )
-        done.append((ptr + start, size))
+        return int(getattr(err, "value", err))
+
+    done: list[tuple[int, int]] = []
+    failed: tuple[int, int, int] | None = None  # (offset, bytes, CUDA error) of the first chunk that failed
+    if threads == 1:
+        for start, size in chunks:
+            code = register((start, size))
+            if code != 0:
+                failed = (start, size, code)
+                break
+            done.append((ptr + start, size))
+    else:
+        # Every chunk is tried; on a failure the ones that succeeded are released below.
+        with ThreadPoolExecutor(max_workers=min(threads, len(chunks))) as pool:
+            codes = list(pool.map(register, chunks))
+        for (start, size), code in zip(chunks, codes):
+            if code == 0:
+                done.append((ptr + start, size))
+            elif failed is None:
+                failed = (start, size, code)
+    if failed is not None:
+        start, size, code = failed
+        registered = sum(s for _, s in done)
+        unregister_host_ranges(done)
+        raise RuntimeError(
+            f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of a "
+            f"{nbytes}-byte {what} (after {registered} bytes registered, now released); lower "
+            f"cpu_bytes_to_use or raise the locked-memory limit (ulimit -l)"
+        )
     try:
         check_mapped_at_host_address(done)
     except RuntimeError:
@@ -151,6 +175,7 @@ class HostCache:
         num_blocks: instead of a budget, the exact number of host blocks.
         pin: page-lock and register with CUDA; None pins exactly when CUDA is available.
         populate_threads: threads touching pages up front (None: the CPU count, at most 16).
+        register_threads: chunks registered with CUDA at once (:func:`register_host_range`).
     """
 
     def __init__(
@@ -162,9 +187,11 @@ class HostCache:
         num_blocks: int | None = None,
         pin: bool | None = None,
         populate_threads: int | None = None,
+        register_threads: int = 1,
     ):
         if (cpu_bytes_to_use is None) == (num_blocks is None):
             raise ValueError("give exactly one of cpu_bytes_to_use (a budget) and num_blocks (an exact count)")
+        positive_int(register_threads, "register_threads")  # before the allocation, not after it
         if num_blocks is not None:
             # An exact count: a worker whose scheduler already divided the budget must match it block for block.
             positive_int(num_blocks, "num_blocks")
@@ -188,7 +215,9 @@ class HostCache:
             self._populate(flat, populate_threads)
             t1 = time.perf_counter()
             if self.pinned:
-                self._registered.extend(register_host_range(flat.data_ptr(), self.nbytes, what="host cache"))
+                self._registered.extend(
+                    register_host_range(flat.data_ptr(), self.nbytes, threads=register_threads, what="host cache")
+                )
             t2 = time.perf_counter()
             self.buffer = flat.view(self.num_blocks, host_block_bytes)
         logger.info(
