@@ -43,7 +43,7 @@ class Grid:
 
 # Host configurations: plain, and f=4 starting mid-block.
 FULL = Grid((1, 2, 4, 8, 16, 32), (16, 128, 1024), ((1, 0), (4, 1)), 100.0, (25, 8), (30, 3))
-QUICK = Grid((1, 8, 32), (128,), ((4, 1),), 30.0, (5, 8), (10, 1))
+QUICK = Grid((1, 4, 32), (128,), ((4, 1),), 30.0, (5, 8), (10, 1))
 
 
 def grid(quick: bool) -> Grid:

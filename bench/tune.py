@@ -7,8 +7,8 @@ contiguous pinned peak.
 
 For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant is set on
 ``kernels/copy_blocks.py``'s constants, byte-checked once on the case (``verify.check_method``, as the benchmark
-does), then timed at every num_ctas with the benchmark's timer. A variant whose check fails is reported and never
-timed. The summary ranks the variants of each direction by their worst fraction of peak over the cases at each
+does), then timed at every num_ctas with the benchmark's timer. A variant whose check fails (or that does not compile) is
+reported and never timed. The summary ranks the variants of each direction by their worst fraction of peak over the cases at each
 num_ctas, which is the number the targets are about (>= 90 % of peak on every page, with <= 8 CTAs).
 """
 
@@ -118,9 +118,12 @@ def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget
         with launch_constants(store, tile, warps, group.spec):
             cfg = cb.launch_config(group.spec, cb.access_width(group.spec, case.host), store)
             for i, ctas in enumerate(ctas_list):
-                with stream_ctx():
-                    prepared = Triton(ctas).prepare(case, env)
-                    problem = check_method(case, prepared, group.expected[:n]) if i == 0 else None
+                try:
+                    with stream_ctx():
+                        prepared = Triton(ctas).prepare(case, env)
+                        problem = check_method(case, prepared, group.expected[:n]) if i == 0 else None
+                except Exception as exc:  # a shape the compiler rejects: reported, the sweep goes on
+                    problem = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
                 if problem is not None:
                     failures.append({**labels, "tile_bytes": tile, "num_warps": warps, "problem": problem})
                     say(f"FAIL {w.name}/{layout} {case.direction} tile {tile} warps {warps}: {problem}", "bold red")

@@ -40,15 +40,17 @@ __all__ = [
     "CopyLauncher",
 ]
 
-# Tuned constants. NOT YET MEASURED ON A GPU: chosen from published H100 figures (docs/design.md, "Performance
-# model"): PCIe reads need roughly bandwidth x latency ~ 55 GB/s x 2 us ~ 110 KB in flight, and 8 programs x 16-32
-# KiB tiles give 128-256 KB. The benchmark (bench/bench_transfer.py) sweeps num_ctas; update these with the device
-# and date they were measured on.
-DEFAULT_NUM_CTAS = 8
-# Bytes one program moves per step, and its warps. Loads read host memory over PCIe, whose latency wants more bytes
-# in flight than stores, which only post writes.
-STORE_TILE_BYTES, LOAD_TILE_BYTES = 16 * 1024, 32 * 1024
-STORE_NUM_WARPS, LOAD_NUM_WARPS = 4, 8
+# Tuned constants, measured on an NVIDIA H100 80GB HBM3 (PCIe Gen5 x16, driver 580.159.04, Triton 3.6), 2026-11-22,
+# by bench/tune.py over six cases (1 KiB to 72 KiB segments, 128 and 1024 blocks, f=1) against the same run's
+# contiguous pinned peak (~55 GB/s): bench/results/nvidia-h100-80gb-hbm3-2026-11-22-tune*.json.
+# - 64 KiB tiles with 16 warps (128 bytes, eight 16-byte accesses, per thread per step) reach ~50-51 GB/s in both
+#   directions, 91-104 % of each case's peak in two runs, with only 4 programs; 16-32 KiB tiles need 8 programs for
+#   that, and with 64 KiB tiles 8 programs made loads worse, not better (too many host reads in flight).
+# - 2 programs reach only ~35 GB/s (stores) and ~30 GB/s (loads): SM-driven host reads plateau per SM.
+DEFAULT_NUM_CTAS = 4
+# Bytes one program moves per step, and its warps: the bytes a program has in flight (same for both directions).
+STORE_TILE_BYTES, LOAD_TILE_BYTES = 64 * 1024, 64 * 1024
+STORE_NUM_WARPS, LOAD_NUM_WARPS = 16, 16
 # A tile batches at most this many segments (rows): each row costs its own id and table loads.
 MAX_ROWS = 32
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}

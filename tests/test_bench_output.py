@@ -9,7 +9,9 @@ import json
 import pytest
 from bench_modules import bench_modules
 
-DEFAULT = 8
+from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+
+DEFAULT = DEFAULT_NUM_CTAS
 
 
 @pytest.fixture(scope="module")

@@ -114,8 +114,8 @@ def test_public_calls_do_not_block_on_a_busy_stream():
     done.record()
     assert not done.query(), "a call waited for the stream"
     torch.cuda.synchronize()
-    for c in caches:
-        assert torch.equal(c[[5, 6]], c[[3, 4]])
+    for c in caches:  # bytes, not values: the caches are random bytes, NaN patterns included
+        assert torch.equal(c[[5, 6]].view(torch.uint8), c[[3, 4]].view(torch.uint8))
 
 
 def test_kernel_reaches_every_registration_chunk(monkeypatch, make_host_cache):

@@ -86,9 +86,9 @@ def test_registration_in_bounded_chunks(monkeypatch, make_host_cache):
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
-    cache = make_host_cache(10_000, 300_000, pin=True)  # 30 blocks, 300000 bytes: 5 chunks, the last partial
+    cache = make_host_cache(10_000, 310_000, pin=True)  # 31 blocks; chunks of 6 whole blocks, the last of 1
     base = cache.buffer.data_ptr()
-    assert sorted(fake.registered.items()) == [(base + i * 65536, min(65536, 300_000 - i * 65536)) for i in range(5)]
+    assert sorted(fake.registered.items()) == [(base + i * 60_000, min(60_000, 310_000 - i * 60_000)) for i in range(6)]
     cache.close()
     assert fake.registered == {}
 
@@ -99,8 +99,8 @@ def test_registration_failure_releases_what_was_registered(monkeypatch):
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
     with pytest.raises(
         RuntimeError,
-        match=r"cudaHostRegister failed with CUDA error 2 for 65536 bytes at offset "
-        r"131072 .* \(after 131072 bytes registered, now released\)",
+        match=r"cudaHostRegister failed with CUDA error 2 for 60000 bytes at offset "
+        r"120000 .* \(after 120000 bytes registered, now released\)",
     ):
         HostCache(10_000, 300_000, pin=True)
     assert fake.registered == {}
@@ -112,7 +112,7 @@ def test_threaded_registration_registers_every_chunk_in_address_order(monkeypatc
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
     cache = make_host_cache(10_000, 300_000, pin=True, register_threads=4)
     base = cache.buffer.data_ptr()
-    want = [(base + i * 65536, min(65536, 300_000 - i * 65536)) for i in range(5)]
+    want = [(base + i * 60_000, 60_000) for i in range(5)]
     assert cache._registered == want and sorted(fake.registered.items()) == want
     assert len(fake.threads) > 1, "the chunks were registered from one thread"
     cache.close()
@@ -122,15 +122,15 @@ def test_threaded_registration_registers_every_chunk_in_address_order(monkeypatc
 def test_threaded_registration_failure_releases_every_other_chunk(monkeypatch):
     """With threads every chunk is tried; when one fails, the chunks registered around it are all released, and the
     message names the failed chunk (here the last, partial one, whichever thread got to it)."""
-    fake = FakeCudart(fail_size=300_000 - 4 * 65536)
+    fake = FakeCudart(fail_size=10_000)
     _fake_driver(monkeypatch, fake)
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
     with pytest.raises(
         RuntimeError,
-        match=r"CUDA error 2 for 37856 bytes at offset 262144 .* \(after 262144 bytes registered, now released\)",
+        match=r"CUDA error 2 for 10000 bytes at offset 300000 .* \(after 300000 bytes registered, now released\)",
     ):
-        HostCache(10_000, 300_000, pin=True, register_threads=3)
-    assert fake.calls == 5 and fake.registered == {}
+        HostCache(10_000, 310_000, pin=True, register_threads=3)
+    assert fake.calls == 6 and fake.registered == {}
 
 
 @pytest.mark.parametrize("threads", [0, -1, 1.5, True])
@@ -202,12 +202,23 @@ def test_device_pointer_query_failure_names_the_cuda_error(monkeypatch):
 @pytest.mark.gpu
 def test_pinned_cache_on_cuda(monkeypatch, make_host_cache):
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 256 * 2**20)
-    cache = make_host_cache(2 * 2**20, 2 * 2**30 + 5, populate_threads=8)  # 1024 blocks, 8 chunks
-    assert cache.pinned and cache.buffer.is_pinned() and len(cache._registered) == 8
+    block = 3 * 2**20  # 683 blocks; chunks of 85 whole blocks (255 MiB), the last of 3
+    cache = make_host_cache(block, 2 * 2**30 + 5, populate_threads=8, register_threads=4)
+    assert cache.pinned and cache.buffer.is_pinned() and len(cache._registered) == 9
+    assert all(size % block == 0 for _, size in cache._registered)
     dev = torch.randint(0, 255, (cache.num_blocks, cache.host_block_bytes), dtype=torch.uint8, device="cuda")
-    cache.buffer.copy_(dev, non_blocking=True)
+    # A copy-engine copy may not span two registrations, but every block lies inside one: copy block by block, in
+    # an order that visits every chunk, and through the copy engine in both directions.
+    order = torch.randperm(cache.num_blocks).tolist()
+    for i in order:
+        cache.buffer[i].copy_(dev[i], non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(cache.buffer, dev.cpu())
+    back = torch.empty_like(dev)
+    for i in order:
+        back[i].copy_(cache.buffer[i], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, dev)
 
 
 def test_exact_block_count_instead_of_a_budget(make_host_cache):

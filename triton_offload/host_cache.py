@@ -215,8 +215,14 @@ class HostCache:
             self._populate(flat, populate_threads)
             t1 = time.perf_counter()
             if self.pinned:
+                # Whole host blocks per chunk: one copy-engine copy (cudaMemcpy) must lie inside one registration
+                # (the driver rejects one that spans two with cudaErrorInvalidValue; seen on an H100, driver
+                # 580.159), so no block may straddle a chunk boundary. The kernels address across chunks freely.
+                chunk = max(1, REGISTER_CHUNK_BYTES // host_block_bytes) * host_block_bytes
                 self._registered.extend(
-                    register_host_range(flat.data_ptr(), self.nbytes, threads=register_threads, what="host cache")
+                    register_host_range(
+                        flat.data_ptr(), self.nbytes, chunk_bytes=chunk, threads=register_threads, what="host cache"
+                    )
                 )
             t2 = time.perf_counter()
             self.buffer = flat.view(self.num_blocks, host_block_bytes)
