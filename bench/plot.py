@@ -1,6 +1,7 @@
 """GB/s against page size, one panel per direction, each method a line and the link's measured peak as the ceiling.
 
-Usable on its own to re-plot a results file: ``python bench/plot.py results.json out.png``.
+Usable on its own to re-plot results files: ``python bench/plot.py results.json [more.json ...] out.png``; several
+files (the GPU runner's parts) are plotted together when they come from one device and one default num_ctas.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _STYLE = {
     "memcpy_per_block": dict(color="tab:red", marker="v"),
     "torch_staged": dict(color="tab:green", marker="^"),
     "vllm033": dict(color="tab:purple", marker="D"),
-    "peak": dict(color="black", linestyle="--", marker=""),
+    "peak": dict(color="black", linestyle="--", marker="_", markersize=14),  # a lone page size still shows
 }
 
 
@@ -79,9 +80,28 @@ def plot_results(rows: list[dict], path: str, title: str, default_ctas: int) -> 
     return None
 
 
+def merge_results(docs: list[dict]) -> tuple[list[dict], str, int]:
+    """(rows, device, default num_ctas) of several results files of one device and one default.
+
+    Raises:
+        SystemExit: the files come from different devices or defaults (their numbers cannot share a plot).
+    """
+    devices = {d.get("device", "") for d in docs}
+    defaults = {d.get("default_num_ctas") for d in docs}
+    if len(devices) != 1 or len(defaults) != 1:
+        raise SystemExit(f"results from different devices {sorted(devices)} or default num_ctas {sorted(defaults)}")
+    return [r for d in docs for r in d["rows"]], devices.pop(), defaults.pop()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        raise SystemExit("usage: python bench/plot.py RESULTS.json [MORE.json ...] OUT.png")
+    docs = [json.loads(open(path).read()) for path in argv[:-1]]
+    rows, device, default = merge_results(docs)
+    why = plot_results(rows, argv[-1], f"{device} -- triton-offload", default)
+    print(why or f"wrote {argv[-1]}")
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: python bench/plot.py RESULTS.json OUT.png")
-    data = json.loads(open(sys.argv[1]).read())
-    why = plot_results(data["rows"], sys.argv[2], data.get("device", ""), data.get("default_num_ctas", 8))
-    print(why or f"wrote {sys.argv[2]}")
+    sys.exit(main(sys.argv[1:]))

@@ -7,9 +7,10 @@ contiguous pinned peak.
 
 For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant is set on
 ``kernels/copy_blocks.py``'s constants, byte-checked once on the case (``verify.check_method``, as the benchmark
-does), then timed at every num_ctas with the benchmark's timer. A variant whose check fails (or that does not compile) is
-reported and never timed. The summary ranks the variants of each direction by their worst fraction of peak over the cases at each
-num_ctas, which is the number the targets are about (>= 90 % of peak on every page, with <= 8 CTAs).
+does), then timed at every num_ctas with the benchmark's timer. A variant whose check fails (or that does not
+compile) is reported and never timed. The summary ranks the variants of each direction by their worst fraction of
+peak over the cases at each num_ctas, which is the number the targets are about (>= 90 % of peak on every page,
+with <= 8 CTAs).
 """
 
 from __future__ import annotations

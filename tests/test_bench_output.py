@@ -82,6 +82,28 @@ def test_the_plot_has_a_line_per_method(mods, tmp_path):
     assert set(series) == {"triton", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
 
 
+def test_parts_of_one_device_plot_together_and_other_devices_are_refused(mods, tmp_path):
+    results, _, plot, copy_loop = mods
+    pytest.importorskip("matplotlib")
+    small = _rows(results, copy_loop, 1.25, 2.5)
+    large = [dict(r, page_bytes=65536) for r in small]
+    docs = [dict(device="x", default_num_ctas=DEFAULT, rows=rows) for rows in (small, large)]
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    out = tmp_path / "all.png"
+    assert plot.main([str(p) for p in paths] + [str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows, device, default = plot.merge_results(docs)
+    assert len(rows) == len(small) + len(large) and (device, default) == ("x", DEFAULT)
+    assert [p for p, _ in plot._series(rows, "load", 128, 4, DEFAULT)["peak"]] == [8192, 65536]
+    with pytest.raises(SystemExit, match="different devices"):
+        plot.merge_results([docs[0], dict(docs[1], device="y")])
+    with pytest.raises(SystemExit, match="different devices"):
+        plot.merge_results([docs[0], dict(docs[1], default_num_ctas=DEFAULT + 1)])
+
+
 def test_results_are_written_whole_or_not_at_all(mods, tmp_path):
     results = mods[0]
     path = tmp_path / "sub" / "r.json"
