@@ -85,3 +85,14 @@ def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
     # The methods whose bytes are right still pass, and still nothing is measured.
     assert all(r["status"] == "pass" for r in data["rows"] if r["method"] in RUNS_ON_CPU)
     assert all(r["gbps"] is None for r in data["rows"])
+
+
+def test_call_cost_runs_every_step_at_a_tiny_shape():
+    """bench/call_cost.py (the per-call host-time breakdown measured on the GPU) runs end to end; on CPU it says
+    that its numbers are no measurement."""
+    proc = _run([str(BENCH / "call_cost.py"), "--tiny", "--calls", "8"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "not a measurement" in proc.stdout or "NVIDIA" in proc.stdout
+    for step in ("gather_blocks (whole call)", "plan_transfer", "pin + upload", "CopyLauncher", "launch (kernel only)",
+                 "engine.submit_store", "engine.submit_load"):  # fmt: skip
+        assert step in proc.stdout, proc.stdout
