@@ -5,12 +5,13 @@ minutes on an H100, the time model each is sized by, and the names their files g
     python bench/parts.py args PART     # the bench_transfer.py arguments of a benchmark part
     python bench/parts.py stem PART     # <device-slug>-<date>-<part>: the name of the part's JSON, PNG and log
 
-The estimate is a model, not a measurement (no GPU has run this benchmark yet): per case and method, the device time
-of the calls GpuTimer makes (a warm-up, an estimate, then samples until the 100 ms budget is spent, at least 3, at
-most 100) at the rates below, plus the flush and sleep before each sample, the byte check (host buffer passes over
-the link and a host memset), the allocation of each workload, and a fixed start-up (torch import, CUDA init, the C++
-helper's build, Triton compiles). The rates are the pessimistic ends of the ranges the GPU-readiness review used: a
-50 GB/s link, 3 GB/s per Triton program, 3 us per cudaMemcpyAsync, 0.1 us per batched descriptor.
+The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: bench/README.md):
+per case and method, the device time of the calls GpuTimer makes (a warm-up, an estimate, then samples until the
+100 ms budget is spent, at least 3, at most 100) at the rates below, plus the flush and sleep before each sample,
+the byte check (host buffer passes over the link and a host memset), the allocation of each workload, and a fixed
+start-up (torch import, CUDA init, the C++ helper's build, Triton compiles). The rates are the pessimistic ends of
+the ranges the GPU-readiness review used: a 50 GB/s link, 3 GB/s per Triton program, 3 us per cudaMemcpyAsync,
+0.1 us per batched descriptor.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ DEFAULT_NUM_CTAS = 4
 # Bytes one program moves per step, and its warps: the bytes a program has in flight (same for both directions).
 STORE_TILE_BYTES, LOAD_TILE_BYTES = 64 * 1024, 64 * 1024
 STORE_NUM_WARPS, LOAD_NUM_WARPS = 16, 16
-# A tile batches at most this many segments (rows): each row costs its own id and table loads.
+# A tile batches at most this many segments (rows) of tile / MAX_ROWS bytes or more (each row costs its own id and
+# table loads); shorter segments take one chunk each, so a 64 KiB tile holds 64 rows of 1 KiB.
 MAX_ROWS = 32
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 

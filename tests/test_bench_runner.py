@@ -91,3 +91,12 @@ def test_each_part_expands_to_valid_benchmark_options():
 def test_the_time_model_uses_the_sm_copy_threshold(parts):
     with bench_modules("sm_copy") as (sm_copy,):
         assert parts.SM_COPY_MAX_PAGE_BYTES == sm_copy.MAX_PAGE_BYTES
+
+
+def test_the_time_model_counts_the_default_num_ctas():
+    """The sweep always adds the kernel's default num_ctas; parts.py (which cannot import the kernel) counts the
+    Triton points from the grids, so the default must be in both for its estimates to hold."""
+    from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+
+    with bench_modules("grid") as (grid,):
+        assert DEFAULT_NUM_CTAS in grid.FULL.num_ctas and DEFAULT_NUM_CTAS in grid.QUICK.num_ctas

@@ -102,7 +102,7 @@ def test_registration_failure_releases_what_was_registered(monkeypatch):
         match=r"cudaHostRegister failed with CUDA error 2 for 60000 bytes at offset "
         r"120000 .* \(after 120000 bytes registered, now released\)",
     ):
-        HostCache(10_000, 300_000, pin=True)
+        HostCache(10_000, 300_000, pin=True, register_threads=1)  # one thread: the third call is the third chunk
     assert fake.registered == {}
 
 
@@ -117,6 +117,16 @@ def test_threaded_registration_registers_every_chunk_in_address_order(monkeypatc
     assert len(fake.threads) > 1, "the chunks were registered from one thread"
     cache.close()
     assert fake.registered == {}
+
+
+@pytest.mark.parametrize("cpus,most", [(3, 3), (64, 8)])
+def test_default_registration_threads_follow_the_cpu_count(monkeypatch, make_host_cache, cpus, most):
+    fake = FakeCudart()
+    _fake_driver(monkeypatch, fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 10_000)  # one block per chunk: 30 chunks
+    monkeypatch.setattr(host_cache.os, "cpu_count", lambda: cpus)
+    cache = make_host_cache(10_000, 300_000, pin=True)
+    assert len(cache._registered) == 30 and 1 < len(fake.threads) <= most
 
 
 def test_threaded_registration_failure_releases_every_other_chunk(monkeypatch):
