@@ -28,9 +28,11 @@ DRIVER = TESTS / "vllm_tiering_driver.py"
 REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
 
 
-def run_engine(model: pathlib.Path, root: pathlib.Path, block_size: int, *args: str, check: bool = True) -> dict:
+def run_engine(
+    model: pathlib.Path, root: pathlib.Path, block_size: int, *args: str, check: bool = True, env: dict | None = None
+) -> dict:
     cmd = ["--model", str(model), "--root", str(root), "--block-size", str(block_size), *args]
-    result = vllm_harness.run_driver(DRIVER, cmd, "TIERING_RESULT", timeout=400, check=check)
+    result = vllm_harness.run_driver(DRIVER, cmd, "TIERING_RESULT", timeout=400, check=check, env=env)
     if check:
         result["regions"] = sorted(set(REGION.findall(result["log"])))
     return result
@@ -48,7 +50,10 @@ def a_then_b(model: pathlib.Path, root: pathlib.Path, block_size: int, writer: s
     chunks = 192 // block_size
     a = run_engine(model, root, block_size, "--spec", writer, "--wait-files", str(chunks))
     assert len(a["files"]) == chunks, f"A's chunks did not all reach the fs tier: {a['files']}"
-    b = run_engine(model, root, block_size)
+    # B's worker totals (read below) are logged by its shutdown, which runs inside vLLM's teardown of the engine
+    # process; vLLM kills that process VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after SIGTERM, which a loaded 2-core
+    # CI machine once reached before the teardown got to our worker (our shutdown itself takes ~0.4 s).
+    b = run_engine(model, root, block_size, env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"})
     return a, b
 
 
