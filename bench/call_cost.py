@@ -27,6 +27,7 @@ from triton_offload.kernels.copy_blocks import CopyLauncher
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from timing import stats_us
 from workloads import WORKLOADS, make_caches
 
 BURST = 8
@@ -38,7 +39,7 @@ def _sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, calls: int) -> dict:
-    """Median / p20 / p80 / min microseconds of ``fn()``, in bursts of BURST after a synchronize."""
+    """:func:`timing.stats_us` of ``fn()``'s host time, called in bursts of BURST after a synchronize."""
     ts = []
     for i in range(calls):
         if i % BURST == 0:
@@ -47,9 +48,7 @@ def timed(fn, device: torch.device, calls: int) -> dict:
         fn()
         ts.append(time.perf_counter() - t0)
     _sync(device)
-    q = np.quantile(ts, [0.5, 0.2, 0.8]) * 1e6
-    return {"median_us": round(q[0], 1), "p20_us": round(q[1], 1), "p80_us": round(q[2], 1),
-            "min_us": round(min(ts) * 1e6, 1)}  # fmt: skip
+    return stats_us(ts)
 
 
 def measure(tiny: bool, calls: int) -> dict[str, dict]:

@@ -15,15 +15,9 @@ import triton_offload as to
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from baselines import Triton
 from case import Env, Prepared, TransferCase
-from timing import quantiles
+from timing import gbps, quantiles, stats_us
 
 __all__ = ["cpu_overhead", "interference"]
-
-
-def _stats_us(seconds: list[float]) -> dict:
-    median, p20, p80 = (round(v * 1e6, 2) for v in quantiles(seconds))
-    lowest = round(min(seconds) * 1e6, 2)
-    return {"calls": len(seconds), "median_us": median, "p20_us": p20, "p80_us": p80, "min_us": lowest}
 
 
 def cpu_overhead(
@@ -62,7 +56,7 @@ def cpu_overhead(
                 store=case.store,
             )
             checks.append(time.perf_counter() - t0)
-        out[name] = {**_stats_us(calls), "validation_median_us": _stats_us(checks)["median_us"]}
+        out[name] = {**stats_us(calls), "validation_median_us": stats_us(checks)["median_us"]}
     return out
 
 
@@ -192,8 +186,8 @@ def _point(
     return {
         "gemm_ms": round(with_ms, 4),
         "slowdown_pct": round((with_ms / gemm_ms - 1.0) * 100.0, 2),
-        "transfer_gbps_during": round(transfers * bytes_per_transfer / (xfer_ms * 1e-3) / 1e9, 2),
-        "transfer_gbps_alone": round(bytes_per_transfer / (transfer_ms * 1e-3) / 1e9, 2),
+        "transfer_gbps_during": round(gbps(transfers * bytes_per_transfer, xfer_ms), 2),
+        "transfer_gbps_alone": round(gbps(bytes_per_transfer, transfer_ms), 2),
         "transfers": transfers,
         "covered": all(s[2] for s in samples),
     }

@@ -22,11 +22,11 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from baselines import METHODS, Triton
 from case import Env, Prepared, TransferCase, Unavailable, runs_of
-from cuda_driver import driver_info
+from cuda_driver import driver_info, load_driver
 from grid import host_rows
 from report import say
 from results import BASELINE_ORDER, machine_info, new_row
-from timing import Timing
+from timing import Timing, gbps
 from verify import check_method, reference_blocks
 from workloads import Workload, make_caches
 
@@ -39,6 +39,7 @@ __all__ = [
     "make_case",
     "release",
     "environment",
+    "open_gpu",
     "FatalCudaError",
     "Session",
 ]
@@ -142,6 +143,16 @@ def environment(device: torch.device, driver_note: str) -> dict:
     return info
 
 
+def open_gpu() -> tuple[torch.device, torch.cuda.Stream, Env, dict]:
+    """What every GPU measurement starts from: the current device (its primary context created), the benchmark's
+    own stream, the methods' :class:`Env` and the run's :func:`environment`."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.empty(1, device=device)  # creates the primary context on this thread before the driver API looks for it
+    stream = torch.cuda.Stream(device)  # not the legacy default stream: cuMemcpyBatchAsync rejects that one
+    driver, driver_note = load_driver(device.index)
+    return device, stream, Env(device, driver, driver_note, stream.cuda_stream), environment(device, driver_note)
+
+
 def _labels(group: Group, case: TransferCase, ms: MethodSpec) -> dict:
     """What names one method on one case, in a check entry and in a row."""
     return {
@@ -226,7 +237,7 @@ class Session:
         )
         if timing is not None:
             row.update(timing.fields())
-            row["gbps"] = round(case.total_bytes / (row["median_ms"] * 1e-3) / 1e9, 3)
+            row["gbps"] = round(gbps(case.total_bytes, row["median_ms"]), 3)
         return row
 
     def method_impls(self) -> list[tuple[str, str]]:

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from case import Env, TransferCase
-from cuda_driver import load_driver
 from extras import cpu_overhead, interference
 from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_LAYOUT, EXTRAS_WORKLOAD, grid
 from report import ProgressBar, print_table, say
 from results import fill_relative
-from session import FatalCudaError, Group, MethodSpec, Session, allocate, environment, make_case, method_specs, release
+from session import FatalCudaError, Group, MethodSpec, Session, allocate, make_case, method_specs, open_gpu, release
 from summary import evaluate_targets, print_extras, print_header, print_results, print_targets
 from timing import GpuTimer
 from workloads import WORKLOADS, Workload, resolve_workloads
@@ -74,12 +71,7 @@ def _measure_group(run: Session, group: Group, blocks, host_configs, timer: GpuT
 def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
     """Runs the GPU mode; ``checkpoint`` gets the (incomplete) results document after every workload/layout group,
     so a run killed mid-way keeps what it measured. Returns the final document and the exit code."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.empty(1, device=device)  # creates the primary context on this thread before the driver API looks for it
-    stream = torch.cuda.Stream(device)  # not the legacy default stream: cuMemcpyBatchAsync rejects that one
-    driver, driver_note = load_driver(device.index)
-    env = Env(device, driver, driver_note, stream.cuda_stream)
-    meta = environment(device, driver_note)
+    device, stream, env, meta = open_gpu()
     print_header(meta, "GPU")
     mode = grid(args.quick)
     sweep = sorted(set(args.num_ctas or mode.num_ctas) | {DEFAULT_NUM_CTAS})

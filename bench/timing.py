@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["quantiles", "Timing", "GpuTimer", "FLUSH_BYTES", "HIDE_US"]
+__all__ = ["quantiles", "stats_us", "gbps", "Timing", "GpuTimer", "FLUSH_BYTES", "HIDE_US"]
 
 FLUSH_BYTES = 256 << 20
 HIDE_US = 200.0
@@ -28,6 +28,18 @@ def quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
     """(median, p20, p80) of the samples: the one summary every table and JSON field uses."""
     median, p20, p80 = np.quantile(np.asarray(samples, dtype=np.float64), [0.5, 0.2, 0.8])
     return float(median), float(p20), float(p80)
+
+
+def stats_us(seconds: Sequence[float]) -> dict:
+    """Host times in seconds -> calls, median / p20 / p80 / min in microseconds (the CPU-cost tables)."""
+    median, p20, p80 = (round(v * 1e6, 2) for v in quantiles(seconds))
+    lowest = round(min(seconds) * 1e6, 2)
+    return {"calls": len(seconds), "median_us": median, "p20_us": p20, "p80_us": p80, "min_us": lowest}
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    """GB/s (10^9 bytes per second) of ``nbytes`` moved in ``ms`` milliseconds: the one rate every table reports."""
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 @dataclass

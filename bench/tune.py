@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 
 import torch
@@ -28,10 +27,10 @@ import triton_offload.kernels.copy_blocks as cb
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from baselines import Peak, Triton
 from case import Env
-from cuda_driver import load_driver
 from report import print_table, say
-from session import allocate, environment, make_case, release
-from timing import GpuTimer
+from results import write_json
+from session import allocate, make_case, open_gpu, release
+from timing import GpuTimer, gbps
 from verify import check_method
 from workloads import WORKLOADS
 
@@ -112,7 +111,7 @@ def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget
     with stream_ctx():
         peak = Peak().prepare(case, env)
     peak_ms = timer(peak.run, budget_ms).fields()["median_ms"]
-    peak_gbps = case.total_bytes / (peak_ms * 1e-3) / 1e9
+    peak_gbps = gbps(case.total_bytes, peak_ms)
     labels = {"workload": w.name, "layout": layout, "blocks": n, "direction": case.direction}
     rows, failures = [], []
     for tile, warps in vs:
@@ -130,13 +129,13 @@ def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget
                     say(f"FAIL {w.name}/{layout} {case.direction} tile {tile} warps {warps}: {problem}", "bold red")
                     break
                 ms = timer(prepared.run, budget_ms).fields()["median_ms"]
-                gbps = case.total_bytes / (ms * 1e-3) / 1e9
+                rate = gbps(case.total_bytes, ms)
                 rows.append(
                     {
                         **labels, "page_bytes": w.page_bytes, "total_bytes": case.total_bytes,
                         "tile_bytes": tile, "num_warps": warps, "num_ctas": ctas, "rows": cfg.rows,
-                        "chunk_bytes": cfg.chunk * cfg.elem, "median_ms": ms, "gbps": round(gbps, 2),
-                        "peak_gbps": round(peak_gbps, 2), "of_peak": round(gbps / peak_gbps, 4),
+                        "chunk_bytes": cfg.chunk * cfg.elem, "median_ms": ms, "gbps": round(rate, 2),
+                        "peak_gbps": round(peak_gbps, 2), "of_peak": round(rate / peak_gbps, 4),
                     }
                 )  # fmt: skip
     return rows, failures, peak_gbps
@@ -155,23 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         say("bench/tune.py times compiled kernels and needs a CUDA device: nothing measured", "bold red")
         return 1
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.empty(1, device=device)
-    stream = torch.cuda.Stream(device)
-    driver, note = load_driver(device.index)
-    env = Env(device, driver, note, stream.cuda_stream)
+    device, stream, env, meta = open_gpu()
     timer = GpuTimer(stream, device)
-    meta = environment(device, note)
     chosen = [CASES[i] for i in args.cases] if args.cases else list(CASES)
     vs = variants(tuple(t * KIB for t in args.tiles_kib), tuple(args.warps))
     rows: list[dict] = []
     failures: list[dict] = []
 
-    def write(complete: bool) -> None:
+    def write(complete: bool) -> list[dict]:
+        summary = summarize(rows)
         doc = {"benchmark": "tune", "complete": complete, **meta, "cases": chosen, "variants": vs,
-               "num_ctas": args.num_ctas, "rows": rows, "failures": failures, "summary": summarize(rows)}  # fmt: skip
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=1)
+               "num_ctas": args.num_ctas, "rows": rows, "failures": failures, "summary": summary}  # fmt: skip
+        write_json(args.json, doc)
+        return summary
 
     for wname, layout, n in chosen:
         group = allocate(WORKLOADS[wname], layout, n, ((1, 0),), device, args.seed)
@@ -184,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             write(False)
         del group
         release(device)
-    summary = summarize(rows)
-    write(True)
+    summary = write(True)
     for d in ("store", "load"):
         top = sorted((s for s in summary if s["direction"] == d), key=lambda s: -s["worst_of_peak"])[:12]
         print_table(
