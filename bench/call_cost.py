@@ -38,16 +38,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, calls: int) -> dict:
-    """:func:`timing.stats_us` of ``fn()``'s host time, called in bursts of BURST after a synchronize."""
+def timed(fn, device: torch.device, calls: int, drain=None) -> dict:
+    """:func:`timing.stats_us` of ``fn()``'s host time, called in bursts of BURST; ``drain()`` (default: a device
+    synchronize) runs before each burst and at the end, outside the timing."""
+    drain = drain or (lambda: _sync(device))
     ts = []
     for i in range(calls):
         if i % BURST == 0:
-            _sync(device)
+            drain()
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    _sync(device)
+    drain()
     return stats_us(ts)
 
 
@@ -81,18 +83,23 @@ def measure(tiny: bool, calls: int) -> dict[str, dict]:
         "launch (kernel only)": timed(lambda: launcher.launch(plan, dev_ids), device, calls),
     }
     eng = TransferEngine(spec, host)
-    job = [0]
+    job, queued = [0], []
+
+    def drain() -> None:  # waits for the burst's jobs outside the timing, as the synchronize does above
+        if queued:
+            eng.wait(queued)
+            assert all(r.ok for r in eng.get_finished())
+            queued.clear()
+
     for name, submit in (("engine.submit_store", eng.submit_store), ("engine.submit_load", eng.submit_load)):
 
         def one(submit=submit):
             job[0] += 1
             submit(job[0], g, h)
-            if job[0] % BURST == 0:  # keeps the engine's queue and pools short, like the bursts above
-                eng.wait(range(job[0] - BURST + 1, job[0] + 1))
-                assert all(r.ok for r in eng.get_finished())
+            queued.append(job[0])
 
         one()  # compiles this direction
-        out[name] = timed(one, device, calls)
+        out[name] = timed(one, device, calls, drain)
     eng.shutdown()
     cache.close()
     return out
