@@ -105,8 +105,10 @@ def setup_workload(w: Workload, layout: str, shape: LoopShape, env: Env, seed: i
     cache = HostCache(spec.host_block_bytes(1), num_blocks=sizes.host_blocks, pin=device.type == "cuda")
     prefixes = cache.buffer[sizes.host_ring :]
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    for rows in torch.split(prefixes, CHECK_CHUNK):  # random on the device (fast), then into the host cache
-        rows.copy_(torch.empty(rows.shape, dtype=torch.uint8, device=device).random_(0, 256, generator=gen))
+    for rows in torch.split(prefixes, CHECK_CHUNK):
+        # Random on the device (fast), down to pageable memory, then a host memcpy: a CUDA copy into the cache
+        # could span two of its registered chunks, which the driver rejects.
+        rows.copy_(torch.empty(rows.shape, dtype=torch.uint8, device=device).random_(0, 256, generator=gen).cpu())
     model = StepModel(w, spec, shape.tokens, seed)
     compute = torch.cuda.Stream(device) if device.type == "cuda" else None
     target = OffloadTarget(spec, cache, env)
