@@ -202,7 +202,10 @@ def plot_serving(samples: dict[str, dict[str, dict]], contiguous: dict[str, dict
     latency (bar: median, tick: p99; dashed: the contiguous copy). Returns None, or why nothing was written."""
     if not samples:
         return "nothing was timed: no plot written"
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the measurements are in the JSON already; the PNG is a view of them
+        return "matplotlib is not installed: no plot written"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -7,6 +7,7 @@ tests import them through tests/bench_modules.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pathlib
@@ -342,10 +343,13 @@ def test_the_gpu_figures_targets_table_and_plot_from_synthetic_runs(tmp_path):
         }, targets
         assert targets["duplex >= 1.7x the faster direction alone"]["detail"].startswith("worst 1.6 at w (80.0 GB/s")
         report.print_rows(rows, timed=True)
-        png = tmp_path / "s.png"
-        assert report.plot_serving(samples, {"w": {"latency_ms": 10.0}}, str(png), "synthetic") is None
-        assert png.stat().st_size > 10_000
         assert report.plot_serving({}, {}, str(tmp_path / "none.png"), "x") == "nothing was timed: no plot written"
+        png = tmp_path / "s.png"
+        why = report.plot_serving(samples, {"w": {"latency_ms": 10.0}}, str(png), "synthetic")
+        if importlib.util.find_spec("matplotlib") is None:  # the Triton 3.6 environment has only the test extras
+            assert why == "matplotlib is not installed: no plot written" and not png.exists()
+        else:
+            assert why is None and png.stat().st_size > 10_000
 
 
 @pytest.mark.gpu
