@@ -177,6 +177,28 @@ def test_a_store_that_reads_its_blocks_before_the_compute_writes_them_fails(loop
     assert "stored host blocks" in loop.byte_check(setup, run)
 
 
+def test_deferred_stores_go_out_at_the_start_of_the_next_step(loop_setup, monkeypatch):
+    """--defer-stores (vLLM 0.33's placement): a step's store is submitted before the next step's load and compute,
+    and the last step's after the loop, so the host ring still ends complete."""
+    loop, methods, setup = loop_setup
+    engine = methods.build_engine(methods.MethodPoint("dma"), setup.target)
+    order = []
+    for name in ("submit_store", "submit_load"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(
+            engine, name, lambda job, g, h, real=real, name=name: order.append((name, job)) or real(job, g, h)
+        )
+    real_step = setup.model.step
+    monkeypatch.setattr(setup.model, "step", lambda rows: order.append(("compute", None)) or real_step(rows))
+    run = loop.run_loop(setup, engine, defer_stores=True)
+    assert loop.byte_check(setup, run) is None
+    steps = setup.shape.warmup + setup.shape.steps
+    assert order[:5] == [("submit_load", 1), ("compute", None), ("submit_store", 0), ("compute", None),
+                         ("submit_store", 2)]  # fmt: skip
+    assert order[-1] == ("submit_store", 2 * (steps - 1)) and order[-2] == ("compute", None)
+    assert all(r.store_submit_s is not None for r in run.records)
+
+
 def test_without_offload_nothing_may_change_on_either_side(loop_setup):
     loop, _, setup = loop_setup
     run = loop.run_loop(setup, None)
