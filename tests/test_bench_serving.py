@@ -213,26 +213,39 @@ def test_without_offload_nothing_may_change_on_either_side(loop_setup):
     _flip(setup.spec.kv_caches[0].view(torch.uint8), (int(region[0]), 0, 0, 0, 0))
 
 
-def test_a_step_writes_its_kv_into_its_blocks_from_the_qkv_product(loop_setup):
-    """The KV a step writes is the QKV product's K and V columns of each token, at the token's block and slot."""
-    _, _, setup = loop_setup
-    spec = setup.spec
-    with bench_modules("serving_model") as (serving_model,):
-        small = serving_model.StepModel(setup.workload, spec, 3, seed=5)
+# (K or V, block, slot) -> index of that token's heads in a layer tensor, and the block dim, per layout.
+_KV_AT = {
+    "block_first": (lambda half, b, s: (b, half, s), 0),  # (blocks, 2, block_size, heads, head_dim)
+    "kv_first": (lambda half, b, s: (half, b, s), 1),  # (2, blocks, block_size, heads, head_dim)
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_KV_AT))
+def test_a_step_writes_its_kv_into_its_blocks_from_the_qkv_product(layout):
+    """The KV a step writes is the QKV product's K and V columns of each token, at the token's block and slot, in
+    every layer, and nothing else in the cache changes."""
+    import triton_offload as to
+
+    with bench_modules("serving_model", "workloads") as (serving_model, workloads):
+        w = workloads.WORKLOADS["llama3-8b"].tiny()  # 2 KV heads x 8
+        spec = to.KVCacheSpec(workloads.make_caches(w, layout, 12, "cpu", seed=2), layout)
+        model = serving_model.StepModel(w, spec, 3, seed=5)
+    at, block_dim = _KV_AT[layout]
     blocks = np.array([4, 4, 9], dtype=np.int64)
     slots = np.array([0, 1, 1], dtype=np.int64)
     before = [t.clone() for t in spec.kv_caches]
-    small.step(small.slot_rows(blocks, slots))
-    m = small.model
-    layer = spec.kv_caches[-1]  # block_first: (blocks, 2, block_size, heads, head_dim)
-    k = small.qkv[:, m.q_width : m.q_width + m.kv_width].view(3, m.kv_heads, m.head_dim)
-    v = small.qkv[:, m.q_width + m.kv_width :].view(3, m.kv_heads, m.head_dim)
-    for i, (b, s) in enumerate(zip(blocks, slots)):
-        assert torch.equal(layer[b, 0, s].view(torch.int16), k[i].view(torch.int16))
-        assert torch.equal(layer[b, 1, s].view(torch.int16), v[i].view(torch.int16))
-    changed = [(t != b).view(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist() for t, b in
-               zip((x.view(torch.int16) for x in spec.kv_caches), (b.view(torch.int16) for b in before))]  # fmt: skip
-    assert all(c == [4, 9] for c in changed), changed  # no other block was written
+    m = model.model
+    for _ in range(2):  # the second step overwrites the first's KV with its own
+        model.step(model.slot_rows(blocks, slots))
+        k = model.qkv[:, m.q_width : m.q_width + m.kv_width].view(3, m.kv_heads, m.head_dim)
+        v = model.qkv[:, m.q_width + m.kv_width :].view(3, m.kv_heads, m.head_dim)
+        layer = spec.kv_caches[-1]  # the last layer's KV: from the last QKV product
+        for i, (b, s) in enumerate(zip(blocks, slots)):
+            assert torch.equal(layer[at(0, b, s)].view(torch.int16), k[i].view(torch.int16))
+            assert torch.equal(layer[at(1, b, s)].view(torch.int16), v[i].view(torch.int16))
+    for t, b in zip(spec.kv_caches, before):
+        per_block = (t.view(torch.int16) != b.view(torch.int16)).movedim(block_dim, 0).reshape(12, -1)  # bytes
+        assert per_block.any(dim=1).nonzero().flatten().tolist() == [4, 9]  # no other block was written
 
 
 @pytest.mark.parametrize("workload", ["llama3-8b", "llama3-70b-tp8", "small-page"])
