@@ -109,10 +109,15 @@ def evaluate_targets(rows: list[dict], duplex_rows: list[dict]) -> list[dict]:
     benchmark"). A workload contributes where both sides of a comparison were measured and byte-checked."""
     ours = {r["workload"]: r for r in rows if r["method"] == "triton" and r["num_ctas"] == DEFAULT_NUM_CTAS}
     v33 = {r["workload"]: r for r in rows if r["method"] == "vllm033"}
+    none = {r["workload"]: r for r in rows if r["method"] == "none"}
     slow, contig, vs_v33, store_sub, load_sub = [], [], [], [], []
     for w, r in ours.items():
         if r["slowdown_vs_none"] is not None:
-            slow.append((r["slowdown_vs_none"], f"{w} (median step {r['step_ms_median']} ms)"))
+            # The compute stream's own time says whether the model lost SMs or the worker thread lost time.
+            base = none[w]
+            where = (f"{w} (median step {r['step_ms_median']} vs {base['step_ms_median']} ms; compute "
+                     f"{r['compute_ms_median']} vs {base['compute_ms_median']} ms)")  # fmt: skip
+            slow.append((r["slowdown_vs_none"], where))
         if r["load_vs_contiguous"] is not None:
             where = (f"{w} (latency {r['load_latency_ms_median']} ms: submit {r['load_submit_us_median']} us, "
                      f"device {r['load_device_ms_median']} ms)")  # fmt: skip

@@ -377,6 +377,8 @@ def test_the_gpu_figures_targets_table_and_plot_from_synthetic_runs(tmp_path):
             "duplex >= 1.7x the faster direction alone": "FAIL",  # 1.6x
         }, targets
         assert targets["duplex >= 1.7x the faster direction alone"]["detail"].startswith("worst 1.6 at w (80.0 GB/s")
+        slow = targets["step time with triton@4 within 2% of none"]["detail"]
+        assert slow.startswith("worst 0.0098 at w (median step 51.5 vs 51.0 ms; compute 45.45 vs 45.0 ms)"), slow
         report.print_rows(rows, timed=True)
         assert report.plot_serving({}, {}, str(tmp_path / "none.png"), "x") == "nothing was timed: no plot written"
         png = tmp_path / "s.png"
