@@ -28,7 +28,7 @@ from triton_offload.layouts import Segment
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from cuda_driver import CudaDriver
 
-__all__ = ["Run", "runs_of", "TransferCase", "Env", "Prepared", "Unavailable", "memmove_replay"]
+__all__ = ["Run", "runs_of", "TransferCase", "copy_plan", "Env", "Prepared", "Unavailable", "memmove_replay"]
 
 
 @dataclass(frozen=True)
@@ -126,32 +126,52 @@ class TransferCase:
 
     def slots(self, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(host row, sub-block) of each GPU block: position skip + i (the packed format's position rule)."""
-        pos = self.skip + np.arange(self.n, dtype=np.int64)
-        return host_ids[pos // self.f], pos % self.f
+        return slots(host_ids, self.n, self.f, self.skip)
 
     def copy_plan(self, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, dst, size) of every contiguous copy, block-major, as uint64 arrays of addresses and byte counts."""
-        assert self.host.stride(0) == self.f * self.bytes_per_block and self.host.stride(1) == 1
-        rows, subs = self.slots(host_ids)
-        host_block = self.host.data_ptr() + rows * self.host.stride(0) + subs * self.bytes_per_block  # (n,)
-        base = np.array([r.base for r in self.runs], dtype=np.int64)
-        stride = np.array([r.block_stride for r in self.runs], dtype=np.int64)
-        host_off = np.array([r.host_offset for r in self.runs], dtype=np.int64)
-        gpu = base[None, :] + self.gpu_ids[:, None] * stride[None, :]  # (n, runs)
-        host = host_block[:, None] + host_off[None, :]
-        sizes = np.broadcast_to(np.array([r.nbytes for r in self.runs], dtype=np.int64), gpu.shape)
-        src, dst = (gpu, host) if self.store else (host, gpu)
-        return (
-            src.reshape(-1).astype(np.uint64),
-            dst.reshape(-1).astype(np.uint64),
-            sizes.reshape(-1).astype(np.uint64),
-        )
+        return copy_plan(self.runs, self.host, self.gpu_ids, host_ids, f=self.f, skip=self.skip, store=self.store)
 
     def contiguous_host_region(self) -> torch.Tensor:
         """(n, bytes_per_block) view of the host bytes that positions skip..skip+n-1 of :attr:`contiguous_host_ids`
         occupy: one contiguous range because the rows are consecutive and a row is f sub-blocks."""
         start = (int(self.contiguous_host_ids[0]) * self.f + self.skip) * self.bytes_per_block
         return self.host.view(-1)[start : start + self.total_bytes].view(self.n, self.bytes_per_block)
+
+
+def slots(host_ids: np.ndarray, n: int, f: int, skip: int) -> tuple[np.ndarray, np.ndarray]:
+    """(host row, sub-block) of each of n GPU blocks: position skip + i (the packed format's position rule)."""
+    pos = skip + np.arange(n, dtype=np.int64)
+    return host_ids[pos // f], pos % f
+
+
+def copy_plan(
+    runs: list[Run], host: torch.Tensor, gpu_ids: np.ndarray, host_ids: np.ndarray, *, f: int, skip: int, store: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, size) of every contiguous copy of a transfer, block-major, as uint64 arrays of addresses and byte
+    counts: vectorised over the runs (no Python loop over blocks or layers), as a worker builds its descriptors.
+
+    Args:
+        runs: :func:`runs_of` the KV caches.
+        host: (num_host_blocks, f * bytes_per_block) uint8 host buffer, rows contiguous.
+        gpu_ids: (n,) GPU block ids; position ``skip + i`` of the host blocks ``host_ids`` holds block ``gpu_ids[i]``.
+    """
+    bytes_per_block = host.shape[1] // f
+    assert host.stride(0) == f * bytes_per_block and host.stride(1) == 1
+    rows, subs = slots(host_ids, gpu_ids.size, f, skip)
+    host_block = host.data_ptr() + rows * host.stride(0) + subs * bytes_per_block  # (n,)
+    base = np.array([r.base for r in runs], dtype=np.int64)
+    stride = np.array([r.block_stride for r in runs], dtype=np.int64)
+    host_off = np.array([r.host_offset for r in runs], dtype=np.int64)
+    gpu = base[None, :] + gpu_ids[:, None] * stride[None, :]  # (n, runs)
+    host_addr = host_block[:, None] + host_off[None, :]
+    sizes = np.broadcast_to(np.array([r.nbytes for r in runs], dtype=np.int64), gpu.shape)
+    src, dst = (gpu, host_addr) if store else (host_addr, gpu)
+    return (
+        src.reshape(-1).astype(np.uint64),
+        dst.reshape(-1).astype(np.uint64),
+        sizes.reshape(-1).astype(np.uint64),
+    )
 
 
 @dataclass

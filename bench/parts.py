@@ -5,13 +5,19 @@ minutes on an H100, the time model each is sized by, and the names their files g
     python bench/parts.py args PART     # the bench_transfer.py arguments of a benchmark part
     python bench/parts.py stem PART     # <device-slug>-<date>-<part>: the name of the part's JSON, PNG and log
 
+``tests`` runs ``pytest -m gpu`` and ``serving`` runs ``bench/serving.py`` (the step loop, ``serving_config.py``);
+every other part is ``bench_transfer.py`` with the part's options.
+
 The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: bench/README.md):
 per case and method, the device time of the calls GpuTimer makes (a warm-up, an estimate, then samples until the
 100 ms budget is spent, at least 3, at most 100) at the rates below, plus the flush and sleep before each sample,
 the byte check (host buffer passes over the link and a host memset), the allocation of each workload, and a fixed
 start-up (torch import, CUDA init, the C++ helper's build, Triton compiles). The rates are the pessimistic ends of
 the ranges the GPU-readiness review used: a 50 GB/s link, 3 GB/s per Triton program, 3 us per cudaMemcpyAsync,
-0.1 us per batched descriptor.
+0.1 us per batched descriptor. The serving part's model: each workload's step at 400 TFLOP/s of bf16 matrix
+products (about half an H100's dense peak) or 10 us per kernel launch from Python, whichever is longer, each
+arrival's prefix load at the link rate, the byte check at 2 GB/s (an index on the host, a pageable copy up), the
+contiguous copy and the duplex samples, and each workload's set-up (weights, caches, pinning the host cache).
 """
 
 from __future__ import annotations
@@ -22,11 +28,22 @@ import sys
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, QUICK, Grid, host_rows
 from results import BASELINE_ORDER, result_stem
+from serving_config import (
+    CONTIGUOUS_REPEATS,
+    DUPLEX_REPEATS,
+    GATE_US,
+    GPU_LOOP,
+    LOAD_REGIONS,
+    PREFIXES,
+    SERVING_WORKLOADS,
+    ring_sizes,
+)
 from workloads import WORKLOADS
 
-__all__ = ["TEST_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
+__all__ = ["TEST_PART", "SERVING_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
 
-TEST_PART = "tests"  # `pytest -m gpu`; the others run bench/bench_transfer.py
+TEST_PART = "tests"  # `pytest -m gpu`
+SERVING_PART = "serving"  # bench/serving.py; the parts in PARTS run bench/bench_transfer.py
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]
 PARTS: dict[str, list[str]] = {
     "quick": ["--quick"],
@@ -48,6 +65,14 @@ HOST_MEMSET_BPS = 10e9
 STARTUP_S = 60.0  # dev's install check, torch import and CUDA init, the C++ helper, Triton compiles
 TESTS_S = 5 * 60.0  # `pytest -m gpu`: the review's 3-5 minutes, mostly CPU-side random caches
 GEMM_S = 1.6e-3  # one 8192^3 bf16 GEMM on an H100
+MATMUL_FLOPS = 400e12  # the serving step's bf16 products on an H100 (dense peak ~990e12)
+LAUNCH_S = 10e-6  # one kernel launch from Python
+KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes
+CHECK_BPS = 2e9  # the serving byte check: host index + pageable copy up + compare; the prefixes' byte sums
+# none, triton at the default and each other num_ctas, vllm033, dma (serving_methods.method_points: imports Triton);
+# the duplex is measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
+SERVING_POINTS = 4 + len(GPU_LOOP.triton_ctas)
+DUPLEX_POINTS = 2
 # sm_copy.MAX_PAGE_BYTES: vllm033 loads smaller pages with its SM copy (sm_copy imports Triton, which this module,
 # run before the project is installed, must not; tests/test_bench_runner.py checks that the two agree).
 SM_COPY_MAX_PAGE_BYTES = 28 * 1024
@@ -111,10 +136,32 @@ def _extras_s(grid: Grid) -> float:
     return checks + overhead + inter
 
 
+def _serving_s() -> float:
+    shape = GPU_LOOP
+    steps = shape.warmup + shape.steps
+    total = 0.0
+    for name in SERVING_WORKLOADS:
+        w = WORKLOADS[name]
+        m, block_bytes = w.model, w.num_layers * w.page_bytes
+        sizes = ring_sizes(shape, w.block_size)
+        weights = 2 * w.num_layers * sum(k * n for k, n in m.matmuls().values())
+        setup = 2.0 + weights / 100e9 + sizes.host_blocks * block_bytes / 5e9  # allocation, normal_, pinning
+        step = max(shape.tokens * m.flops_per_token() * w.num_layers / MATMUL_FLOPS,
+                   w.num_layers * KERNELS_PER_LAYER * LAUNCH_S)  # fmt: skip
+        load = sizes.prefix_blocks * block_bytes / LINK_BPS
+        run = steps * step + -(-steps // shape.load_every) * load
+        check = (sizes.host_ring + (LOAD_REGIONS + PREFIXES) * sizes.prefix_blocks) * block_bytes / CHECK_BPS
+        duplex = DUPLEX_POINTS * (1 + 3 * DUPLEX_REPEATS) * (GATE_US * 1e-6 + 2 * load)
+        total += setup + SERVING_POINTS * (run + check) + duplex + (1 + CONTIGUOUS_REPEATS) * load
+    return total
+
+
 def estimate_seconds(part: str) -> float:
     """The model's seconds for one part, start-up included."""
     if part == TEST_PART:
         return STARTUP_S + TESTS_S
+    if part == SERVING_PART:
+        return STARTUP_S + _serving_s()
     args = PARTS[part]
     if part == "quick":
         work = _sweep_s(WORKLOADS.values(), QUICK, one_layout=True) + _extras_s(QUICK)
@@ -135,10 +182,11 @@ def _device_name() -> str:
 
 
 def main(argv: list[str]) -> int:
-    names = [TEST_PART, *PARTS]
+    names = [TEST_PART, *PARTS, SERVING_PART]
     if argv[:1] == ["list"]:
+        what = {TEST_PART: "pytest -m gpu", SERVING_PART: "bench/serving.py"}
         for name in names:
-            print(f"{name:<11} ~{estimate_seconds(name) / 60:.1f} min  {' '.join(PARTS.get(name, ['pytest -m gpu']))}")
+            print(f"{name:<11} ~{estimate_seconds(name) / 60:.1f} min  {what.get(name) or ' '.join(PARTS[name])}")
         return 0
     if len(argv) == 2 and argv[0] in ("args", "stem", "check"):
         cmd, part = argv

@@ -24,6 +24,7 @@ __all__ = [
     "BASELINE_NAMES",
     "BASELINE_ORDER",
     "new_row",
+    "keyed_row",
     "by_case",
     "fill_relative",
     "machine_info",
@@ -52,10 +53,15 @@ CASE_KEYS = ("workload", "layout", "page_bytes", "blocks", "blocks_per_host_bloc
 
 def new_row(**fields) -> dict:
     """A row with every :data:`ROW_KEYS` key (None where not given); an unknown key is a bug, not a new column."""
-    unknown = set(fields) - set(ROW_KEYS)
+    return keyed_row(ROW_KEYS, fields)
+
+
+def keyed_row(keys: tuple[str, ...], fields: dict) -> dict:
+    """A row with exactly ``keys``, in that order (None where ``fields`` has none); an unknown field is a KeyError."""
+    unknown = set(fields) - set(keys)
     if unknown:
         raise KeyError(f"not row keys: {sorted(unknown)}")
-    return dict(dict.fromkeys(ROW_KEYS), **fields)
+    return dict(dict.fromkeys(keys), **fields)
 
 
 def by_case(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:

@@ -13,14 +13,14 @@ from copy_loop import PYTHON_ISSUED
 from report import print_table, say
 from results import BASELINE_NAMES, by_case
 
-__all__ = ["print_header", "print_results", "print_extras", "print_targets", "evaluate_targets"]
+__all__ = ["print_header", "print_results", "print_extras", "print_targets", "evaluate_targets", "target_result"]
 
 _SHORT = {"memcpy_batch": "batch", "memcpy_per_block": "per-blk", "torch_staged": "staged", "vllm033": "vllm033"}
 _HANDICAP = "\u2020"  # marks a value measured on a Python-issued (handicapped) baseline
 
 
-def print_header(meta: dict, mode: str) -> None:
-    say(f"triton-offload transfer benchmark -- {mode}", style="bold")
+def print_header(meta: dict, mode: str, benchmark: str = "transfer") -> None:
+    say(f"triton-offload {benchmark} benchmark -- {mode}", style="bold")
     say(
         f"device {meta['device']}" + (f" ({meta['sms']} SMs)" if meta["sms"] else "")
         + f" | driver {meta['driver']} (CUDA {meta['driver_cuda']}) | CUDA (torch) {meta['cuda']}"
@@ -95,24 +95,29 @@ def _per_call(row: dict | None) -> str:
     return _mark(row, f"{row['median_ms']:.3f} / {row['call_cpu_us']:.0f}")
 
 
+def target_result(
+    name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True
+) -> dict:
+    """One target's entry: PASS when ``ok`` holds for every (value, where) case, else FAIL; n/a without cases. The
+    detail names the worst case (the smallest value, or the largest when not ``worst_is_min``) and how many miss."""
+    if not values:
+        return {"target": name, "result": "n/a", "detail": "not measured in this run"}
+    worst = min(values) if worst_is_min else max(values)
+    failed = [v for v in values if not ok(v[0])]
+    return {
+        "target": name,
+        "result": "FAIL" if failed else "PASS",
+        "detail": f"worst {worst[0]:.3g} at {worst[1]}; {len(failed)} of {len(values)} cases miss",
+    }
+
+
 def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None) -> list[dict]:
     """The project's performance targets (listed in bench/README.md, "Output"), each PASS/FAIL (or n/a when not
     measured), with the worst case as the detail."""
     targets = []
 
     def add(name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True):
-        if not values:
-            targets.append({"target": name, "result": "n/a", "detail": "not measured in this run"})
-            return
-        worst = min(values) if worst_is_min else max(values)
-        failed = [v for v in values if not ok(v[0])]
-        targets.append(
-            {
-                "target": name,
-                "result": "FAIL" if failed else "PASS",
-                "detail": f"worst {worst[0]:.3g} at {worst[1]}; {len(failed)} of {len(values)} cases miss",
-            }
-        )
+        targets.append(target_result(name, values, ok, worst_is_min))
 
     frac, vs_batch_small, vs_batch_all, vs_block, vs_vllm = [], [], [], [], []
     for (w, layout, page, n, f, skip, direction), by in by_case(rows).items():

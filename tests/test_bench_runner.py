@@ -27,7 +27,7 @@ def _fake_python3(tmp_path: pathlib.Path) -> pathlib.Path:
     return bin_dir
 
 
-@pytest.mark.parametrize("part", ["tests", "quick", "full-8b", "no-such-part"])
+@pytest.mark.parametrize("part", ["tests", "quick", "full-8b", "serving", "no-such-part"])
 def test_without_cuda_the_runner_says_so_in_one_line_and_installs_nothing(tmp_path, part):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_OFFLOAD_VENV")}
     env["PATH"] = f"{_fake_python3(tmp_path)}:{env['PATH']}"
@@ -43,6 +43,50 @@ def test_without_cuda_the_runner_says_so_in_one_line_and_installs_nothing(tmp_pa
     assert not out.exists()
 
 
+def _cuda_python3(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A python3 that says it has CUDA and the project installed, runs bench/parts.py for real (but names the
+    files with a fixed stem), and only logs whatever else it is asked to run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "python3"
+    shim.write_text(
+        f"""#!/bin/sh
+echo "$@" >> {tmp_path / "calls.log"}
+case "$1" in
+  -) cat > /dev/null; exit 0 ;;  # the CUDA probe
+  -c) exit 0 ;;  # "installed from this checkout?"
+  */parts.py) [ "$2" = stem ] && {{ echo "gpu-2026-01-01-$3"; exit 0; }}; exec {sys.executable} "$@" ;;
+  *) echo "would run: $*"; exit 0 ;;
+esac
+"""
+    )
+    shim.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize(
+    "part, command",
+    [
+        ("serving", "bench/serving.py --json {out}/gpu-2026-01-01-serving.json --plot "
+         "{out}/gpu-2026-01-01-serving.png"),
+        ("quick", "bench/bench_transfer.py --part quick --json {out}/gpu-2026-01-01-quick.json --plot "
+         "{out}/gpu-2026-01-01-quick.png"),
+    ],
+)  # fmt: skip
+def test_with_cuda_each_part_runs_its_script_into_outdir(tmp_path, part, command):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_OFFLOAD_VENV")}
+    env["PATH"] = f"{_cuda_python3(tmp_path)}:{env['PATH']}"
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "dev"), "gpu", part, str(out)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [line for line in (tmp_path / "calls.log").read_text().splitlines() if line.startswith(str(ROOT))]
+    assert calls == [f"{ROOT}/bench/parts.py check {part}", f"{ROOT}/bench/parts.py stem {part}",
+                     f"{ROOT}/{command.format(out=out)}"]  # fmt: skip
+    assert "would run" in (out / f"gpu-2026-01-01-{part}.log").read_text()
+
+
 def test_the_runner_wants_a_part_and_an_outdir():
     proc = subprocess.run(["bash", str(ROOT / "dev"), "gpu", "quick"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "usage: ./dev gpu PART OUTDIR" in proc.stderr
@@ -55,7 +99,7 @@ def parts():
 
 
 def test_every_part_is_estimated_under_8_minutes(parts):
-    names = [parts.TEST_PART, *parts.PARTS]
+    names = [parts.TEST_PART, *parts.PARTS, parts.SERVING_PART]
     estimates = {name: parts.estimate_seconds(name) for name in names}
     assert all(60 < s < parts.LIMIT_S for s in estimates.values()), estimates
     # Together the parts are the whole sweep: every workload once, and the extras once.
@@ -68,8 +112,13 @@ def test_every_part_is_estimated_under_8_minutes(parts):
 def test_the_parts_cli(parts, capsys):
     assert parts.main(["args", "full-mla"]) == 0
     assert capsys.readouterr().out.split() == parts.PARTS["full-mla"]
-    assert parts.main(["check", "tests"]) == 0 and parts.main(["check", "full"]) == 2
+    assert parts.main(["check", "tests"]) == 0 and parts.main(["check", "serving"]) == 0
+    assert parts.main(["check", "full"]) == 2
     assert "full-small" in capsys.readouterr().err
+    assert parts.main(["list"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(listed) == {parts.TEST_PART, *parts.PARTS, parts.SERVING_PART}
+    assert listed["serving"].endswith("bench/serving.py") and listed["tests"].endswith("pytest -m gpu")
 
 
 def test_result_names_are_device_date_part():

@@ -1,0 +1,263 @@
+"""The offload paths the serving benchmark compares, each behind the worker API of
+:class:`triton_offload.engine.TransferEngine` (``submit_store`` / ``submit_load`` with GPU and host block ids,
+``get_finished``, ``wait``, ``shutdown``), looked up by exact name in :data:`METHODS`.
+
+``triton`` is the engine itself, as the vLLM plugin's worker builds it. ``vllm033`` and ``dma`` are
+:class:`BatchEngine`: like vLLM's own CPU offloading worker, they turn the block ids of every call into copy
+descriptors (vectorised NumPy over the KV caches' runs) and issue them on a stream per direction that first waits for
+the compute stream: ``vllm033`` stores with one ``cuMemcpyBatchAsync`` and loads small pages with its SM copy
+(``sm_copy.py``), ``dma`` uses ``cuMemcpyBatchAsync`` both ways. Without CUDA the batch calls go to a memmove
+stand-in for the driver and the SM copy runs under the Triton interpreter, synchronously.
+
+A method is added with one entry: a builder ``(target, num_ctas) -> engine`` and a description. ``none`` builds no
+engine: the loop then runs without offload traffic.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from triton_offload.engine import LOAD, STORE, JobResult, TransferEngine
+from triton_offload.host_cache import HostCache
+from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.layouts import KVCacheSpec
+
+# isort: split
+# Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from case import Env, copy_plan, runs_of
+from cuda_driver import (
+    FLAG_DEFAULT,
+    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+    HostBatchStandIn,
+    MemcpyBatchCall,
+    batch_attributes,
+)
+from sm_copy import SmCopy, uses_sm_copy
+
+__all__ = ["OffloadTarget", "BatchEngine", "Method", "METHODS", "MethodPoint", "method_points", "build_engine"]
+
+
+@dataclass
+class OffloadTarget:
+    """What every method moves blocks between: one worker's KV caches and its host cache.
+
+    Attributes:
+        kv: the prepared KV caches.
+        host_cache: the pinned (on CUDA) packed host buffer, one GPU block per host block.
+        env: the machine (the CUDA driver for the batch methods).
+    """
+
+    kv: KVCacheSpec
+    host_cache: HostCache
+    env: Env
+
+    @property
+    def host_buffer(self) -> torch.Tensor:
+        return self.host_cache.buffer
+
+
+@dataclass
+class _Job:
+    job_id: int
+    direction: str
+    num_bytes: int
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    keep: object = None  # descriptors the queued copies still read, held until they are done
+    result: JobResult | None = None
+
+
+class BatchEngine:
+    """Copy-engine (and vLLM 0.33's SM copy) transfers behind TransferEngine's API, descriptors built per call.
+
+    Args:
+        target: the caches and host buffer.
+        sm_copy_loads: load with the SM copy where vLLM 0.33 does (every page < 28 KiB, 8-byte aligned, >= 16
+            descriptors); else every transfer is one cuMemcpyBatchAsync.
+        flags: the CUmemcpyAttributes flags of the batches.
+        name: how the output names it.
+    """
+
+    def __init__(self, target: OffloadTarget, *, sm_copy_loads: bool, flags: int, name: str):
+        self.kv, self.host, self.env = target.kv, target.host_buffer, target.env
+        self.sm_copy_loads, self.name = sm_copy_loads, name
+        self.runs = runs_of(self.kv)
+        self.cuda = self.kv.device.type == "cuda"
+        index = self.kv.device.index or 0
+        self._attrs = {store: batch_attributes(store, index, flags) for store in (True, False)}
+        if self.cuda:
+            if self.env.driver is None:
+                raise RuntimeError(f"{name} needs the CUDA driver: {self.env.driver_note}")
+            self._address, self._fail_idx = self.env.driver.batch_entry()
+            self._streams = {STORE: torch.cuda.Stream(self.kv.device), LOAD: torch.cuda.Stream(self.kv.device)}
+        else:
+            self._stand_in = HostBatchStandIn()
+            self._address, self._fail_idx = self._stand_in.address, False
+        self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
+        self.paths: set[str] = set()  # what it issued: "batch store", "SM copy load", ...
+
+    @property
+    def impl(self) -> str:
+        where = "" if self.cuda else " (no CUDA: batches run by a memmove stand-in, the SM copy by the interpreter)"
+        return f"{self.name}: {', '.join(sorted(self.paths)) or 'nothing issued'}; descriptors built per call{where}"
+
+    def submit_store(self, job_id: int, gpu_block_ids, host_block_ids) -> None:
+        """Queues copies of GPU blocks into host blocks (block i -> host block i), after the current stream's work."""
+        self._submit(job_id, True, gpu_block_ids, host_block_ids)
+
+    def submit_load(self, job_id: int, gpu_block_ids, host_block_ids) -> None:
+        """Queues copies of host blocks into GPU blocks, after the current stream's work."""
+        self._submit(job_id, False, gpu_block_ids, host_block_ids)
+
+    def _op(self, store: bool, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int):
+        if self.sm_copy_loads and uses_sm_copy(store, src, dst, sizes):
+            self.paths.add("SM copy load")
+            return SmCopy(src, dst, sizes, self.kv.device)
+        self.paths.add(f"cuMemcpyBatchAsync {'store' if store else 'load'}")
+        return MemcpyBatchCall(self._address, self._fail_idx, src, dst, sizes, self._attrs[store], stream)
+
+    def _submit(self, job_id: int, store: bool, gpu_block_ids, host_block_ids) -> None:
+        g = np.asarray(gpu_block_ids, dtype=np.int64)
+        h = np.asarray(host_block_ids, dtype=np.int64)
+        # As vLLM's worker does it: descriptors from this call's ids, every call.
+        src, dst, sizes = copy_plan(self.runs, self.host, g, h, f=1, skip=0, store=store)
+        job = _Job(job_id, STORE if store else LOAD, int(sizes.sum()))
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self._op(store, src, dst, sizes, 0)()
+            job.result = JobResult(job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
+        else:
+            stream = self._streams[job.direction]
+            # Both directions wait for the compute stream as it is now: a store reads KV the model is writing, a load
+            # overwrites blocks the model last used. Jobs of one direction complete in order on its stream.
+            stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            with torch.cuda.stream(stream):  # the SM copy's device descriptors belong to this stream
+                op = self._op(store, src, dst, sizes, stream.cuda_stream)
+                job.start, job.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                job.start.record(stream)
+                op()
+                job.end.record(stream)
+            job.keep = op
+        self._pending[job.direction].append(job)
+
+    def _poll(self, job: _Job, block: bool) -> bool:
+        if job.result is not None:
+            return True
+        if block:
+            job.end.synchronize()
+        elif not job.end.query():
+            return False
+        seconds = job.start.elapsed_time(job.end) / 1e3
+        job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, seconds)
+        job.keep = job.start = job.end = None
+        return True
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, each once, without blocking (FIFO per direction)."""
+        out = []
+        for queue in self._pending.values():
+            while queue and self._poll(queue[0], block=False):
+                out.append(queue.popleft().result)
+        return out
+
+    def wait(self, job_ids) -> None:
+        """Blocks until the given jobs are finished; unknown ids are ignored."""
+        wanted = set(job_ids)
+        for queue in self._pending.values():
+            for job in queue:
+                if job.job_id in wanted:
+                    self._poll(job, block=True)
+
+    def shutdown(self) -> list[JobResult]:
+        """Waits for every job; returns the results not yet reported."""
+        out = []
+        for queue in self._pending.values():
+            for job in queue:
+                self._poll(job, block=True)
+                out.append(job.result)
+            queue.clear()
+        return out
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row label's way of moving blocks.
+
+    Attributes:
+        build: ``(target, num_ctas) -> engine`` with TransferEngine's worker API, or None (no offload traffic).
+        describe: what it is, for the methods table and the rows' ``impl``.
+        sweeps_ctas: runs at the default num_ctas and at each of the loop's other num_ctas.
+    """
+
+    build: Callable[[OffloadTarget, int | None], object | None]
+    describe: str
+    sweeps_ctas: bool = False
+
+
+def triton_engine(target: OffloadTarget, num_ctas: int | None, **engine_args) -> TransferEngine:
+    """Ours, as the plugin's worker builds it; the default num_ctas is passed as None, the way a user runs it.
+    ``engine_args`` go to TransferEngine as they are (a ``path`` choice, once it has one)."""
+    ctas = None if num_ctas == DEFAULT_NUM_CTAS else num_ctas
+    return TransferEngine(target.kv, target.host_buffer, num_ctas=ctas, **engine_args)
+
+
+# Methods by exact name.
+METHODS: dict[str, Method] = {
+    "none": Method(lambda target, _: None, "no offload traffic: the model's steps alone"),
+    "triton": Method(
+        triton_engine,
+        "TransferEngine: one Triton launch per transfer on its store / load stream (the plugin's worker path)",
+        sweeps_ctas=True,
+    ),
+    "vllm033": Method(
+        lambda target, _: BatchEngine(target, sm_copy_loads=True, flags=FLAG_DEFAULT, name="vllm033"),
+        "vLLM 0.33's policy: stores one cuMemcpyBatchAsync; loads of pages < 28 KiB its SM copy (12 programs), "
+        "others one cuMemcpyBatchAsync; descriptors built per call from the block ids",
+    ),
+    "dma": Method(
+        lambda target, _: BatchEngine(target, sm_copy_loads=False, flags=FLAG_PREFER_OVERLAP_WITH_COMPUTE, name="dma"),
+        "cuMemcpyBatchAsync both ways (PREFER_OVERLAP_WITH_COMPUTE); descriptors built per call from the block ids",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MethodPoint:
+    """One row of a workload: a method, and for a ctas-sweeping method its num_ctas."""
+
+    method: str
+    num_ctas: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.num_ctas is None else f"{self.method}@{self.num_ctas}"
+
+
+def method_points(names, ctas: tuple[int, ...]) -> list[MethodPoint]:
+    """Each method by exact name, a ctas-sweeping one at the default num_ctas and then at each of ``ctas``.
+
+    Raises:
+        ValueError: an unknown name (the supported ones are listed).
+    """
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; supported: {sorted(METHODS)}")
+    points = []
+    for name in names:
+        if METHODS[name].sweeps_ctas:
+            sweep = [DEFAULT_NUM_CTAS, *sorted(set(ctas) - {DEFAULT_NUM_CTAS})]
+            points += [MethodPoint(name, c) for c in sweep]
+        else:
+            points.append(MethodPoint(name))
+    return points
+
+
+def build_engine(point: MethodPoint, target: OffloadTarget):
+    """The engine of one point (None for ``none``)."""
+    return METHODS[point.method].build(target, point.num_ctas)

@@ -1,0 +1,427 @@
+"""The serving step-loop benchmark (bench/serving.py). On CPU: every method runs the loop at tiny shapes and moves the
+right bytes, nothing is timed, and wrong bytes fail the run; the block plan, the byte check and the method registry
+on their own. On a GPU (`gpu` marker): a short run whose numbers are all present and sane.
+
+The end-to-end runs are subprocesses, so the bench's sibling modules never stay on this process's sys.path; the unit
+tests import them through tests/bench_modules.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from bench_modules import bench_modules
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SERVING = ROOT / "bench" / "serving.py"
+REQUIRED = ("workload", "method", "num_ctas", "byte_check", "step_ms_median", "step_ms_p99", "slowdown_vs_none",
+            "load_latency_ms_median", "load_latency_ms_p99", "submit_cpu_us_per_step", "offload_gbps")  # fmt: skip
+OFFLOAD = ("triton", "vllm033", "dma")
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _rows_by_label(rows: list[dict]) -> dict[tuple, dict]:
+    return {(r["workload"], r["method"], r["num_ctas"]): r for r in rows}
+
+
+def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
+    out = tmp_path / "serving.json"
+    proc = _run([str(SERVING), "--cpu-check", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "NOTHING IS TIMED" in proc.stdout and "nothing was timed" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "serving" and data["mode"] == "cpu-interpreter-check" and data["complete"]
+    rows = data["rows"]
+    with bench_modules("serving_report") as (report,):
+        keys, timing = report.ROW_KEYS, report.TIMING_KEYS
+    assert all(tuple(r) == keys for r in rows) and set(REQUIRED) <= set(keys)
+    # Every workload with a model, every method, triton at the default and at 2 and 8 CTAs.
+    labels = set(_rows_by_label(rows))
+    for w in ("llama3-8b", "llama3-70b-tp8", "small-page"):
+        assert {(w, "none", None), (w, "triton", 4), (w, "triton", 2), (w, "triton", 8)} <= labels
+        assert {(w, "vllm033", None), (w, "dma", None)} <= labels
+    for r in rows:
+        assert r["byte_check"] == "pass" and r["byte_check_note"] is None, r
+        assert all(r[k] is None for k in timing), f"a number was reported without a GPU: {r}"
+        if r["method"] in OFFLOAD:
+            assert r["loads"] == 3 and r["stored_bytes_per_step"] > 0 and r["load_bytes"] > 0, r
+        else:
+            assert r["impl"].startswith("no offload")
+    # vllm033's loads took its SM copy (the interpreter), its stores the batch call (the memmove stand-in).
+    assert all("SM copy load" in r["impl"] and "store" in r["impl"] for r in rows if r["method"] == "vllm033")
+    assert data["duplex"] == [] and data["targets"] == [] and data["failures"] == []
+
+
+_BROKEN = """
+import sys
+sys.path.insert(0, {bench!r})
+import numpy as np
+import serving, serving_methods
+from triton_offload.engine import TransferEngine
+
+store = TransferEngine.submit_store
+def short_store(self, job_id, gpu_ids, host_ids, **kw):  # drops the last block of every store
+    store(self, job_id, gpu_ids[:-1], host_ids[:-1], **kw)
+TransferEngine.submit_store = short_store
+
+plan = serving_methods.copy_plan
+def short_load_plan(runs, host, gpu_ids, host_ids, *, store, **kw):  # the last copy of a load stops 8 bytes short
+    src, dst, sizes = plan(runs, host, gpu_ids, host_ids, store=store, **kw)
+    if not store:
+        sizes = sizes.copy()
+        sizes[-1] -= np.uint64(8)
+    return src, dst, sizes
+serving_methods.copy_plan = short_load_plan
+sys.exit(serving.main(["--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
+"""
+
+
+def test_wrong_bytes_fail_the_run(tmp_path):
+    out = tmp_path / "broken.json"
+    proc = _run(["-c", _BROKEN.format(bench=str(SERVING.parent), out=str(out))])
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    by = {r["method"]: r for r in data["rows"]}
+    assert by["none"]["byte_check"] == "pass"
+    triton = [r for r in data["rows"] if r["method"] == "triton"]
+    assert len(triton) == 3 and all(r["byte_check"] == "fail" for r in triton)
+    assert all("stored host blocks" in r["byte_check_note"] for r in triton), triton
+    for method in ("vllm033", "dma"):
+        assert by[method]["byte_check"] == "fail" and "loaded GPU blocks" in by[method]["byte_check_note"]
+    assert len(data["failures"]) == 5
+    assert "FAIL" in proc.stdout
+
+
+def test_a_setting_that_cannot_run_is_refused_before_anything_runs(tmp_path):
+    proc = _run([str(SERVING), "--cpu-check", "--prefill", "7", "--json", str(tmp_path / "x.json")])
+    assert proc.returncode == 1 and "prefill = 7 must be a positive multiple of the block size 2" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+    proc = _run([str(SERVING), "--methods", "triton", "nvme"])
+    assert proc.returncode == 2 and "unknown method(s) ['nvme']" in proc.stderr and "'dma'" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def loop_setup():
+    """A tiny small-page setup on CPU, shared by the byte-check tests (each run resets the destinations)."""
+    with bench_modules("serving_loop", "serving_methods", "serving_config", "case", "workloads") as mods:
+        loop, methods, config, case, workloads = mods
+        env = case.Env(torch.device("cpu"), None, "cpu")
+        setup = loop.setup_workload(workloads.WORKLOADS["small-page"].tiny(), "block_first", config.CPU_LOOP, env, 3)
+        try:
+            yield loop, methods, setup
+        finally:
+            setup.close()
+
+
+def _flip(t: torch.Tensor, index) -> None:
+    t[index] ^= 0x5A
+
+
+def test_the_byte_check_catches_each_kind_of_wrong_byte(loop_setup):
+    loop, methods, setup = loop_setup
+    engine = methods.build_engine(methods.MethodPoint("triton", 4), setup.target)
+    run = loop.run_loop(setup, engine)
+    assert loop.byte_check(setup, run) is None
+    host_ids, gpu_ids, never = run.blocks.expected_stores()
+    assert host_ids.size == setup.sizes.host_ring and never.size == 0  # the store ring wrapped: all checked
+    # A stored host block with one wrong byte.
+    _flip(setup.host, (int(host_ids[5]), 17))
+    assert "stored host blocks: 1 of" in loop.byte_check(setup, run)
+    _flip(setup.host, (int(host_ids[5]), 17))
+    # The GPU block changed after its store (as if the store had run before the compute's write).
+    layer0 = setup.spec.kv_caches[1].view(torch.uint8)
+    _flip(layer0, (int(gpu_ids[0]), 0, 0, 0, 3))
+    problem = loop.byte_check(setup, run)
+    assert "stored host blocks: 1 of" in problem and "layer 1" in problem
+    _flip(layer0, (int(gpu_ids[0]), 0, 0, 0, 3))
+    # A loaded block with a wrong byte, and a cached prefix that no region holds now.
+    loaded, _ = run.blocks.expected_loads()
+    gpu = loaded[0][0]
+    _flip(setup.spec.kv_caches[0].view(torch.uint8), (int(gpu[2]), 1, 1, 0, 0))
+    assert "loaded GPU blocks: 1 of" in loop.byte_check(setup, run)
+    _flip(setup.spec.kv_caches[0].view(torch.uint8), (int(gpu[2]), 1, 1, 0, 0))
+    idle = set(range(3)) - set(run.blocks.region_prefix.tolist())
+    spare = run.blocks.prefix_host[idle.pop()]
+    _flip(setup.host, (int(spare[0]), 0))
+    assert loop.byte_check(setup, run) == "a cached prefix's host block changed"
+    _flip(setup.host, (int(spare[0]), 0))
+    assert loop.byte_check(setup, run) is None
+
+
+def test_a_store_that_reads_its_blocks_before_the_compute_writes_them_fails(loop_setup, monkeypatch):
+    """The step's KV depends on its compute, so a store ordered before the compute stores older bytes (here: every
+    method computes the same KV into the same blocks, and the previous run's are what a misordered store would find
+    if a run did not start from the sentinel)."""
+    loop, methods, setup = loop_setup
+    assert loop.byte_check(setup, loop.run_loop(setup, None)) is None  # a previous run left the same KV behind
+    engine = methods.build_engine(methods.MethodPoint("triton", 4), setup.target)
+    held, real_step, real_store = [], setup.model.step, engine.submit_store
+    monkeypatch.setattr(setup.model, "step", held.append)  # the compute is held back...
+
+    def store_first(job, gpu_ids, host_ids):
+        real_store(job, gpu_ids, host_ids)  # ...until the (synchronous, on CPU) store has read its blocks
+        real_step(held.pop())
+
+    engine.submit_store = store_first
+    run = loop.run_loop(setup, engine)
+    assert "stored host blocks" in loop.byte_check(setup, run)
+
+
+def test_deferred_stores_go_out_at_the_start_of_the_next_step(loop_setup, monkeypatch):
+    """--defer-stores (vLLM 0.33's placement): a step's store is submitted before the next step's load and compute,
+    and the last step's after the loop, so the host ring still ends complete."""
+    loop, methods, setup = loop_setup
+    engine = methods.build_engine(methods.MethodPoint("dma"), setup.target)
+    order = []
+    for name in ("submit_store", "submit_load"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(
+            engine, name, lambda job, g, h, real=real, name=name: order.append((name, job)) or real(job, g, h)
+        )
+    real_step = setup.model.step
+    monkeypatch.setattr(setup.model, "step", lambda rows: order.append(("compute", None)) or real_step(rows))
+    run = loop.run_loop(setup, engine, defer_stores=True)
+    assert loop.byte_check(setup, run) is None
+    steps = setup.shape.warmup + setup.shape.steps
+    assert order[:5] == [("submit_load", 1), ("compute", None), ("submit_store", 0), ("compute", None),
+                         ("submit_store", 2)]  # fmt: skip
+    assert order[-1] == ("submit_store", 2 * (steps - 1)) and order[-2] == ("compute", None)
+    assert all(r.store_submit_s is not None for r in run.records)
+
+
+def test_without_offload_nothing_may_change_on_either_side(loop_setup):
+    loop, _, setup = loop_setup
+    run = loop.run_loop(setup, None)
+    assert not run.offloaded and loop.byte_check(setup, run) is None
+    assert all(r.load_job is None and r.store_submit_s is None for r in run.records)
+    _flip(setup.host, (0, 0))
+    assert "no store addressed changed" in loop.byte_check(setup, run)
+    _flip(setup.host, (0, 0))
+    region = run.blocks.load_gpu[1]
+    _flip(setup.spec.kv_caches[0].view(torch.uint8), (int(region[0]), 0, 0, 0, 0))
+    assert "a load region that no load addressed changed" in loop.byte_check(setup, run)
+    _flip(setup.spec.kv_caches[0].view(torch.uint8), (int(region[0]), 0, 0, 0, 0))
+
+
+# (K or V, block, slot) -> index of that token's heads in a layer tensor, and the block dim, per layout.
+_KV_AT = {
+    "block_first": (lambda half, b, s: (b, half, s), 0),  # (blocks, 2, block_size, heads, head_dim)
+    "kv_first": (lambda half, b, s: (half, b, s), 1),  # (2, blocks, block_size, heads, head_dim)
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_KV_AT))
+def test_a_step_writes_its_kv_into_its_blocks_from_the_qkv_product(layout):
+    """The KV a step writes is the QKV product's K and V columns of each token, at the token's block and slot, in
+    every layer, and nothing else in the cache changes."""
+    import triton_offload as to
+
+    with bench_modules("serving_model", "workloads") as (serving_model, workloads):
+        w = workloads.WORKLOADS["llama3-8b"].tiny()  # 2 KV heads x 8
+        spec = to.KVCacheSpec(workloads.make_caches(w, layout, 12, "cpu", seed=2), layout)
+        model = serving_model.StepModel(w, spec, 3, seed=5)
+    at, block_dim = _KV_AT[layout]
+    blocks = np.array([4, 4, 9], dtype=np.int64)
+    slots = np.array([0, 1, 1], dtype=np.int64)
+    before = [t.clone() for t in spec.kv_caches]
+    m = model.model
+    for _ in range(2):  # the second step overwrites the first's KV with its own
+        model.step(model.slot_rows(blocks, slots))
+        k = model.qkv[:, m.q_width : m.q_width + m.kv_width].view(3, m.kv_heads, m.head_dim)
+        v = model.qkv[:, m.q_width + m.kv_width :].view(3, m.kv_heads, m.head_dim)
+        layer = spec.kv_caches[-1]  # the last layer's KV: from the last QKV product
+        for i, (b, s) in enumerate(zip(blocks, slots)):
+            assert torch.equal(layer[at(0, b, s)].view(torch.int16), k[i].view(torch.int16))
+            assert torch.equal(layer[at(1, b, s)].view(torch.int16), v[i].view(torch.int16))
+    for t, b in zip(spec.kv_caches, before):
+        per_block = (t.view(torch.int16) != b.view(torch.int16)).movedim(block_dim, 0).reshape(12, -1)  # bytes
+        assert per_block.any(dim=1).nonzero().flatten().tolist() == [4, 9]  # no other block was written
+
+
+@pytest.mark.parametrize("workload", ["llama3-8b", "llama3-70b-tp8", "small-page"])
+def test_the_block_plan_at_gpu_shapes(workload):
+    """At the GPU run's shape: every token gets its own slot, every block a step completes is stored, blocks are
+    reused only after many steps, and every host block of the store ring can be checked at the end; a GPU ring
+    smaller than ring_sizes' breaks that last property."""
+    with bench_modules("serving_blocks", "serving_config", "workloads") as (blocks_mod, config, workloads):
+        w = workloads.WORKLOADS[workload]
+        shape = config.GPU_LOOP
+        sizes = config.ring_sizes(shape, w.block_size)
+        plan = blocks_mod.Blocks(shape, sizes, w.block_size, seed=1)
+        per_prefill = shape.prefill // w.block_size
+        oldest_reuse = math.inf
+        for s in range(shape.warmup + shape.steps):
+            step = plan.next_step(store_job=2 * s)
+            pairs = step.token_blocks * w.block_size + step.token_slots
+            assert np.unique(pairs).size == shape.tokens and step.token_slots.max() < w.block_size
+            assert per_prefill + shape.decode // w.block_size <= step.store_gpu.size <= sizes.max_per_step
+            assert np.unique(step.store_host).size == step.store_gpu.size
+            if step.must_finish:
+                oldest_reuse = min(oldest_reuse, s - max(step.must_finish) // 2)
+        assert oldest_reuse > config.HOST_RING_STEPS  # steps from a store to its blocks' reuse: long finished
+        host_ids, gpu_ids, never = plan.expected_stores()
+        assert host_ids.size == sizes.host_ring and never.size == 0 and np.unique(gpu_ids).size == gpu_ids.size
+        small = blocks_mod.Blocks(
+            shape, config.RingSizes(**{**vars(sizes), "gpu_ring": sizes.gpu_ring // 3}), w.block_size, seed=1
+        )
+        for s in range(40):
+            small.next_step(store_job=2 * s)
+        with pytest.raises(AssertionError, match="ring too small"):
+            small.expected_stores()
+
+
+def test_every_default_method_is_registered_and_points_expand():
+    with bench_modules("serving_methods", "serving_config", "serving", "parts") as (methods, config, serving, parts):
+        assert set(config.DEFAULT_METHODS) <= set(methods.METHODS)
+        points = methods.method_points(config.DEFAULT_METHODS, config.GPU_LOOP.triton_ctas)
+        assert [p.label for p in points] == ["none", "triton@4", "triton@2", "triton@8", "vllm033", "dma"]
+        assert parts.SERVING_POINTS == len(points) and parts.DUPLEX_POINTS == len(serving.DUPLEX_POINTS)
+        assert set(serving.DUPLEX_POINTS) <= set(points)
+        with pytest.raises(ValueError, match=r"unknown method\(s\) \['auto'\]; supported: \['dma', 'none'"):
+            methods.method_points(["triton", "auto"], ())
+
+
+def test_the_triton_method_passes_engine_options_through(monkeypatch):
+    """So that a path choice (TransferEngine(..., path=...)) is one registry line away."""
+    with bench_modules("serving_methods") as (methods,):
+        seen = {}
+        monkeypatch.setattr(methods, "TransferEngine", lambda kv, host, **kw: seen.update(kw) or "engine")
+        target = methods.OffloadTarget("kv", type("Cache", (), {"buffer": "host"})(), None)
+        assert methods.triton_engine(target, 4, path="auto") == "engine"
+        assert seen == {"num_ctas": None, "path": "auto"}  # the default num_ctas is passed as a user passes it
+        seen.clear()
+        methods.triton_engine(target, 8)
+        assert seen == {"num_ctas": 8}
+
+
+def test_each_serving_workload_models_its_own_kv_cache():
+    with bench_modules("workloads", "serving_config") as (workloads, config):
+        for name in config.SERVING_WORKLOADS:
+            w = workloads.WORKLOADS[name]
+            assert (w.model.kv_heads, w.model.head_dim) == (w.heads, w.head_dim), name
+            tiny = w.tiny()
+            assert (tiny.model.kv_heads, tiny.model.head_dim) == (tiny.heads, tiny.head_dim), name
+        assert workloads.WORKLOADS["small-page"].page_bytes == 2048
+        llama8 = workloads.WORKLOADS["llama3-8b"].model
+        # 32 layers x (QKV 4096x6144 + O 4096x4096 + gate/up 4096x28672 + down 14336x4096) = 6.98e9 weights.
+        assert 32 * llama8.flops_per_token() // 2 == 6_979_321_856
+
+
+def _synthetic_run(loop, step_ms: float, load_ms: float | None, store_us: float, load_us: float):
+    """A LoopRun as a GPU run records it: 10 steps, a load before every 5th, the store submits and load times given."""
+    recs = []
+    for s in range(10):
+        rec = loop.StepRecord(step_s=(step_ms + s % 3) * 1e-3, store_bytes=1000, poll_s=2e-6)
+        if load_ms is not None:
+            rec.store_submit_s = store_us * 1e-6
+            if s % 5 == 0:
+                rec.load_job, rec.load_bytes = 2 * s + 1, 4000
+                rec.load_submit_s, rec.load_latency_s = load_us * 1e-6, load_ms * 1e-3
+                rec.load_wait_s = rec.load_latency_s - rec.load_submit_s
+                rec.store_bytes = 1000
+        recs.append(rec)
+    device = {2 * s + 1: 0.8 * load_ms * 1e-3 for s in (0, 5)} if load_ms is not None else {}
+    return loop.LoopRun(recs, device, None, load_ms is not None, compute_ms=[step_ms * 0.9] * 10)
+
+
+def test_the_gpu_figures_targets_table_and_plot_from_synthetic_runs(tmp_path):
+    """The GPU-only summaries, on runs with known numbers: medians and quantiles, the relative columns, each target's
+    verdict and worst case, the timed table and the PNG."""
+    with bench_modules("serving_loop", "serving_report") as (loop, report):
+        points = {  # method, num_ctas -> (step ms, load ms, store submit us, load submit us)
+            ("none", None): (50.0, None, 0, 0),
+            ("triton", 4): (50.5, 11.0, 200.0, 210.0),
+            ("vllm033", None): (52.0, 20.0, 2500.0, 400.0),
+        }
+        rows, samples = [], {"w": {}}
+        for (method, ctas), numbers in points.items():
+            run = _synthetic_run(loop, *numbers)
+            rows.append(report.new_row(workload="w", method=method, num_ctas=ctas, byte_check="pass",
+                                       **report.timing_fields(run), **report.count_fields(run)))  # fmt: skip
+            label = method if ctas is None else f"{method}@{ctas}"
+            samples["w"][label] = {
+                "step_ms": [r.step_s * 1e3 for r in run.records],
+                "load_latency_ms": [r.load_latency_s * 1e3 for r in run.records if r.load_job is not None],
+            }
+        report.fill_relative(rows, {"w": {"latency_ms": 10.0}})
+        none, ours, v33 = rows
+        assert none["step_ms_median"] == 51.0 and none["slowdown_vs_none"] == 0.0  # steps 50, 51, 52, 50, ...
+        assert none["load_latency_ms_median"] is None and none["submit_cpu_us_per_step"] == 0.0
+        assert ours["step_ms_median"] == 51.5 and ours["slowdown_vs_none"] == round(51.5 / 51 - 1, 4)
+        assert ours["step_ms_p99"] == 52.5 and ours["step_ms_p90"] == 52.5 and ours["compute_ms_median"] == 45.45
+        assert ours["load_latency_ms_median"] == 11.0 and ours["load_device_ms_median"] == 8.8
+        assert ours["load_wait_ms_median"] == 10.79 and ours["load_vs_contiguous"] == 1.1
+        assert ours["store_submit_us_median"] == 200.0 and ours["load_submit_us_median"] == 210.0
+        assert ours["submit_cpu_us_per_step"] == 200.0 + 2 * 210.0 / 10 and ours["poll_us_per_step"] == 2.0
+        assert ours["loads"] == 2 and ours["offload_gbps"] == round((10 * 1000 + 2 * 4000) / 0.515 / 1e9, 3)
+        duplex = [{"workload": "w", "method": "triton", "num_ctas": 4, "ratio": 1.6, "duplex_gbps": 80.0,
+                   "store_alone_gbps": 50.0, "load_alone_gbps": 48.0}]  # fmt: skip
+        targets = {t["target"].split(" ", 1)[1]: t for t in report.evaluate_targets(rows, duplex)}
+        verdicts = {k: t["result"] for k, t in targets.items()}
+        assert verdicts == {
+            "step time with triton@4 within 2% of none": "PASS",  # 1.0 %
+            "load latency <= 1.15x the contiguous pinned copy": "PASS",  # 1.1x
+            "load latency <= vllm033's": "PASS",  # 11 vs 20 ms
+            "store submit host time <= 1/10 of vllm033's": "PASS",  # 200 vs 2500 us
+            "load submit host time <= vllm033's": "PASS",  # 210 vs 400 us
+            "duplex >= 1.7x the faster direction alone": "FAIL",  # 1.6x
+        }, targets
+        assert targets["duplex >= 1.7x the faster direction alone"]["detail"].startswith("worst 1.6 at w (80.0 GB/s")
+        slow = targets["step time with triton@4 within 2% of none"]["detail"]
+        assert slow.startswith("worst 0.0098 at w (median step 51.5 vs 51.0 ms; compute 45.45 vs 45.0 ms)"), slow
+        report.print_rows(rows, timed=True)
+        assert report.plot_serving({}, {}, str(tmp_path / "none.png"), "x") == "nothing was timed: no plot written"
+        png = tmp_path / "s.png"
+        why = report.plot_serving(samples, {"w": {"latency_ms": 10.0}}, str(png), "synthetic")
+        if importlib.util.find_spec("matplotlib") is None:  # the Triton 3.6 environment has only the test extras
+            assert why == "matplotlib is not installed: no plot written" and not png.exists()
+        else:
+            assert why is None and png.stat().st_size > 10_000
+
+
+@pytest.mark.gpu
+def test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers(tmp_path):
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    args = ["--workloads", "llama3-70b-tp8", "--steps", "12", "--warmup", "3", "--prefill", "512", "--decode", "16",
+            "--prefix-tokens", "1024", "--load-every", "3", "--duplex-repeats", "2", "--json", str(out),
+            "--plot", str(png)]  # fmt: skip
+    proc = _run([str(SERVING), *args], timeout=500)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["mode"] == "gpu" and data["complete"] and data["failures"] == []
+    rows = _rows_by_label(data["rows"])
+    assert len(rows) == 6 and all(r["byte_check"] == "pass" for r in rows.values())
+    w = "llama3-70b-tp8"
+    none = rows[(w, "none", None)]
+    assert none["slowdown_vs_none"] == 0.0 and none["load_latency_ms_median"] is None
+    assert 0 < none["step_ms_median"] <= none["step_ms_p90"] <= none["step_ms_p99"] < 10_000
+    assert 0 < none["compute_ms_median"] <= none["step_ms_median"] * 1.05
+    contiguous = data["contiguous"][w]
+    assert contiguous["bytes"] == 64 * 80 * 8192 and 1 < contiguous["gbps"] < 200
+    for (_, method, _), r in rows.items():
+        if method == "none":
+            continue
+        assert r["loads"] == 4 and r["load_bytes"] == contiguous["bytes"], r
+        assert 0 < r["load_device_ms_median"] <= r["load_latency_ms_median"] <= r["load_latency_ms_p99"], r
+        assert 0 < r["load_wait_ms_median"] <= r["load_latency_ms_median"], r
+        assert 0 < r["store_submit_us_median"] < 1e5 and 0 < r["load_submit_us_median"] < 1e5, r
+        assert 0 < r["submit_cpu_us_per_step"] < 1e5 and 0 < r["offload_gbps"] < 200, r
+        assert -0.5 < r["slowdown_vs_none"] < 2.0 and 0.5 < r["load_vs_contiguous"] < 100, r
+    assert "SM copy load" in rows[(w, "vllm033", None)]["impl"]  # 8 KiB pages
+    duplex = {d["method"]: d for d in data["duplex"]}
+    assert set(duplex) == {"triton", "dma"}
+    for d in duplex.values():
+        assert d["byte_check"] == "pass" and 0.5 < d["ratio"] < 2.5, d
+        assert 1 < d["store_alone_gbps"] < 200 and 1 < d["load_alone_gbps"] < 200, d
+    assert len(data["targets"]) == 6 and {t["result"] for t in data["targets"]} <= {"PASS", "FAIL", "n/a"}
+    assert png.stat().st_size > 10_000
