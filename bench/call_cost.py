@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
-"""Where the host time of one transfer call goes, at 1024 blocks x 80 layers (Llama-3-70B TP8 pages, kv_first):
-the whole public ``gather_blocks`` call, each of its steps alone, and ``TransferEngine.submit_store`` /
-``submit_load`` (the vLLM plugin's path).
+"""Where the host time of one transfer call goes, at 1024 blocks x 80 layers (Llama-3-70B TP8 pages, kv_first): the
+whole public ``gather_blocks`` / ``scatter_blocks`` call and ``TransferEngine.submit_store`` / ``submit_load`` (the
+vLLM plugin's path), each with the direct launch (triton_offload/fast_launch.py) and with Triton's dispatch, in one
+run; the steps of a submit as timed *inside* real calls (the engine's trace hook), so they add up to the whole; and
+the steps of a public call timed alone.
 
-    python bench/call_cost.py            # on a GPU
-    python bench/call_cost.py --tiny     # any machine: the same code at a tiny shape (CPU: the interpreter)
+    python bench/call_cost.py [--json PATH]     # on a GPU
+    python bench/call_cost.py --tiny            # any machine: a tiny shape (on CPU the launch is the interpreter)
 
-Calls are issued in bursts of 8 after a synchronize (the GPU keeps the queue short, as in the benchmark's CPU-cost
-extra); each step is timed alone the same way. Medians over 200 calls; on CPU the numbers mean nothing.
+Calls are issued in bursts of 8 after a drain (a synchronize, or waiting for the engine's jobs) outside the timing,
+so the GPU's queue stays short. Medians, p99 and minimum over ``--calls`` calls. On CPU only the steps before the
+launch mean anything (the kernel runs in Triton's interpreter), and they are reported alone: planning (validation
+and packing) is the part the CPU target is set on.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -22,15 +27,26 @@ import torch
 
 import triton_offload as to
 from triton_offload.engine import TransferEngine
+from triton_offload.fast_launch import FAST_LAUNCH_ENV, enable_fast_launch
 from triton_offload.host_cache import HostCache
 from triton_offload.kernels.copy_blocks import CopyLauncher
+from triton_offload.transfer import check_host_buffer, planner_for
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from results import machine_info, write_json
 from timing import stats_us
 from workloads import WORKLOADS, make_caches
 
 BURST = 8
+# The engine's trace points in order (triton_offload/engine.py): each step is the time from the previous point.
+ENGINE_STEPS = {
+    "plan": "plan: validation + packing into the pinned slot",
+    "fence": "fence: event on the compute stream + wait",
+    "upload": "upload: stream switch + id copy",
+    "launch": "launch: start event + kernel launch",
+    "done": "end event + bookkeeping",
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -39,8 +55,8 @@ def _sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, calls: int, drain=None) -> dict:
-    """:func:`timing.stats_us` of ``fn()``'s host time, called in bursts of BURST; ``drain()`` (default: a device
-    synchronize) runs before each burst and at the end, outside the timing."""
+    """Host time of ``fn()``, called in bursts of BURST; ``drain()`` (default: a device synchronize) runs before
+    each burst and at the end, outside the timing. Returns :func:`timing.stats_us` plus p99."""
     drain = drain or (lambda: _sync(device))
     ts = []
     for i in range(calls):
@@ -50,10 +66,20 @@ def timed(fn, device: torch.device, calls: int, drain=None) -> dict:
         fn()
         ts.append(time.perf_counter() - t0)
     drain()
-    return stats_us(ts)
+    return {**stats_us(ts), "p99_us": round(float(np.quantile(ts, 0.99)) * 1e6, 2)}
 
 
-def measure(tiny: bool, calls: int) -> dict[str, dict]:
+@dataclasses.dataclass
+class Setup:
+    device: torch.device
+    spec: to.KVCacheSpec
+    host: torch.Tensor
+    cache: HostCache
+    g: np.ndarray
+    h: np.ndarray
+
+
+def setup(tiny: bool) -> Setup:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w = WORKLOADS["llama3-70b-tp8"]
     n, num_blocks, host_blocks = (8, 20, 12) if tiny else (1024, 2100, 1100)
@@ -61,29 +87,57 @@ def measure(tiny: bool, calls: int) -> dict[str, dict]:
         w = dataclasses.replace(w.tiny(), num_layers=4)
     spec = to.KVCacheSpec(make_caches(w, "kv_first", num_blocks, device), "kv_first")
     cache = HostCache(spec.host_block_bytes(1), num_blocks=host_blocks, pin=device.type == "cuda")
-    host = cache.buffer
     rng = np.random.default_rng(0)
     g = rng.permutation(num_blocks)[:n].astype(np.int64)
     h = rng.permutation(host_blocks)[:n].astype(np.int64)
-    kw = dict(store=True, blocks_per_host_block=1, skip=0)
-    plan = to.plan_transfer(spec, host, g, h, **kw)
-    dev_ids = torch.from_numpy(plan.ids).to(device)
-    launcher = CopyLauncher(spec, host, 1, True)
-    to.gather_blocks(spec, g, host, h)  # compiles
-    _sync(device)
-    pin = (lambda t: t.pin_memory()) if device.type == "cuda" else (lambda t: t.clone())
+    return Setup(device, spec, cache.buffer, cache, g, h)
+
+
+def public_calls(s: Setup, calls: int, fast: bool) -> dict[str, dict]:
+    """The whole public calls, with the direct launch on or off (the environment switch the calls read)."""
+    os.environ[FAST_LAUNCH_ENV] = "1" if fast else "0"
+    try:
+        gather = lambda: to.gather_blocks(s.spec, s.g, s.host, s.h)  # noqa: E731
+        scatter = lambda: to.scatter_blocks(s.host, s.h, s.spec, s.g)  # noqa: E731
+        gather(), scatter()  # compiles, proves the direct launch, fills the staging pool
+        _sync(s.device)
+        label = "direct launch" if fast else "Triton's dispatch"
+        return {
+            f"gather_blocks, {label}": timed(gather, s.device, calls),
+            f"scatter_blocks, {label}": timed(scatter, s.device, calls),
+        }
+    finally:
+        del os.environ[FAST_LAUNCH_ENV]
+
+
+def public_steps(s: Setup, calls: int) -> dict[str, dict]:
+    """Steps of a public call (a store) timed alone: the checks, the planning, the launcher and its proof lookup."""
+    planner = planner_for(s.spec, s.host.shape[0], 1)
+    staging = np.empty(4 * len(s.g) + 16, dtype=np.int64)
     out = {
-        "gather_blocks (whole call)": timed(lambda: to.gather_blocks(spec, g, host, h), device, calls),
-        "plan_transfer (validation, packing)": timed(lambda: to.plan_transfer(spec, host, g, h, **kw), device, calls),
-        "ids: from_numpy + pin_memory": timed(lambda: pin(torch.from_numpy(plan.ids)), device, calls),
-        "ids: pin + upload": timed(
-            lambda: pin(torch.from_numpy(plan.ids)).to(device, non_blocking=True), device, calls
+        "check_host_buffer": timed(lambda: check_host_buffer(s.spec, s.host, 1), s.device, calls),
+        "plan: validation + packing": timed(
+            lambda: planner.plan(s.g, s.h, store=True, stage=lambda size: staging), s.device, calls
         ),
-        "CopyLauncher(...)": timed(lambda: CopyLauncher(spec, host, 1, True), device, calls),
-        "launch (kernel only)": timed(lambda: launcher.launch(plan, dev_ids), device, calls),
+        "CopyLauncher(...)": timed(lambda: CopyLauncher(s.spec, s.host, 1, True), s.device, calls),
     }
-    eng = TransferEngine(spec, host)
+    if s.device.type == "cuda":
+        launcher = CopyLauncher(s.spec, s.host, 1, True)
+        out["enable_fast_launch (a proven variant)"] = timed(lambda: enable_fast_launch(launcher), s.device, calls)
+        plan = planner.plan(s.g, s.h, store=True)
+        ids = torch.from_numpy(plan.ids).to(s.device)
+        out["launch alone, direct"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+        launcher.set_direct(True, None)
+        out["launch alone, Triton's dispatch"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+    return out
+
+
+def engine_calls(s: Setup, calls: int, fast: bool) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Both submits, whole; and the steps of each, from the trace of the same calls."""
+    eng = TransferEngine(s.spec, s.host, fast_launch=fast)
     job, queued = [0], []
+    marks: list[tuple[str, int]] = []
+    eng.trace = lambda step: marks.append((step, time.perf_counter_ns()))
 
     def drain() -> None:  # waits for the burst's jobs outside the timing, as the synchronize does above
         if queued:
@@ -91,31 +145,83 @@ def measure(tiny: bool, calls: int) -> dict[str, dict]:
             assert all(r.ok for r in eng.get_finished())
             queued.clear()
 
-    for name, submit in (("engine.submit_store", eng.submit_store), ("engine.submit_load", eng.submit_load)):
+    label = "direct launch" if fast else "Triton's dispatch"
+    whole, steps = {}, {}
+    for name, submit in (("submit_store", eng.submit_store), ("submit_load", eng.submit_load)):
 
         def one(submit=submit):
             job[0] += 1
-            submit(job[0], g, h)
+            submit(job[0], s.g, s.h)
             queued.append(job[0])
 
         one()  # compiles this direction
-        out[name] = timed(one, device, calls, drain)
+        drain()
+        marks.clear()
+        whole[f"engine.{name}, {label}"] = timed(one, s.device, calls, drain)
+        steps.update(_trace_steps(marks, f"engine.{name}, {label}"))
     eng.shutdown()
-    cache.close()
-    return out
+    return whole, steps
+
+
+def _trace_steps(marks: list[tuple[str, int]], prefix: str) -> dict[str, dict]:
+    """Median (and p99) microseconds of each traced step over the calls in ``marks``."""
+    per_step: dict[str, list[float]] = {}
+    start = None
+    for step, t in marks:
+        if step == "submit":
+            start = prev = t
+            continue
+        if start is None:
+            continue
+        per_step.setdefault(step, []).append((t - prev) / 1e9)
+        prev = t
+    return {f"{prefix} / {ENGINE_STEPS.get(k, k)}": {**stats_us(v)} for k, v in per_step.items()}
+
+
+def measure(tiny: bool, calls: int) -> dict[str, dict[str, dict]]:
+    s = setup(tiny)
+    sections: dict[str, dict[str, dict]] = {"public steps": public_steps(s, calls)}
+    if s.device.type == "cuda":
+        sections["public calls"] = {**public_calls(s, calls, True), **public_calls(s, calls, False)}
+        fast_whole, fast_steps = engine_calls(s, calls, True)
+        slow_whole, slow_steps = engine_calls(s, calls, False)
+        sections["engine submits"] = {**fast_whole, **slow_whole}
+        sections["engine submit steps (inside the calls above)"] = {**fast_steps, **slow_steps}
+    elif tiny:
+        # The interpreter runs the kernel inside the call (seconds at the full shape): the engine's calls run only at
+        # the tiny shape, to check the trace; their numbers mean nothing.
+        sections["engine submit steps (inside the calls above)"] = engine_calls(s, calls, False)[1]
+    s.cache.close()
+    return sections
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (any machine; CPU runs the interpreter)")
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
     args = ap.parse_args(argv)
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (interpreter: not a measurement)"
+    cuda = torch.cuda.is_available()
+    where = torch.cuda.get_device_name() if cuda else "CPU (no CUDA: the steps before the launch only)"
     shape = "tiny" if args.tiny else "1024 blocks x 80 layers"
     print(f"host time per call, {shape}, {where}")
-    for name, s in measure(args.tiny, args.calls).items():
-        print(f"{name:<38} median {s['median_us']:8.1f} us  p20 {s['p20_us']:8.1f}  p80 {s['p80_us']:8.1f}  "
-              f"min {s['min_us']:8.1f}")  # fmt: skip
+    sections = measure(args.tiny, args.calls)
+    for title, rows in sections.items():
+        print(f"\n{title}")
+        for name, st in rows.items():
+            print(f"  {name:<78} median {st['median_us']:8.1f} us  p80 {st['p80_us']:8.1f}  min {st['min_us']:8.1f}")
+    if args.json:
+        doc = {
+            "benchmark": "call_cost",
+            **machine_info(),
+            "device": where,
+            "torch": torch.__version__,
+            "shape": shape,
+            "calls": args.calls,
+            "sections": sections,
+        }
+        write_json(args.json, doc)
+        print(f"wrote {args.json}")
     return 0
 
 

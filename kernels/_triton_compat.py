@@ -1,4 +1,7 @@
-"""A fix for Triton < 3.7's interpreter under NumPy >= 2.4, applied only on those versions.
+"""What the kernels need from Triton beyond its public launch API, kept in one place because it depends on Triton's
+internals: a fix for Triton < 3.7's interpreter under NumPy >= 2.4, and the direct launch of a compiled variant.
+
+The interpreter fix, applied only on those versions:
 
 Triton 3.6's interpreter holds every scalar as a 1-element array and turns it into a Python int with ``int(array)``,
 which NumPy 2.4 rejects for arrays that are not 0-d: every loop with a run-time bound then fails with "only
@@ -35,4 +38,50 @@ def patch_interpreter_scalar_index() -> bool:
 
     patch_lang_tensor._squeezes_index = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching a compiled variant directly (Triton 3.6 to 3.9 share this protocol; see triton/runtime/jit.py, JITFunction
+# .run: after binding the arguments and finding the variant, it calls exactly what DirectRunner calls).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def compile_variant(jit_fn, args: tuple, constexprs: dict, num_warps: int):
+    """The compiled variant ``jit_fn[grid](*args, **constexprs, num_warps=...)`` would launch, compiled now if
+    Triton's cache does not hold it yet; nothing is launched. Needs a CUDA device."""
+    kernel = jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
+    if hasattr(kernel, "result"):  # Triton's asynchronous compile mode hands back a future
+        kernel = kernel.result()
+    return kernel
+
+
+class DirectRunner:
+    """Launches one compiled variant with the arguments as given: what Triton's dispatch does after it has bound and
+    specialised the arguments and looked the variant up, minus that work and minus the launch hooks (the caller uses
+    it only while none is installed, see :func:`launch_hooks_idle`).
+
+    The caller must pass arguments for which Triton would have picked this very variant: with every scalar typed and
+    unspecialised and the pointers' alignment fixed, that is any call of the launcher it was compiled for.
+    """
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self._run = compiled.run  # first access loads the module and builds the launcher
+        self._function = compiled.function
+        self._metadata = compiled.packed_metadata
+
+    def __call__(self, programs: int, stream: int, args: tuple) -> None:
+        # (grid x, y, z, stream, function, packed metadata, launch metadata, enter hook, exit hook, *arguments)
+        self._run(programs, 1, 1, stream, self._function, self._metadata, None, None, None, *args)
+
+
+def launch_hooks_idle() -> bool:
+    """True when no launch hook is installed (Triton >= 3.4 keeps empty hook chains; older ones None)."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
     return True

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,12 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_offload.kernels._triton_compat import compile_variant, launch_hooks_idle
 from triton_offload.layouts import KVCacheSpec
 
 __all__ = [
     "DEFAULT_NUM_CTAS",
     "TransferPlan",
     "pack_ids",
+    "packed_size",
     "LaunchConfig",
     "launch_config",
     "access_width",
@@ -64,14 +67,16 @@ def _copy_blocks_kernel(
     # host offset of sub-block 0 in a host row (elements)
     ids_ptr,  # int64*: GPU ids [n_blocks], host ids [n_host]; if MULTI_GROUP also group of each block [n_blocks]
     # and per group (first block, skip, first host id)
-    n_blocks,
-    n_host,
-    n_segs,  # segments per group
-    tiles_per_program,  # ceil(tiles / programs): the last round is partly masked
-    skip,  # single group only; MULTI_GROUP reads each group's skip from ids_ptr
-    blocks_per_host_block,
-    host_row_stride,  # elements between host blocks
-    n_chunks,  # CHUNK-sized steps of the longest segment; shorter ones are masked
+    # The scalars are typed int64 and never specialised (see _NOT_SPECIALIZED): one compiled variant serves every
+    # value, which the direct launch (triton_offload/fast_launch.py) relies on.
+    n_blocks: tl.int64,
+    n_host: tl.int64,
+    n_segs: tl.int64,  # segments per group
+    tiles_per_program: tl.int64,  # ceil(tiles / programs): the last round is partly masked
+    skip: tl.int64,  # single group only; MULTI_GROUP reads each group's skip from ids_ptr
+    blocks_per_host_block: tl.int64,
+    host_row_stride: tl.int64,  # elements between host blocks
+    n_chunks: tl.int64,  # CHUNK-sized steps of the longest segment; shorter ones are masked
     STORE: tl.constexpr,  # True: GPU -> host (a store, gather_blocks); False: host -> GPU (a load, scatter_blocks)
     MULTI_GROUP: tl.constexpr,
     ROWS: tl.constexpr,
@@ -143,7 +148,12 @@ _NOT_SPECIALIZED = [
     "host_row_stride",
     "n_chunks",
 ]
-_jit_kernel = triton.jit(_copy_blocks_kernel, do_not_specialize=_NOT_SPECIALIZED)
+# Pointers whose alignment the compiled code must not assume: the ids are gathered row by row (no vector access to
+# gain), and their buffer changes between calls. The KV anchor and the host buffer keep their alignment
+# specialisation (it enables the 16-byte accesses); both are fixed for a launcher.
+_ALIGNMENT_NOT_SPECIALIZED = ["table_ptr", "ids_ptr"]
+_JIT_OPTIONS = dict(do_not_specialize=_NOT_SPECIALIZED, do_not_specialize_on_alignment=_ALIGNMENT_NOT_SPECIALIZED)
+_jit_kernel = triton.jit(_copy_blocks_kernel, **_JIT_OPTIONS)
 _interpreted = None
 
 
@@ -169,7 +179,7 @@ def _interpreted_kernel():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: built on every call, and twice as fast to build
 class TransferPlan:
     """A validated transfer, packed for one launch (built by :func:`triton_offload.transfer.plan_transfer`).
 
@@ -191,26 +201,42 @@ class TransferPlan:
     num_bytes: int
 
 
+def packed_size(num_groups: int, n_blocks: int, n_host: int) -> int:
+    """Elements of the kernel's id buffer for a transfer of ``n_blocks`` GPU ids and ``n_host`` host ids."""
+    return n_blocks + n_host if num_groups == 1 else 2 * n_blocks + n_host + 3 * num_groups
+
+
 def pack_ids(
     spec: KVCacheSpec,
     store: bool,
     gpu_ids: np.ndarray,
     host_ids: np.ndarray,
-    sizes: list[int],
-    skips: list[int],
-    host_counts: list[int],
+    sizes: Sequence[int],
+    skips: Sequence[int],
+    host_counts: Sequence[int],
+    stage=None,
 ) -> TransferPlan:
     """Packs validated ids into the kernel's id buffer: per group, ``sizes[g]`` GPU ids starting at ``skips[g]``
-    and ``host_counts[g]`` host ids, concatenated group by group."""
-    n, m = int(gpu_ids.size), int(host_ids.size)
-    if spec.num_groups == 1:
-        return TransferPlan(store, np.concatenate([gpu_ids, host_ids]), n, m, skips[0], n * spec.bytes_per_block)
+    and ``host_counts[g]`` host ids, concatenated group by group.
+
+    Args:
+        stage: ``stage(size)`` returns a 1-D int64 array of at least ``size`` elements to pack into (a pinned
+            staging buffer, so the ids need no further copy before their upload); None allocates one.
+    """
+    n, m = gpu_ids.size, host_ids.size
+    one_group = spec.num_groups == 1
+    size = n + m if one_group else packed_size(spec.num_groups, n, m)
+    out = np.empty(size, dtype=np.int64) if stage is None else stage(size)[:size]
+    out[:n] = gpu_ids
+    out[n : n + m] = host_ids
+    if one_group:
+        return TransferPlan(store, out, n, m, skips[0], n * spec.bytes_per_block)
     num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
-    block_group = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    out[n + m : 2 * n + m] = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     first_block = np.cumsum(sizes) - sizes
     first_host = np.cumsum(host_counts) - host_counts
-    groups = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
-    return TransferPlan(store, np.concatenate([gpu_ids, host_ids, block_group, groups]), n, m, 0, num_bytes)
+    out[2 * n + m :] = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
+    return TransferPlan(store, out, n, m, 0, num_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,6 +351,9 @@ class _SpecKernelState:
     def __init__(self) -> None:
         self.tables: dict[tuple[int, int], torch.Tensor] = {}
         self.configs: dict[tuple[int, bool], LaunchConfig] = {}
+        # Direct launchers of compiled variants (triton_offload/fast_launch.py), by CopyLauncher.variant_key; a str
+        # says why that variant keeps Triton's launch.
+        self.direct: dict[tuple, object] = {}
 
 
 # Keyed by the spec, held weakly: the spec stays a plain description of the caches, and its kernel state goes with it.
@@ -338,60 +367,79 @@ class CopyLauncher:
     host strides) is derived here, once; tables and shapes are shared by every launcher of the same spec. Inputs are
     validated by :mod:`triton_offload.transfer`; only internal invariants are asserted here.
 
+    A launch goes through Triton's dispatch (``kernel[grid](...)``) unless a direct launcher of the compiled variant
+    was installed for its direction (:meth:`set_direct`, done by :mod:`triton_offload.fast_launch` once proven).
+
     Args:
         spec: the prepared KV caches.
         host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row (checked by
             :func:`triton_offload.transfer.check_host_buffer`).
         blocks_per_host_block: GPU blocks per host block.
         store: the one direction this launcher serves (a single public call); None for both (an engine).
+        configs: launch shapes to use instead of the spec's own, per direction (a canary launcher takes its live
+            launcher's, so both launch the same compiled variant).
     """
 
     def __init__(
-        self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, store: bool | None = None
+        self,
+        spec: KVCacheSpec,
+        host_buffer: torch.Tensor,
+        blocks_per_host_block: int,
+        store: bool | None = None,
+        configs: dict[bool, LaunchConfig] | None = None,
     ):
         self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
+        self.cuda = spec.device.type == "cuda"
+        if self.cuda and os.environ.get("TRITON_INTERPRET", "0") == "1":
+            raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
         state = _STATE.get(spec)
         if state is None:
             state = _STATE[spec] = _SpecKernelState()
+        self._state = state
         width = access_width(spec, host_buffer)
+        self.directions = (True, False) if store is None else (store,)
         self._launch_args = {}
-        directions = (True, False) if store is None else (store,)
-        for d in directions:  # True: a store
-            cfg = state.configs.get((width, d))
+        self._direct: dict[bool, object] = {}
+        for d in self.directions:  # True: a store
+            cfg = None if configs is None else configs[d]
+            if cfg is None:
+                cfg = state.configs.get((width, d))
             if cfg is None:
                 cfg = state.configs[(width, d)] = launch_config(spec, width, d)
+            assert cfg.elem * cfg.vec <= width, "a launch shape may not access wider than the buffers allow"
             key = (cfg.elem, table_key(spec, blocks_per_host_block))
             table = state.tables.get(key)
             if table is None:
                 table = state.tables[key] = build_segment_table(spec, cfg.elem, key[1])
             host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
             # The anchor (the table's storage as the element type) and the host view are made once, not per launch.
-            self._launch_args[d] = (cfg, table, table.view(cfg.dtype), host_buffer.view(cfg.dtype), host_row)
+            anchor, host = table.view(cfg.dtype), host_buffer.view(cfg.dtype)
+            # A direct launch passes device addresses as ints (the launcher then skips data_ptr and the driver's
+            # pointer lookup); the host buffer stays a tensor, so the launcher translates it as Triton's launch does.
+            self._launch_args[d] = (cfg, (anchor, host, table), (anchor.data_ptr(), host, table.data_ptr()), host_row)
+        self._current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def config(self, store: bool) -> LaunchConfig:
         return self._launch_args[store][0]
 
-    def launch(self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None) -> None:
-        """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream.
+    def variant_key(self, store: bool) -> tuple:
+        """What selects the compiled variant of this launcher's launches in one direction: the launch shape and the
+        alignment class of the two data pointers (the only arguments Triton specialises); the spec's state keeps
+        one direct launcher per key."""
+        cfg, (anchor, host, _), _, _ = self._launch_args[store]
+        return (cfg, store, self.spec.num_groups > 1, anchor.data_ptr() % 16 == 0, host.data_ptr() % 16 == 0)
 
-        Args:
-            plan: the validated transfer.
-            ids: ``plan.ids`` as int64 on the spec's device.
-            num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
-        """
+    def arguments(self, plan: TransferPlan, ids, num_ctas: int | None = None, direct: bool = False):
+        """(programs, every kernel argument in signature order, constexprs included) of one launch, as Triton's
+        dispatch hands them to the compiled kernel's launcher. ``ids`` is the device id buffer (or, ``direct``, its
+        address; the KV anchor and the table are then passed as addresses too)."""
         spec = self.spec
-        assert ids.dtype == torch.int64 and ids.device == spec.device
-        cfg, table, anchor, host, host_row = self._launch_args[plan.store]
+        cfg, pointers, addresses, host_row = self._launch_args[plan.store]
+        anchor, host, table = addresses if direct else pointers
         n_segs = spec.segments_per_group
         n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
         programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
-        if spec.device.type == "cpu":
-            kernel = _interpreted_kernel()
-        else:
-            if os.environ.get("TRITON_INTERPRET", "0") == "1":
-                raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
-            kernel = _jit_kernel
-        kernel[(programs,)](
+        args = (
             anchor,
             host,
             table,
@@ -404,10 +452,61 @@ class CopyLauncher:
             self.blocks_per_host_block,
             host_row,
             cfg.n_chunks,
-            STORE=plan.store,
-            MULTI_GROUP=spec.num_groups > 1,
-            ROWS=cfg.rows,
-            CHUNK=cfg.chunk,
-            VEC=cfg.vec,
-            num_warps=cfg.num_warps,
+            plan.store,
+            spec.num_groups > 1,
+            cfg.rows,
+            cfg.chunk,
+            cfg.vec,
         )
+        return programs, args
+
+    def compile_variant(self, store: bool):
+        """The compiled kernel this launcher's launches in one direction use (compiled now if Triton's cache does
+        not hold it yet); CUDA only."""
+        cfg = self.config(store)
+        ids = torch.zeros(1, dtype=torch.int64, device=self.spec.device)
+        plan = TransferPlan(store, np.zeros(1, dtype=np.int64), 1, 1, 0, 0)
+        _, args = self.arguments(plan, ids)
+        return compile_variant(_jit_kernel, args[:-5], _constexprs(args), cfg.num_warps)
+
+    def set_direct(self, store: bool, runner) -> None:
+        """Launches in direction ``store`` call ``runner(programs, stream, args)`` instead of Triton's dispatch
+        (None: back to the dispatch)."""
+        if runner is None:
+            self._direct.pop(store, None)
+        else:
+            self._direct[store] = runner
+
+    def direct(self, store: bool):
+        """The direct runner of direction ``store``, or None when its launches go through Triton's dispatch."""
+        return self._direct.get(store)
+
+    def launch(self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None) -> None:
+        """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream.
+
+        Args:
+            plan: the validated transfer.
+            ids: ``plan.ids`` as int64 on the spec's device.
+            num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
+        """
+        assert ids.dtype == torch.int64 and ids.device == self.spec.device
+        runner = self._direct.get(plan.store)
+        if runner is not None and launch_hooks_idle():  # a profiler's launch hooks need Triton's own path
+            if self.cuda:
+                programs, args = self.arguments(plan, ids.data_ptr(), num_ctas, direct=True)
+                runner(programs, self._current_stream(self.spec.device.index), args)
+            else:  # a runner under test, on the interpreter: it needs tensors
+                programs, args = self.arguments(plan, ids, num_ctas)
+                runner(programs, 0, args)
+            return
+        programs, args = self.arguments(plan, ids, num_ctas)
+        kernel = _jit_kernel if self.cuda else _interpreted_kernel()
+        kernel[(programs,)](*args[:-5], **_constexprs(args), num_warps=self.config(plan.store).num_warps)
+
+
+_CONSTEXPRS = ("STORE", "MULTI_GROUP", "ROWS", "CHUNK", "VEC")
+
+
+def _constexprs(args: tuple) -> dict:
+    """The kernel's constexpr arguments (the last five of :meth:`CopyLauncher.arguments`) by name."""
+    return dict(zip(_CONSTEXPRS, args[-5:]))

@@ -30,16 +30,16 @@ _SCALARS = copy_blocks._NOT_SPECIALIZED  # the launch's runtime scalars, in sign
 
 def compile_ptx(cfg: copy_blocks.LaunchConfig, store: bool, grouped: bool) -> str:
     # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
-    fn = JITFunction(copy_blocks._copy_blocks_kernel, do_not_specialize=_SCALARS)
+    fn = JITFunction(copy_blocks._copy_blocks_kernel, **copy_blocks._JIT_OPTIONS)
     ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
     signature = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
-    # Python ints below 2**31 reach the kernel as i32 (do_not_specialize keeps the type, not the value), which is
-    # what a real launch passes; the kernel widens them itself.
-    signature |= {name: "i32" for name in _SCALARS}
+    # The scalars are annotated int64 (one variant for every value), which is what a real launch passes.
+    signature |= {name: "i64" for name in _SCALARS}
     constexprs = {"STORE": store, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
     signature |= {name: "constexpr" for name in constexprs}
-    # torch allocations are at least 64-byte aligned: Triton specialises pointer arguments as 16-byte divisible.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    # torch allocations are at least 64-byte aligned: Triton specialises the KV anchor and the host buffer as 16-byte
+    # divisible (not the table and id pointers: _ALIGNMENT_NOT_SPECIALIZED).
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
     kernel = triton.compile(
         ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options={"num_warps": cfg.num_warps}
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import triton_offload as to
+from triton_offload.transfer import TransferPlanner
 
 from kv_factory import host_buffer, make_caches, snapshot
 
@@ -255,3 +256,33 @@ def test_bad_groups(groups, pattern):
     caches = make_caches("kv_first", 3, NUM_BLOCKS, PAGE, torch.float16)
     with pytest.raises(ValueError, match=pattern):
         to.KVCacheSpec(caches, "kv_first", groups=groups)
+
+
+def test_planner_finds_every_duplicate_destination_across_calls():
+    """The planner finds duplicated destinations by scattering positions into marks it keeps between calls: stale
+    marks of earlier calls must neither hide a duplicate nor invent one. Checked against a set, on random calls."""
+    caches = make_caches("kv_first", 1, 64, PAGE, torch.float16)
+    spec = to.KVCacheSpec(caches, "kv_first")
+    planner = TransferPlanner(spec, 40, 1)
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 40))
+        ids = rng.integers(0, 40, n) if trial % 2 else rng.permutation(40)[:n]
+        dup = len(set(ids.tolist())) < n
+        # (store, gpu ids, host ids): the destinations are the host ids of a store, the GPU ids of a load.
+        for store, g, h in ((True, rng.integers(0, 64, n), ids), (False, ids, rng.integers(0, 40, n))):
+            if dup:
+                first = next(int(v) for i, v in enumerate(ids) if v in ids[i + 1 :])
+                with pytest.raises(ValueError, match=rf"holds destination id {first} more than once"):
+                    planner.plan(g, h, store=store)
+            else:
+                plan = planner.plan(g, h, store=store)
+                assert plan.ids.tolist() == [*g.tolist(), *h.tolist()]
+
+
+def test_huge_and_negative_ids_are_out_of_range(setup):
+    """The range check reads ids as unsigned: a negative id is larger than any limit, never below it."""
+    _, spec, host = setup
+    for bad in (-(2**63), -1, 2**62):
+        with pytest.raises(ValueError, match=rf"gpu_block_ids\[1\] = {bad} is out of range"):
+            to.plan_transfer(spec, host, [0, bad, 1], [0, 1], blocks_per_host_block=2, skip=1, store=True)

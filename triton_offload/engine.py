@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from triton_offload._checks import int_in_range
+from triton_offload.fast_launch import DIRECT, enable_fast_launch, fast_launch_default
 from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan
 from triton_offload.layouts import KVCacheSpec
-from triton_offload.transfer import BlockIds, check_host_buffer, plan_ids
+from triton_offload.staging import IdSlot, IdStager
+from triton_offload.transfer import BlockIds, TransferPlanner, check_host_buffer
 
 __all__ = ["TransferEngine", "JobResult", "TransferResult", "STORE", "LOAD"]
 
@@ -43,16 +45,6 @@ class JobResult:
 TransferResult = JobResult
 
 
-class _IdBuffers:
-    """A pinned staging buffer and its device twin for one job's ids, reused once the job's events complete."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.capacity = capacity
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.device = torch.empty(capacity, dtype=torch.int64, device=device)
-
-
 @dataclass
 class _Job:
     job_id: int
@@ -60,7 +52,7 @@ class _Job:
     num_bytes: int
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
-    ids: _IdBuffers | None = None
+    ids: IdSlot | None = None
     result: JobResult | None = None
 
 
@@ -73,10 +65,19 @@ class TransferEngine:
             on CUDA (see :class:`triton_offload.host_cache.HostCache`).
         blocks_per_host_block: GPU blocks per host block (f).
         num_ctas: programs each launch may occupy; None for the kernel's default.
+        fast_launch: launch the kernel's compiled variant directly, past Triton's per-call dispatch, where a canary
+            transfer at creation proves it moves the same bytes (:mod:`triton_offload.fast_launch`); None follows
+            ``TRITON_OFFLOAD_FAST_LAUNCH`` (on unless it is ``0``). ``launch_paths`` says what each direction uses.
     """
 
     def __init__(
-        self, kv: KVCacheSpec, host_buffer: torch.Tensor, *, blocks_per_host_block: int = 1, num_ctas: int | None = None
+        self,
+        kv: KVCacheSpec,
+        host_buffer: torch.Tensor,
+        *,
+        blocks_per_host_block: int = 1,
+        num_ctas: int | None = None,
+        fast_launch: bool | None = None,
     ):
         self.kv = kv
         self.host_buffer = host_buffer
@@ -85,21 +86,40 @@ class TransferEngine:
         check_host_buffer(kv, host_buffer, self.blocks_per_host_block)
         self.num_ctas = None if num_ctas is None else int_in_range(num_ctas, "num_ctas", 1)
         self.cuda = kv.device.type == "cuda"
+        self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
         self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
         self._done: list[JobResult] = []
         self._first_error: BaseException | None = None
         self._closed = False
+        # Test and profiling hook: trace(step) is called at each step of a submission (bench/call_cost.py).
+        self.trace = None
         # The kernel's segment tables and launch shapes are built now, on the caller's stream and synchronously,
         # rather than by the first job on whichever side stream it runs: the other stream would read them unordered.
         self._launcher = CopyLauncher(kv, host_buffer, self.blocks_per_host_block)
+        # How each direction launches: directly, once a canary transfer proved it (triton_offload/fast_launch.py),
+        # or through Triton's dispatch, and why.
+        if fast_launch is None:
+            fast_launch = fast_launch_default()
+        if fast_launch:
+            verdicts = enable_fast_launch(self._launcher, self.num_ctas)
+        else:
+            verdicts = {store: "turned off" for store in self._launcher.directions}
+        self.launch_paths = {STORE if store else LOAD: v for store, v in verdicts.items()}
+        logger.info(
+            "triton-offload engine: store launches %s, load launches %s",
+            *(("direct" if v == DIRECT else f"through Triton's dispatch ({v})") for v in self.launch_paths.values()),
+        )
         if self.cuda:
             # Chosen once here: a store stream and a load stream, so loads (on the critical path of a request
             # waiting for its prefix) never queue behind a long store.
             self._streams = {STORE: torch.cuda.Stream(kv.device), LOAD: torch.cuda.Stream(kv.device)}
+            # One event per direction marks the compute stream at submission; a wait enqueued on it keeps the point
+            # it was enqueued at, so the event is recorded again by the next submission at no risk.
+            self._fences = {STORE: torch.cuda.Event(), LOAD: torch.cuda.Event()}
             self._events: list[torch.cuda.Event] = []
-            # Id buffers per direction, each allocated on its side stream: if a job fails and its buffer is dropped,
-            # the caching allocator hands that memory out again only in that stream's order, after the queued copy.
-            self._id_pool: dict[str, list[_IdBuffers]] = {STORE: [], LOAD: []}
+            # Id staging per direction, allocated on its side stream: if a job fails and its slot is dropped, the
+            # caching allocator hands that memory out again only in that stream's order, after the queued copy.
+            self._stagers = {d: IdStager(kv.device, self._streams[d]) for d in (STORE, LOAD)}
 
     # -- submission ---------------------------------------------------------------------------------------------
     def submit_store(
@@ -122,43 +142,55 @@ class TransferEngine:
     def _submit(self, job_id, direction, gpu_block_ids, host_block_ids, skip, group_sizes) -> None:
         if self._closed:
             raise RuntimeError("the transfer engine is shut down")
+        trace = self.trace
+        if trace is not None:
+            trace("submit")
+        slots: list[IdSlot] = []
+        stage = None
+        if self.cuda:
+            stager = self._stagers[direction]
+
+            def stage(size: int):  # the ids are packed straight into a pinned slot
+                slots.append(stager.take(size))
+                return slots[-1].host_np
+
         # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
-        plan = plan_ids(
-            self.kv,
-            self.host_buffer.shape[0],
-            self.blocks_per_host_block,
-            gpu_block_ids,
-            host_block_ids,
-            skip=skip,
-            store=direction == STORE,
-            group_sizes=group_sizes,
-        )
+        try:
+            plan = self._planner.plan(
+                gpu_block_ids, host_block_ids, skip=skip, store=direction == STORE, group_sizes=group_sizes, stage=stage
+            )
+        except BaseException:
+            for slot in slots:  # packed into before the checks failed, read by nothing
+                stager.give_back(slot)
+            raise
+        if trace is not None:
+            trace("plan")
         job = _Job(job_id, direction, plan.num_bytes)
         if plan.n_blocks == 0:
             job.result = JobResult(job_id, True, direction, 0, 0.0)
+            if slots:
+                stager.give_back(slots[0])
         elif self.cuda:
-            self._launch_cuda(job, plan)
+            self._launch_cuda(job, plan, slots[0])
         else:
             self._run_cpu(job, plan)
         self._pending[direction].append(job)
-
-    def _launch(self, plan: TransferPlan, ids: torch.Tensor) -> None:
-        self._launcher.launch(plan, ids, self.num_ctas)
+        if trace is not None:
+            trace("done")
 
     def _run_cpu(self, job: _Job, plan: TransferPlan) -> None:
         t0 = time.perf_counter()
         try:
-            self._launch(plan, torch.from_numpy(plan.ids))
+            self._launcher.launch(plan, torch.from_numpy(plan.ids), self.num_ctas)
             job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
-    def _launch_cuda(self, job: _Job, plan: TransferPlan) -> None:
-        ids = plan.ids
+    def _launch_cuda(self, job: _Job, plan: TransferPlan, slot: IdSlot) -> None:
+        trace = self.trace
         stream = self._streams[job.direction]
-        bufs = self._take_ids(job.direction, ids.size)
-        bufs.host_np[: ids.size] = ids
-        job.ids, job.start, job.end = bufs, self._take_event(), self._take_event()
+        fence = self._fences[job.direction]
+        job.ids, job.start, job.end = slot, self._take_event(), self._take_event()
         try:
             # Both directions wait for the compute stream as it is at submission: a store reads KV the model may
             # still be writing; a load overwrites blocks the model (or the allocator's previous owner) last wrote
@@ -166,32 +198,30 @@ class TransferEngine:
             # in submission order. Stores and loads are not ordered against each other: the connector only loads
             # into blocks no store is reading (vLLM keeps a block allocated until its store completes), and a host
             # block is only loaded after its store completed (the manager's complete_store).
-            stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            fence.record(torch.cuda.current_stream(self.kv.device))
+            stream.wait_event(fence)
+            if trace is not None:
+                trace("fence")
             with torch.cuda.stream(stream):
-                # The staging buffer is pinned, so this copy is truly asynchronous; the buffer is not reused until
-                # the job's end event has completed.
-                bufs.device[: ids.size].copy_(bufs.host[: ids.size], non_blocking=True)
+                # The slot is pinned, so this copy is truly asynchronous; it is not reused until the job's end event
+                # has completed.
+                ids = slot.upload(plan.ids.size)
+                if trace is not None:
+                    trace("upload")
                 job.start.record(stream)
-                self._launch(plan, bufs.device[: ids.size])
+                self._launcher.launch(plan, ids, self.num_ctas)
+                if trace is not None:
+                    trace("launch")
                 job.end.record(stream)
         except Exception as e:
             self._fail(job, e)
-
-    def _take_ids(self, direction: str, size: int) -> _IdBuffers:
-        pool = self._id_pool[direction]
-        for i, bufs in enumerate(pool):
-            if bufs.capacity >= size:
-                return pool.pop(i)
-        # Grows to the largest in-flight working set once, then reuses; powers of two keep the pool small.
-        with torch.cuda.stream(self._streams[direction]):
-            return _IdBuffers(max(1024, 1 << (size - 1).bit_length()), self.kv.device)
 
     def _take_event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
     def _release(self, job: _Job) -> None:
         if job.ids is not None:
-            self._id_pool[job.direction].append(job.ids)
+            self._stagers[job.direction].give_back(job.ids)
         for ev in (job.start, job.end):
             if ev is not None:
                 self._events.append(ev)

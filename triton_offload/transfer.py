@@ -7,14 +7,18 @@ is launched, so a bad call raises and writes nothing. Direction is spoken of as 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from triton_offload._checks import int_in_range
+from triton_offload.fast_launch import enable_fast_launch, fast_launch_default
 from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan, pack_ids
 from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
+from triton_offload.staging import IdStager
 
 __all__ = [
     "gather_blocks",
@@ -22,6 +26,8 @@ __all__ = [
     "host_block_bytes",
     "plan_transfer",
     "plan_ids",
+    "TransferPlanner",
+    "planner_for",
     "check_transfer",
     "check_host_buffer",
     "TransferPlan",
@@ -33,6 +39,8 @@ BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
 def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
     """Block ids as a 1-D int64 array; floats, bools and n-D arrays are a TypeError."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+        return ids  # what the engines pass: nothing to convert or check
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got a tensor of {ids.dtype}")
@@ -49,19 +57,14 @@ def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
 
 
 def _check_range(ids: np.ndarray, name: str, limit: int) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+    # One reduction for both bounds: as unsigned, a negative id is larger than any limit.
+    if ids.size and ids.view(np.uint64).max() >= limit:
         bad = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
         raise ValueError(f"{name}[{bad}] = {int(ids[bad])} is out of range [0, {limit})")
 
 
-def _check_unique(ids: np.ndarray, name: str) -> None:
-    if ids.size > 1:
-        s = np.sort(ids)
-        dup = s[1:][s[1:] == s[:-1]]
-        if dup.size:
-            raise ValueError(
-                f"{name} holds destination id {int(dup[0])} more than once: each destination is written once"
-            )
+def _duplicate_error(name: str, dup: int) -> ValueError:
+    return ValueError(f"{name} holds destination id {dup} more than once: each destination is written once")
 
 
 def check_host_buffer(spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int) -> None:
@@ -114,6 +117,133 @@ def _group_layout(spec, n, skip, group_sizes, f) -> tuple[list[int], list[int]]:
     return sizes, skips
 
 
+class TransferPlanner:
+    """Validates and packs the ids of transfers between one spec and a host buffer of ``num_host_blocks`` blocks of
+    ``blocks_per_host_block`` GPU blocks: the per-call half of :func:`plan_transfer`, for callers that checked the
+    host buffer once (the engines, and the public calls through :func:`planner_for`).
+
+    Every check is vectorised and O(n): the ids are packed first, the ranges of both arrays take one reduction over
+    the packed copy, and duplicated destinations are found by scattering each id's position into a mark array kept
+    between calls (an id written twice keeps only its last position), not by sorting. The marks are shared state,
+    used under a lock, so one planner may serve several threads. A call that raises may have written into its
+    ``stage`` array, never anywhere else.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_host_blocks: int, blocks_per_host_block: int):
+        self.spec = spec
+        self.num_host_blocks = int_in_range(num_host_blocks, "num_host_blocks", 0)
+        self.blocks_per_host_block = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
+        self._marks: dict[bool, np.ndarray] = {}  # store? -> one int32 per destination id, allocated on first use
+        self._ramp = np.arange(1024, dtype=np.int32)
+        self._bounds = np.zeros(2, dtype=np.intp)  # [0, n]: where the GPU and host ids start in the packed ids
+        self._lock = threading.Lock()
+
+    def plan(
+        self,
+        gpu_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        *,
+        skip: int | Sequence[int] = 0,
+        store: bool,
+        group_sizes: Sequence[int] | None = None,
+        stage: Callable[[int], np.ndarray] | None = None,
+    ) -> TransferPlan:
+        """Checks one transfer's ids, skips and group sizes and packs them (:func:`plan_transfer` says what is
+        checked and raised). ``stage(size)``, if given, returns the array to pack into (see
+        :func:`~triton_offload.kernels.copy_blocks.pack_ids`); it is the only thing a call that raises may have
+        written."""
+        spec, f = self.spec, self.blocks_per_host_block
+        g = _as_ids(gpu_block_ids, "gpu_block_ids")
+        h = _as_ids(host_block_ids, "host_block_ids")
+        if group_sizes is None and spec.num_groups == 1 and type(skip) is int:
+            # The call every single-group engine makes, kept free of the per-group lists' work (this path is held
+            # to a 10 us budget at 1024 blocks).
+            if not 0 <= skip < f:
+                int_in_range(skip, "skip", 0, f)
+            sizes, skips, need = (g.size,), (skip,), (-(-(skip + g.size) // f) if g.size else 0,)
+        else:
+            sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
+            need = [-(-(k + n) // f) if n else 0 for k, n in zip(skips, sizes)]  # host ids per group
+        if h.size != (need[0] if len(need) == 1 else sum(need)):
+            if len(sizes) == 1:
+                expect = f"ceil((skip + n) / f) = ceil(({skips[0]} + {g.size}) / {f}) = {need[0]}"
+            else:
+                expect = f"per group ceil((skip + n) / f) = {list(need)}, {sum(need)} in all"
+            raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
+        # Packed first (into the caller's staging, which nobody reads before this returns), then checked there: the
+        # ranges of both id arrays take one reduction over the packed copy.
+        plan = pack_ids(spec, store, g, h, sizes, skips, need, stage)
+        self._check_ids(plan, g, h)
+        return plan
+
+    def _check_ids(self, plan: TransferPlan, g: np.ndarray, h: np.ndarray) -> None:
+        """Ranges of both arrays, and distinct destinations (sources may repeat; two writers of one block would
+        race), on the packed ids; the messages name the caller's arrays."""
+        n, m = plan.n_blocks, plan.n_host
+        if n == 0:
+            return
+        ids = plan.ids
+        with self._lock:
+            self._bounds[1] = n
+            top = np.maximum.reduceat(ids[: n + m].view(np.uint64), self._bounds)  # unsigned: negatives are huge
+            if top[0] >= self.spec.num_blocks:
+                _check_range(g, "gpu_block_ids", self.spec.num_blocks)
+            if top[1] >= self.num_host_blocks:
+                _check_range(h, "host_block_ids", self.num_host_blocks)
+            if plan.store:
+                self._check_unique(ids[n : n + m], h, "host_block_ids", True, self.num_host_blocks)
+            else:
+                self._check_unique(ids[:n], g, "gpu_block_ids", False, self.spec.num_blocks)
+
+    def _check_unique(self, ids: np.ndarray, given: np.ndarray, name: str, store: bool, limit: int) -> None:
+        """Raises if ``ids`` (in range, contiguous) repeats an id; ``given`` is the caller's array, for the message.
+        Called under the lock."""
+        n = ids.size
+        if n < 2:
+            return
+        marks = self._marks.get(store)
+        if marks is None:
+            marks = self._marks[store] = np.empty(limit, dtype=np.int32)
+        if self._ramp.size < n:
+            self._ramp = np.arange(max(n, 2 * self._ramp.size), dtype=np.int32)
+        ramp = self._ramp[:n]
+        marks[ids] = ramp  # a repeated id keeps the position of its last occurrence
+        seen = marks.take(ids)  # so its earlier occurrences read another position than their own
+        # Compared as bytes: a memcmp, several times cheaper than an elementwise comparison and a reduction.
+        if seen.tobytes() != ramp.tobytes():
+            raise _duplicate_error(name, int(given[int(np.argmax(seen != ramp))]))
+
+
+class _PublicState:
+    """What the public calls keep per spec, built on first use and dropped with the spec: a planner per host buffer
+    size and f, and (CUDA) the pinned id staging slots."""
+
+    def __init__(self, spec: KVCacheSpec):
+        self.planners: dict[tuple[int, int], TransferPlanner] = {}
+        self.stager = IdStager(spec.device) if spec.device.type == "cuda" else None
+
+
+_PUBLIC: weakref.WeakKeyDictionary[KVCacheSpec, _PublicState] = weakref.WeakKeyDictionary()
+
+
+def _public_state(spec: KVCacheSpec) -> _PublicState:
+    state = _PUBLIC.get(spec)
+    if state is None:
+        state = _PUBLIC[spec] = _PublicState(spec)
+    return state
+
+
+def planner_for(spec: KVCacheSpec, num_host_blocks: int, blocks_per_host_block: int) -> TransferPlanner:
+    """The shared :class:`TransferPlanner` of ``spec`` for a host buffer of ``num_host_blocks`` blocks (kept as long
+    as the spec lives)."""
+    planners = _public_state(spec).planners
+    key = (num_host_blocks, blocks_per_host_block)
+    planner = planners.get(key)
+    if planner is None:
+        planner = planners[key] = TransferPlanner(spec, num_host_blocks, blocks_per_host_block)
+    return planner
+
+
 def plan_ids(
     spec: KVCacheSpec,
     num_host_blocks: int,
@@ -127,25 +257,11 @@ def plan_ids(
 ) -> TransferPlan:
     """Validates a transfer's ids against a host buffer already checked (:func:`check_host_buffer`) and packs them.
 
-    This is :func:`plan_transfer` without the host-buffer checks, for callers that checked the buffer once (the
-    engine). Raises as :func:`plan_transfer` does for the ids, skips and group sizes.
+    This is :func:`plan_transfer` without the host-buffer checks, for callers that checked the buffer once. Raises as
+    :func:`plan_transfer` does for the ids, skips and group sizes.
     """
-    f = blocks_per_host_block
-    g = _as_ids(gpu_block_ids, "gpu_block_ids")
-    h = _as_ids(host_block_ids, "host_block_ids")
-    sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
-    need = [-(-(k + n) // f) if n else 0 for k, n in zip(skips, sizes)]  # host ids per group
-    if h.size != sum(need):
-        if len(sizes) == 1:
-            expect = f"ceil((skip + n) / f) = ceil(({skips[0]} + {g.size}) / {f}) = {need[0]}"
-        else:
-            expect = f"per group ceil((skip + n) / f) = {need}, {sum(need)} in all"
-        raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
-    _check_range(g, "gpu_block_ids", spec.num_blocks)
-    _check_range(h, "host_block_ids", num_host_blocks)
-    # Sources may repeat; destinations may not (two writers of one block would race).
-    _check_unique(h if store else g, "host_block_ids" if store else "gpu_block_ids")
-    return pack_ids(spec, store, g, h, sizes, skips, need)
+    planner = planner_for(spec, num_host_blocks, blocks_per_host_block)
+    return planner.plan(gpu_block_ids, host_block_ids, skip=skip, store=store, group_sizes=group_sizes)
 
 
 def plan_transfer(
@@ -198,24 +314,41 @@ def _transfer(
 ) -> None:
     if num_ctas is not None:
         int_in_range(num_ctas, "num_ctas", 1)
-    plan = plan_transfer(
-        spec,
-        host_buffer,
-        gpu_block_ids,
-        host_block_ids,
-        blocks_per_host_block=blocks_per_host_block,
-        skip=skip,
-        store=store,
-        group_sizes=group_sizes,
-    )
-    if plan.n_blocks == 0:
+    f = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
+    check_host_buffer(spec, host_buffer, f)
+    planner = planner_for(spec, host_buffer.shape[0], f)
+    kw = dict(skip=skip, store=store, group_sizes=group_sizes)
+    if spec.device.type != "cuda":
+        plan = planner.plan(gpu_block_ids, host_block_ids, **kw)
+        if plan.n_blocks:
+            CopyLauncher(spec, host_buffer, f, store).launch(plan, torch.from_numpy(plan.ids), num_ctas)
         return
-    ids = torch.from_numpy(plan.ids)
-    if spec.device.type == "cuda":
-        # Staged in pinned memory so the upload is truly asynchronous: a copy from pageable memory may synchronise
-        # with the stream. The caching host allocator keeps the pinned block until the copy has completed.
-        ids = ids.pin_memory().to(spec.device, non_blocking=True)
-    CopyLauncher(spec, host_buffer, blocks_per_host_block, store).launch(plan, ids, num_ctas)
+    # The ids are packed straight into a pinned staging slot, so their upload is truly asynchronous (a copy from
+    # pageable memory may synchronise with the stream) and no pinned memory is allocated per call.
+    stager = _public_state(spec).stager
+    slots = []
+
+    def stage(size: int):
+        slots.append(stager.take(size))
+        return slots[-1].host_np
+
+    try:
+        plan = planner.plan(gpu_block_ids, host_block_ids, **kw, stage=stage)
+    except BaseException:
+        for slot in slots:  # packed into before the checks failed, read by nothing
+            stager.give_back(slot)
+        raise
+    slot = slots[0]
+    if plan.n_blocks == 0:
+        stager.give_back(slot)
+        return
+    launcher = CopyLauncher(spec, host_buffer, f, store)
+    if fast_launch_default():
+        enable_fast_launch(launcher, num_ctas)  # proven once per compiled variant, then a lookup
+    launcher.launch(plan, slot.upload(plan.ids.size), num_ctas)
+    # Reused once the launch has read the ids: the event follows it on the current stream.
+    slot.event.record()
+    stager.give_back(slot, slot.event)
 
 
 def _is_layout(value) -> bool:

@@ -1,0 +1,270 @@
+"""The direct launch past Triton's dispatch (triton_offload/fast_launch.py): proven on a canary before use, refused
+when it moves other bytes, and the kernel signature that keeps one compiled variant right for every call.
+
+On CPU there is no compiled variant, so the proof is exercised with runners that launch the interpreted kernel
+(correctly, or dropping a block); the compiled direct launch itself is tested with -m gpu.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import triton_offload as to
+from triton_offload import fast_launch
+from triton_offload.engine import TransferEngine
+from triton_offload.kernels import copy_blocks
+from triton_offload.kernels.reference import gather_blocks_ref
+
+from kv_factory import SENTINEL, make_caches
+
+PAGE = dict(block_size=2, heads=2, head_dim=4)
+
+
+def interpreter_runner(corrupt: bool = False):
+    """A ``make_runner`` whose runners launch the interpreted kernel with the arguments they are given; with
+    ``corrupt``, one block fewer than asked (the kind of silent error a wrong variant would make)."""
+    made = []
+
+    def make(launcher, store):
+        num_warps = launcher.config(store).num_warps
+
+        def run(programs, stream, args):
+            run.calls += 1
+            if corrupt:
+                args = (*args[:4], args[4] - 1, *args[5:])
+            copy_blocks._interpreted_kernel()[(programs,)](
+                *args[:-5], **copy_blocks._constexprs(args), num_warps=num_warps
+            )
+
+        run.calls = 0
+        made.append(run)
+        return run
+
+    make.made = made
+    return make
+
+
+def setup(layout="block_first", f=2, num_blocks=12, host_blocks=10, groups=None, slots=None):
+    caches = make_caches(layout, 3, num_blocks, PAGE, torch.bfloat16, seed=5)
+    spec = to.KVCacheSpec(caches, layout, groups=groups, host_slots=slots)
+    host = torch.full((host_blocks, spec.host_block_bytes(f)), SENTINEL, dtype=torch.uint8)
+    return caches, spec, host
+
+
+def test_a_proven_runner_launches_both_directions():
+    caches, spec, host = setup()
+    launcher = copy_blocks.CopyLauncher(spec, host, 2)
+    make = interpreter_runner()
+    assert fast_launch.enable_fast_launch(launcher, make_runner=make) == {True: "direct", False: "direct"}
+    store_runner, load_runner = make.made
+    proof_calls = store_runner.calls
+    g, h = np.array([9, 2, 4]), np.array([7, 3])
+    plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, store=True)
+    launcher.launch(plan, torch.from_numpy(plan.ids))
+    assert store_runner.calls == proof_calls + 1, "the store did not go through the direct runner"
+    want = torch.full_like(host, SENTINEL)
+    gather_blocks_ref(caches, "block_first", g, want, h, blocks_per_host_block=2, skip=1)
+    assert torch.equal(host, want)
+
+
+@pytest.mark.parametrize(
+    "layout,groups,slots",
+    [
+        pytest.param("kv_first", None, None, id="kv_first"),
+        pytest.param("canonical", [[0, 1], [2]], None, id="canonical-groups"),
+        pytest.param("canonical", [[0, 1], [2]], to.layouts.HostSlots((48, 40, 40), (0, 1, 2)), id="worker-slots"),
+    ],
+)
+def test_the_canary_proves_every_layout_groups_and_worker_slots(layout, groups, slots):
+    if layout == "canonical":
+        caches = make_caches("canonical", 3, 12, dict(page_bytes=40, pad=8), torch.int8, seed=2)
+        spec = to.KVCacheSpec(caches, "canonical", groups=groups, host_slots=slots)
+        host = torch.zeros(10, spec.host_block_bytes(2), dtype=torch.uint8)
+    else:
+        _, spec, host = setup(layout)
+    launcher = copy_blocks.CopyLauncher(spec, host, 2)
+    verdicts = fast_launch.enable_fast_launch(launcher, make_runner=interpreter_runner())
+    assert verdicts == {True: "direct", False: "direct"}
+
+
+def test_a_runner_that_moves_other_bytes_is_refused_and_tritons_launch_kept(caplog):
+    caches, spec, host = setup()
+    launcher = copy_blocks.CopyLauncher(spec, host, 2)
+    make = interpreter_runner(corrupt=True)
+    with caplog.at_level(logging.WARNING, logger="triton_offload.fast_launch"):
+        verdicts = fast_launch.enable_fast_launch(launcher, make_runner=make)
+    assert verdicts[True] == "the direct launch of the store wrote other bytes than Triton's launch on the canary"
+    assert verdicts[False] == "the direct launch of the load wrote other bytes than Triton's launch on the canary"
+    assert "direct launch of the store kernel is not used" in caplog.text
+    assert launcher.direct(True) is None and launcher.direct(False) is None
+    calls = [r.calls for r in make.made]
+    g, h = np.array([9, 2, 4]), np.array([7, 3])
+    plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, store=True)
+    launcher.launch(plan, torch.from_numpy(plan.ids))
+    assert [r.calls for r in make.made] == calls, "a refused runner was used"
+    want = torch.full_like(host, SENTINEL)
+    gather_blocks_ref(caches, "block_first", g, want, h, blocks_per_host_block=2, skip=1)
+    assert torch.equal(host, want)
+
+
+def test_a_runner_that_cannot_be_built_is_reported():
+    _, spec, host = setup()
+    launcher = copy_blocks.CopyLauncher(spec, host, 1, store=True)
+
+    def broken(launcher, store):
+        raise RuntimeError("this Triton launches differently")
+
+    verdicts = fast_launch.enable_fast_launch(launcher, make_runner=broken)
+    assert verdicts == {True: "RuntimeError: this Triton launches differently"}
+
+
+def test_the_verdict_is_kept_per_compiled_variant():
+    """A second launcher of the same spec and variant reuses the proof instead of running a canary again."""
+    _, spec, host = setup()
+    make = interpreter_runner()
+    first = copy_blocks.CopyLauncher(spec, host, 2, store=True)
+    fast_launch.enable_fast_launch(first, make_runner=make)
+    second = copy_blocks.CopyLauncher(spec, host, 2, store=True)
+    assert fast_launch.enable_fast_launch(second, make_runner=make) == {True: "direct"}
+    assert len(make.made) == 1 and second.direct(True) is make.made[0]
+
+
+def test_engine_reports_its_launch_paths(make_host_cache, monkeypatch):
+    _, spec, _ = setup()
+    cache = make_host_cache(spec.host_block_bytes(1), 4 * spec.host_block_bytes(1), pin=False)
+    eng = TransferEngine(spec, cache.buffer)
+    assert set(eng.launch_paths.values()) == {"not applicable: CPU tensors run through Triton's interpreter"}
+    assert TransferEngine(spec, cache.buffer, fast_launch=False).launch_paths == {
+        "store": "turned off",
+        "load": "turned off",
+    }
+    monkeypatch.setenv(fast_launch.FAST_LAUNCH_ENV, "0")
+    assert set(TransferEngine(spec, cache.buffer).launch_paths.values()) == {"turned off"}
+
+
+def test_one_compiled_variant_serves_every_call():
+    """What the direct launch relies on: the scalars are int64 and never specialised (a value of 1, or one past
+    2**31, would otherwise pick another variant), and only the two data pointers are specialised on alignment."""
+    from triton.runtime.jit import JITFunction  # triton.jit is the interpreter under TRITON_INTERPRET=1
+
+    kernel = JITFunction(copy_blocks._copy_blocks_kernel, **copy_blocks._JIT_OPTIONS)
+    params = {p.name: p for p in kernel.params}
+    scalars = copy_blocks._NOT_SPECIALIZED
+    assert [p.name for p in kernel.params if not p.is_constexpr][4:] == scalars
+    for name in scalars:
+        assert params[name].annotation_type == "i64" and params[name].do_not_specialize, name
+    assert {n for n, p in params.items() if p.do_not_specialize_on_alignment} == {"table_ptr", "ids_ptr"}
+    assert [n for n, p in params.items() if p.is_constexpr] == list(copy_blocks._CONSTEXPRS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+GPU_PAGE = dict(block_size=16, heads=1, head_dim=128)  # 8 KiB pages, as Llama-3-70B at TP 8
+
+
+def gpu_engine(make_host_cache, f=2, fast=True, num_blocks=700, host_blocks=400, layers=6):
+    caches = make_caches("kv_first", layers, num_blocks, GPU_PAGE, torch.bfloat16, device="cuda", seed=7)
+    spec = to.KVCacheSpec(caches, "kv_first")
+    cache = make_host_cache(spec.host_block_bytes(f), host_blocks * spec.host_block_bytes(f))
+    cache.buffer.fill_(SENTINEL)
+    return caches, spec, cache, TransferEngine(spec, cache.buffer, blocks_per_host_block=f, fast_launch=fast)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_launches_direct_and_moves_the_same_bytes(make_host_cache):
+    """Transfers whose scalars span 1 to hundreds (which Triton's dispatch would once have specialised apart) move
+    the same bytes through the direct launch as through Triton's, both ways, and as the reference."""
+    caches, spec, fast_cache, fast = gpu_engine(make_host_cache)
+    assert fast.launch_paths == {"store": "direct", "load": "direct"}
+    _, _, slow_cache, slow = gpu_engine(make_host_cache, fast=False)
+    rng = np.random.default_rng(0)
+    job = 0
+    for n, skip in [(1, 0), (1, 1), (2, 1), (333, 1), (600, 0)]:
+        g = rng.permutation(spec.num_blocks)[:n]
+        h = rng.permutation(400)[: -(-(skip + n) // 2)]
+        for eng in (fast, slow):
+            job += 1
+            eng.submit_store(job, g, h, skip=skip)
+            eng.wait([job])
+            assert all(r.ok for r in eng.get_finished())
+        assert torch.equal(fast_cache.buffer, slow_cache.buffer), f"n={n} skip={skip}"
+        want = slow_cache.buffer.clone()
+        gather_blocks_ref(caches, "kv_first", g, want, h, blocks_per_host_block=2, skip=skip)
+        assert torch.equal(fast_cache.buffer, want)
+        dst = rng.permutation(spec.num_blocks)[:n]
+        before = [c.clone() for c in caches]
+        fast.submit_load(job + 1000, dst, h, skip=skip)
+        fast.wait([job + 1000])
+        assert all(r.ok for r in fast.get_finished())
+        loaded = [c.clone() for c in caches]
+        for c, b in zip(caches, before):
+            c.copy_(b)
+        slow.submit_load(job + 2000, dst, h, skip=skip)
+        slow.wait([job + 2000])
+        assert all(r.ok for r in slow.get_finished())
+        for a, b in zip(loaded, caches):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"load n={n} skip={skip}"
+    fast.shutdown()
+    slow.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_a_wrong_variant_is_refused(make_host_cache):
+    """The canary catches a runner of the wrong compiled variant (the load kernel offered for stores)."""
+    _, spec, cache, eng = gpu_engine(make_host_cache, fast=False)
+    launcher = copy_blocks.CopyLauncher(spec, cache.buffer, 2, store=True)
+    launcher._state.direct.clear()
+
+    def wrong(launcher, store):
+        other = copy_blocks.CopyLauncher(launcher.spec, launcher.host_buffer, 2)
+        return fast_launch.compiled_runner(other, not store)
+
+    verdict = fast_launch.enable_fast_launch(launcher, make_runner=wrong)[True]
+    assert verdict != fast_launch.DIRECT and "other bytes" in verdict
+    eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_launch_hooks_take_tritons_path(make_host_cache):
+    """A profiler's launch hook sees every launch: while one is installed, launches go through Triton's dispatch."""
+    from triton import knobs
+
+    caches, spec, cache, eng = gpu_engine(make_host_cache)
+    assert eng.launch_paths["store"] == "direct"
+    seen = []
+    hook = knobs.runtime.launch_enter_hook
+    hook.add(seen.append)
+    try:
+        eng.submit_store(1, [3, 4], [5])
+        eng.wait([1])
+    finally:
+        hook.remove(seen.append)
+    assert len(seen) == 1 and all(r.ok for r in eng.get_finished())
+    eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_public_calls_reuse_staging_only_after_their_launch(make_host_cache):
+    """64 public gathers queued back to back, each with other ids, behind a long GPU sleep: every id slot is
+    reused only once the launch that read it has run, so every host block holds what its own call asked for."""
+    caches, spec, cache, _ = gpu_engine(make_host_cache, f=1, host_blocks=200)
+    host = cache.buffer
+    rng = np.random.default_rng(1)
+    calls = [(rng.permutation(spec.num_blocks)[:3], np.arange(3 * i, 3 * i + 3)) for i in range(64)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    for g, h in calls:
+        to.gather_blocks(spec, g, host, h)
+    torch.cuda.synchronize()
+    want = torch.full_like(host, SENTINEL)
+    for g, h in calls:
+        gather_blocks_ref(caches, "kv_first", g, want, h)
+    assert torch.equal(host, want)
+    key = copy_blocks.CopyLauncher(spec, host, 1, store=True).variant_key(True)
+    assert not isinstance(copy_blocks._STATE[spec].direct[key], str), "the public call did not launch directly"
