@@ -26,7 +26,8 @@ PAGE = dict(block_size=2, heads=2, head_dim=4)
 
 def interpreter_runner(corrupt: bool = False):
     """A ``make_runner`` whose runners launch the interpreted kernel with the arguments they are given; with
-    ``corrupt``, one block fewer than asked (the kind of silent error a wrong variant would make)."""
+    ``corrupt``, each program skips its last round of tiles (the kind of silent error a wrong variant would make:
+    some blocks never move; the first program's last round always holds live work)."""
     made = []
 
     def make(launcher, store):
@@ -34,8 +35,8 @@ def interpreter_runner(corrupt: bool = False):
 
         def run(programs, stream, args):
             run.calls += 1
-            if corrupt:
-                args = (*args[:4], args[4] - 1, *args[5:])
+            if corrupt:  # tiles_per_program, one round short
+                args = (*args[:7], args[7] - 1, *args[8:])
             copy_blocks._interpreted_kernel()[(programs,)](
                 *args[:-5], **copy_blocks._constexprs(args), num_warps=num_warps
             )
