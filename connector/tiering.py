@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from triton_offload._checks import positive_int
+from triton_offload._checks import positive_int_setting
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
@@ -156,7 +156,7 @@ class TritonTieringConfig:
             )
         num_ctas = extra.get("num_ctas")
         if num_ctas is not None:
-            num_ctas = positive_int(num_ctas, "num_ctas")
+            num_ctas = positive_int_setting(num_ctas, "num_ctas")
         threshold = extra.get("store_threshold", 0)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
             raise ValueError(

@@ -8,6 +8,7 @@ is launched, so a bad call raises and writes nothing. Direction is spoken of as 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -29,10 +30,15 @@ __all__ = [
 ]
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
-    """Block ids as a 1-D int64 array; floats, bools and n-D arrays are a TypeError."""
+def _as_ids(ids: BlockIds, name: str, limit: int | None = None) -> np.ndarray:
+    """Block ids as a 1-D int64 array; floats, bools and n-D arrays are a TypeError.
+
+    An id int64 cannot hold (a uint64 >= 2**63, a Python int beyond int64) is a ValueError naming it as given, not
+    wrapped to a negative number; ``limit`` (the ids' upper bound, when known) goes into the message.
+    """
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got a tensor of {ids.dtype}")
@@ -42,9 +48,18 @@ def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
         if arr.size == 0:
             arr = arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got {arr.dtype} ({str(ids)[:60]})")
+            # NumPy turns a list with an int beyond int64 into floats or objects: keep the ints exact for the message.
+            if arr.ndim != 1 or not all(isinstance(v, Integral) and not isinstance(v, (bool, np.bool_)) for v in ids):
+                raise TypeError(f"{name} must hold integers, got {arr.dtype} ({str(ids)[:60]})")
+            arr = np.array([int(v) for v in ids], dtype=object)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "O" or (arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX):
+        wide = [int(v) for v in arr]
+        bad = [i for i, v in enumerate(wide) if not -_INT64_MAX - 1 <= v <= _INT64_MAX]
+        if bad:
+            bounds = f"[0, {limit})" if limit is not None else "(beyond int64)"
+            raise ValueError(f"{name}[{bad[0]}] = {wide[bad[0]]} is out of range {bounds}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -106,7 +121,7 @@ def _group_layout(spec, n, skip, group_sizes, f) -> tuple[list[int], list[int]]:
     if isinstance(skip, (int, np.integer)) and not isinstance(skip, bool):
         skips = [int_in_range(skip, "skip", 0, f)] * len(sizes)
     else:
-        skips = _as_ids(skip, "skip").tolist()
+        skips = _as_ids(skip, "skip", f).tolist()
         if len(skips) != len(sizes):
             raise ValueError(f"len(skip) = {len(skips)}, expected one per KV-cache group = {len(sizes)}")
         for gi, s in enumerate(skips):
@@ -131,8 +146,8 @@ def plan_ids(
     engine). Raises as :func:`plan_transfer` does for the ids, skips and group sizes.
     """
     f = blocks_per_host_block
-    g = _as_ids(gpu_block_ids, "gpu_block_ids")
-    h = _as_ids(host_block_ids, "host_block_ids")
+    g = _as_ids(gpu_block_ids, "gpu_block_ids", spec.num_blocks)
+    h = _as_ids(host_block_ids, "host_block_ids", num_host_blocks)
     sizes, skips = _group_layout(spec, g.size, skip, group_sizes, f)
     need = [-(-(k + n) // f) if n else 0 for k, n in zip(skips, sizes)]  # host ids per group
     if h.size != sum(need):
