@@ -33,6 +33,7 @@ from triton_offload._checks import positive_int_setting
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
+from triton_offload.host_cache import check_host_memory
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
 
@@ -261,12 +262,19 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         # Replicated MLA (every TP rank holds the same latent): one copy, slot 0, as vLLM's tiering does. Only rank 0
         # stores (vLLM's connector acks the others' stores); every rank loads from slot 0.
         slot = 0 if self.replicated_layout else self.config.parallel.rank
+        setting = (
+            f"cpu_bytes_to_use = {self.tiering_config.cpu_bytes_to_use} bytes (the CPU tier of the whole instance: "
+            f"one /dev/shm region for its {max(1, self.config.parallel.world_size)} worker(s), in host memory)"
+        )
         region = SharedOffloadRegion(
             engine_id=self._engine_id,
             num_chunks=self.num_chunks,
             rank=slot,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
+            # The worker that creates the region checks it whole against RAM, before sizing the file (whose pages
+            # are host memory: /dev/shm may be larger than what is free).
+            creator_memory_check=lambda nbytes: check_host_memory(nbytes, setting),
         )
         name = RegionName(region, take_over=True)
         try:

@@ -292,6 +292,23 @@ def test_killed_worker_leaves_no_region_file():
     assert not os.path.exists(path), f"{path} left behind by a killed worker"
 
 
+def test_region_beyond_available_memory_is_refused_naming_the_key(monkeypatch):
+    """The region (the whole instance's CPU tier, one /dev/shm file in RAM) is checked against MemAvailable by the
+    worker that creates it, before the file is sized: a ValueError naming cpu_bytes_to_use and both sizes, and no
+    file left."""
+    from triton_offload import host_cache
+
+    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: 64 << 10)
+    config = make_config({"cpu_bytes_to_use": "1MiB"}, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    region_bytes = spec.num_chunks * spec.kv_bytes_per_chunk
+    with pytest.raises(
+        ValueError, match=rf"cpu_bytes_to_use = 1048576 bytes .* asks for {region_bytes} bytes .* 65536"
+    ):
+        spec.get_worker(kv_caches())
+    assert not os.path.exists(region_file(config.engine_id))
+
+
 def test_failed_worker_startup_removes_the_region_file():
     """A worker that fails after creating the region (here: tensors larger than the slot vLLM sized) removes it."""
     kv = kv_caches()
