@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload._checks import positive_int
+from triton_offload._checks import positive_int, positive_int_setting
 from triton_offload.policies import POLICIES, policy_name
 
 __all__ = ["TritonOffloadConfig", "parse_size", "OUR_KEYS", "VLLM_KEYS"]
@@ -136,13 +136,11 @@ class TritonOffloadConfig:
             ) from None
         num_ctas = extra.get("num_ctas")
         if num_ctas is not None:
-            num_ctas = positive_int(num_ctas, "num_ctas")
+            num_ctas = positive_int_setting(num_ctas, "num_ctas")
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
-            if isinstance(block_size, bool) or not isinstance(block_size, (int, str)) or not str(block_size).isdigit():
-                raise ValueError(f"block_size = {block_size!r} must be a positive int (tokens per host block)")
-            block_size = int(block_size)
+            block_size = positive_int_setting(block_size, "block_size")
         if block_size is not None and gpu_block_tokens is not None and block_size != f * gpu_block_tokens:
             # vLLM derives f from block_size itself; a mismatch means the config was assembled inconsistently.
             raise ValueError(

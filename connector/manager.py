@@ -7,9 +7,11 @@ the order vLLM walks the request's GPU blocks (group by group, chunk by chunk) w
 
 Each request's uses go through one :class:`~triton_offload.manager.RequestUse` kept in vLLM's ``ReqContext``, so a
 request reading or offering again blocks it stored itself, or reusing a block twice, counts one use (vLLM's rule;
-it matters for ARC). The policy sees each call's keys in prefix order (by the end token vLLM records for each key,
-group-interleaved), while the specs keep vLLM's order; without recorded positions, the order vLLM passed them in. A
-job's completion changes no recency (vLLM reports a job's keys as a set, whose order varies from run to run).
+it matters for ARC). A context without a request id (``req_id=""``) is anonymous: each of its calls counts as a use
+of its own, as every touch does in vLLM. The policy sees each call's keys in prefix order (by the end token vLLM
+records for each key, group-interleaved), while the specs keep vLLM's order; without recorded positions, the order
+vLLM passed them in. A job's completion changes no recency (vLLM reports a job's keys as a set, whose order varies
+from run to run).
 """
 
 from __future__ import annotations
@@ -186,7 +188,11 @@ class TritonOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         logger.info("triton-offload scheduler counters: %s; host blocks at shutdown: %s", self.counters, self.occupancy)
 
-    def _request_use(self, req_context: ReqContext) -> RequestUse:
+    def _request_use(self, req_context: ReqContext) -> RequestUse | None:
+        if not req_context.req_id:
+            # No request identity (vLLM's own manager tests pass one ReqContext(req_id="") to every call): every call
+            # is a use of its own, as in vLLM, where a touch always counts.
+            return None
         state = req_context.get_state(_RequestState)
         if state is None or state.manager is not self._manager:  # new request, or its history predates a reset
             state = _RequestState(self._manager, RequestUse())

@@ -9,8 +9,10 @@ secondary tier are byte-compatible with vLLM's native tiering: two instances, on
 ``root_dir`` (its namespace does not include the spec's name).
 
 Differences from vLLM's spec, all at startup: the configuration is checked before anything is allocated, with a
-``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); ``cpu_bytes_to_use`` also
-takes sizes such as ``"40GiB"``; ``num_ctas`` is ours; ``canonical_layout`` is refused (the Triton worker writes
+``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); an ``fs`` tier's missing
+``root_dir`` is created 0700, so its KV files are private (:mod:`~triton_offload.connector.fs_root`), and a shared
+existing one is warned of; ``cpu_bytes_to_use`` also takes sizes such as ``"40GiB"`` and is checked against the
+memory available; ``num_ctas`` is ours; ``canonical_layout`` is refused (the Triton worker writes
 vLLM's direct worker-slot layout only); the CPU platform is supported (the kernels run through Triton's
 interpreter); and the region's ``/dev/shm`` file is removed on every exit path (:class:`~triton_offload.connector.
 shm_region.RegionName`).
@@ -29,10 +31,12 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from triton_offload._checks import positive_int
+from triton_offload._checks import positive_int_setting
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
+from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
+from triton_offload.host_cache import check_host_memory
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
 
@@ -68,9 +72,11 @@ def _check_backpressure(value: Any, where: str) -> dict:
     return dict(value)
 
 
-def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> str:
-    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type."""
+def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[str, str | None]:
+    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type and, for a file-system tier,
+    its ``root_dir``."""
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
     if not isinstance(tier, Mapping):
         raise ValueError(f"{_where(i)} = {tier!r} must be a dict with a 'type' key (e.g. {{'type': 'fs', ...}})")
@@ -106,7 +112,9 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> str:
             f"{_where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
             "e.g. 'EMABackpressureDetector'"
         )
-    return tier_type
+    if issubclass(tier_cls, FileSystemTierManager):
+        return tier_type, check_root_dir(tier["root_dir"], _where(i, "root_dir"))
+    return tier_type, None
 
 
 def _tier_types() -> list[str]:
@@ -124,12 +132,14 @@ class TritonTieringConfig:
         eviction_policy: the primary tier's eviction policy name.
         secondary_tiers: the type of each secondary tier, in order.
         num_ctas: programs per transfer launch; None for the kernel's default.
+        root_dirs: ``(index in secondary_tiers, root_dir)`` of each file-system (``fs``) tier.
     """
 
     cpu_bytes_to_use: int
     eviction_policy: str = "lru"
     secondary_tiers: tuple[str, ...] = ()
     num_ctas: int | None = None
+    root_dirs: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -138,9 +148,9 @@ class TritonTieringConfig:
         Raises:
             ValueError: naming the key: a missing or bad ``cpu_bytes_to_use``; a ``secondary_tiers`` that is not a
                 list of dicts; a tier whose ``type`` vLLM does not know, that lacks a key its constructor requires
-                (``root_dir`` for ``fs``) or has one it does not take; a ``backpressure`` without
-                ``backpressure_cls``; an unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``;
-                a bad ``num_ctas``.
+                (``root_dir`` for ``fs``) or has one it does not take; an ``fs`` ``root_dir`` that cannot be a
+                directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
+                unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas``.
         """
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
@@ -156,7 +166,7 @@ class TritonTieringConfig:
             )
         num_ctas = extra.get("num_ctas")
         if num_ctas is not None:
-            num_ctas = positive_int(num_ctas, "num_ctas")
+            num_ctas = positive_int_setting(num_ctas, "num_ctas")
         threshold = extra.get("store_threshold", 0)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
             raise ValueError(
@@ -176,7 +186,8 @@ class TritonTieringConfig:
                 "[{'type': 'fs', 'root_dir': '/mnt/shared/kv'}]"
             )
         default_bp = _check_backpressure(extra.get("backpressure"), "kv_connector_extra_config['backpressure']")
-        types = tuple(_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers))
+        checked = [_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers)]
+        root_dirs = tuple((i, root) for i, (_, root) in enumerate(checked) if root is not None)
         known = set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | VLLM_KEYS
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -186,7 +197,7 @@ class TritonTieringConfig:
                 unknown,
                 sorted(set(TIERING_KEYS) | set(OUR_TIERING_KEYS)),
             )
-        return cls(cpu_bytes, policy, types, num_ctas)
+        return cls(cpu_bytes, policy, tuple(t for t, _ in checked), num_ctas, root_dirs)
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -215,6 +226,10 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 f"cpu_bytes_to_use = {cfg.cpu_bytes_to_use} bytes is less than one chunk of "
                 f"{self.kv_bytes_per_chunk} bytes (blocks_per_chunk = {self.blocks_per_chunk}, every worker's slot)"
             )
+        # Once the rest is checked, and before vLLM's fs tier (built by get_manager) creates them with the umask
+        # and fills them with KV files.
+        for i, root in cfg.root_dirs:
+            make_private_root_dir(root, _where(i, "root_dir"))
         self._worker: OffloadingWorker | None = None
 
     def get_manager(self) -> OffloadingManager:
@@ -222,6 +237,8 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         if self._manager is not None:
             return self._manager
         path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"  # SharedOffloadRegion's name for this engine
+        for i, root in self.tiering_config.root_dirs:  # once per instance: only the scheduler builds the tiers
+            warn_if_shared(root, _where(i, "root_dir"))
         try:
             manager = super().get_manager()
         except BaseException:
@@ -261,12 +278,19 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         # Replicated MLA (every TP rank holds the same latent): one copy, slot 0, as vLLM's tiering does. Only rank 0
         # stores (vLLM's connector acks the others' stores); every rank loads from slot 0.
         slot = 0 if self.replicated_layout else self.config.parallel.rank
+        setting = (
+            f"cpu_bytes_to_use = {self.tiering_config.cpu_bytes_to_use} bytes (the CPU tier of the whole instance: "
+            f"one /dev/shm region for its {max(1, self.config.parallel.world_size)} worker(s), in host memory)"
+        )
         region = SharedOffloadRegion(
             engine_id=self._engine_id,
             num_chunks=self.num_chunks,
             rank=slot,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
+            # The worker that creates the region checks it whole against RAM, before sizing the file (whose pages
+            # are host memory: /dev/shm may be larger than what is free).
+            creator_memory_check=lambda nbytes: check_host_memory(nbytes, setting),
         )
         name = RegionName(region, take_over=True)
         try:

@@ -259,6 +259,49 @@ def spec_and_worker(kv: CanonicalKVCaches, *, f: int, worker_bytes: int, num_gro
     return spec, spec.get_manager(), spec.get_worker(kv)
 
 
+def _no_host_cache(*args, **kwargs):
+    raise AssertionError("a host cache was allocated: the memory check must refuse the budget first")
+
+
+@pytest.mark.parametrize(
+    "world_size, available, fits",
+    [(1, 600 << 10, False), (2, 600 << 10, True), (2, 400 << 10, False)],
+    ids=["1rank-1MiB-in-600KiB", "2ranks-512KiB-each-in-600KiB", "2ranks-512KiB-each-in-400KiB"],
+)
+def test_worker_refuses_a_budget_beyond_available_memory(monkeypatch, world_size, available, fits):
+    """cpu_bytes_to_use is for the whole instance: each rank checks its own share against MemAvailable before it
+    allocates, and a share that does not fit is a ValueError naming the key, the bytes asked and the bytes
+    available, with nothing allocated."""
+    import triton_offload.connector.worker as worker_module
+    from triton_offload import host_cache
+
+    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: available)
+    kv = CanonicalKVCaches(canonical(16, [512, 512]), [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)]])
+    config = make_config({"cpu_bytes_to_use": "1MiB"}, worker_bytes=1024, f=2, world_size=world_size)
+    spec = OffloadingSpecFactory.create_spec(config)
+    asked = (1 << 20) // world_size
+    if fits:
+        spec.get_worker(kv).shutdown()
+        return
+    monkeypatch.setattr(worker_module, "HostCache", _no_host_cache)
+    with pytest.raises(ValueError, match=rf"cpu_bytes_to_use = 1048576 bytes .* asks for {asked} bytes .* {available}"):
+        spec.get_worker(kv)
+
+
+def test_a_budget_beyond_the_machine_is_refused_before_allocating(monkeypatch):
+    """The README's "40GiB" on a smaller machine: four times MemTotal, refused by the real MemAvailable check (the
+    host cache is replaced by a tripwire, so this test allocates nothing even if the check were missing)."""
+    import triton_offload.connector.worker as worker_module
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    monkeypatch.setattr(worker_module, "HostCache", _no_host_cache)
+    kv = CanonicalKVCaches(canonical(16, [512, 512]), [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)]])
+    spec = OffloadingSpecFactory.create_spec(make_config({"cpu_bytes_to_use": 4 * total}, worker_bytes=1024, f=2))
+    with pytest.raises(ValueError, match=rf"cpu_bytes_to_use = {4 * total} bytes .* asks for .* are available"):
+        spec.get_worker(kv)
+
+
 def test_store_f2_then_load_with_skip_into_other_blocks():
     """6 GPU blocks stored into 3 host blocks (f=2); the load skips the first one (the device holds it) and writes
     5 other blocks. Source and unaddressed blocks stay as they were."""

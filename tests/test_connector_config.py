@@ -67,6 +67,13 @@ def test_defaults_and_full_config():
         cfg.num_ctas = 3  # frozen: parsed once, never changed
 
 
+def test_integers_written_as_strings_are_read_as_vllm_reads_block_size():
+    """JSON on a command line often quotes numbers: vLLM reads its own block_size "64" with int(), and num_ctas "4"
+    is read the same way."""
+    cfg = parse({"cpu_bytes_to_use": 4096, "block_size": "64", "num_ctas": "4"}, f=4)
+    assert cfg == TritonOffloadConfig(4096, 4, "lru", 4)
+
+
 @pytest.mark.parametrize(
     ("extra", "f", "match"),
     [
@@ -76,7 +83,9 @@ def test_defaults_and_full_config():
         pytest.param({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, 1, "accepted: arc, lru", id="bad-policy"),
         pytest.param({"cpu_bytes_to_use": 1, "eviction_policy": 3}, 1, "eviction_policy = 3", id="policy-type"),
         pytest.param({"cpu_bytes_to_use": 1, "num_ctas": 0}, 1, "num_ctas = 0 must be a positive int", id="ctas-0"),
-        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": "8"}, 1, "num_ctas = '8'", id="ctas-str"),
+        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": "8x"}, 1, "num_ctas = '8x' must be", id="ctas-str"),
+        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": "0"}, 1, "num_ctas = '0' must be", id="ctas-str-0"),
+        pytest.param({"cpu_bytes_to_use": 1, "num_ctas": 4.0}, 1, "num_ctas = 4.0 must be", id="ctas-float"),
         pytest.param({"cpu_bytes_to_use": 1, "num_ctas": True}, 1, "num_ctas = True", id="ctas-bool"),
         pytest.param({"cpu_bytes_to_use": 1, "block_size": 48}, 2, "block_size = 48 tokens", id="block-size-vs-f"),
         pytest.param({"cpu_bytes_to_use": 1, "block_size": "big"}, 1, "block_size = 'big'", id="block-size-type"),

@@ -1,4 +1,5 @@
-"""The scheduler adapter (TritonOffloadingManager) where vLLM relies on its own manager's behaviour (issue 12, A-D).
+"""The scheduler adapter (TritonOffloadingManager) where vLLM relies on its own manager's behaviour (issue 12, A-D),
+and vLLM's own ARC manager tests (E).
 
 Driven the way vLLM's OffloadingConnector scheduler drives a manager: a ReqContext per request, the keys of a job
 completed as a set, ``on_request_finished`` once all of a request's stores are prepared. No engine.
@@ -170,3 +171,61 @@ def test_a_request_started_before_a_reset_starts_afresh():
     assert policy_state(m)["t2"] == (key(0),)
     m.on_request_finished(r)
     assert m.counters["stored_blocks"] == 2
+
+
+# -- E. vLLM's own ARC manager tests (tests/v1/kv_offload, TestARCPolicy), replayed against ours -----------------------
+# They pass one ReqContext(req_id="") to every call: no request identity, so each call is a use of its own (a touch
+# of a once-used block promotes it to T2), while a real request keeps counting its own blocks once (D above).
+
+ANON = ReqContext(req_id="")
+
+
+def test_vllm_arc_t1_to_t2_promotion():
+    """vLLM's TestARCPolicy::test_t1_to_t2_promotion: a stored block starts in T1; a touch is its second use."""
+    m = TritonOffloadingManager(4, "arc")
+    store(m, [key(1)], ANON)
+    assert (policy_state(m)["t1"], policy_state(m)["t2"]) == ((key(1),), ())
+    m.touch([key(1)], ANON)
+    assert (policy_state(m)["t1"], policy_state(m)["t2"]) == ((), (key(1),))
+
+
+def test_vllm_arc_touch_ordering():
+    """vLLM's TestARCPolicy::test_touch_ordering: touching 3, 4 promotes them; touching 1, 3, 4 promotes 1, leaving
+    T1 = {2}, T2 = {1, 3, 4}; the next store evicts 2, the one block in T1, and reuses its host block."""
+    m = TritonOffloadingManager(4, "arc")
+    store(m, [key(1), key(2), key(3), key(4)], ANON)
+    m.touch([key(3), key(4)], ANON)
+    m.touch([key(1), key(3), key(4)], ANON)
+    state = policy_state(m)
+    assert (state["t1"], set(state["t2"])) == ((key(2),), {key(1), key(3), key(4)})
+    out = m.prepare_store([key(5)], ANON)
+    assert out is not None and (out.keys_to_store, out.evicted_keys) == ([key(5)], [key(2)])
+    assert out.store_spec.block_ids.tolist() == [1], "key 2's host block (the second handed out)"
+
+
+def test_vllm_arc_failed_store():
+    """vLLM's TestARCPolicy::test_failed_store: a full cache evicts one block for a new one; the store fails: the new
+    block is neither cached nor in T1/T2, and the evicted block stays a B1 ghost."""
+    m = TritonOffloadingManager(4, "arc")
+    store(m, [key(1), key(2), key(3), key(4)], ANON)
+    out = m.prepare_store([key(5)], ANON)
+    assert out is not None and len(out.evicted_keys) == 1
+    m.complete_store([key(5)], ANON, success=False)
+    state = policy_state(m)
+    assert m.lookup(key(5), ANON) is LookupResult.MISS
+    assert key(5) not in state["t1"] + state["t2"]
+    assert out.evicted_keys[0] in state["b1"]
+
+
+@pytest.mark.parametrize("req_id, t2", [("", (key(0),)), ("r", ())], ids=["anonymous", "request"])
+def test_only_a_request_with_an_id_counts_its_own_blocks_once(req_id, t2):
+    """The same calls through one context: anonymous, the touch after the store is a second use (T2); for request
+    "r" the block is its own and stays in T1, also after the request ends."""
+    m = TritonOffloadingManager(4, "arc")
+    rc = ReqContext(req_id=req_id)
+    store(m, [key(0)], rc)
+    m.prepare_load([key(0)], rc)
+    m.complete_load([key(0)], rc)
+    m.touch([key(0)], rc)
+    m.on_request_finished(rc)
+    assert policy_state(m)["t2"] == t2

@@ -12,7 +12,7 @@ import triton_offload as to
 from triton_offload.engine import JobResult, TransferEngine
 from triton_offload.kernels import copy_blocks
 
-from kv_factory import SENTINEL, assert_loaded_exactly, make_caches
+from kv_factory import SENTINEL, assert_loaded_exactly, make_caches, snapshot
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
 
@@ -84,6 +84,28 @@ def test_bad_ids_raise_at_submit_and_queue_nothing(make_engine):
         eng.submit_store(1, [0], [99])
     assert eng.num_pending == 0 and eng.get_finished() == []
     assert torch.equal(before, cache.buffer)
+
+
+def test_a_pending_job_id_is_refused_at_submit_and_queues_nothing(make_engine):
+    """A job id names one result: while a job is pending (submitted, not yet returned by get_finished), a second job
+    under its id (either direction) is refused before anything is queued or written; once reported, it may be
+    reused."""
+    caches, _, eng, cache = make_engine()
+    eng.submit_store(7, [0, 1], [0, 1])
+    before_host, before_kv = cache.buffer.clone(), snapshot(caches)
+    with pytest.raises(ValueError, match=r"job_id = 7 is still pending"):
+        eng.submit_store(7, [2], [2])
+    with pytest.raises(ValueError, match=r"job_id = 7 is still pending"):
+        eng.submit_load(7, [3], [0])
+    assert eng.num_pending == 1
+    assert torch.equal(before_host, cache.buffer) and all(map(torch.equal, before_kv, snapshot(caches)))
+    (done,) = eng.get_finished()
+    assert (done.job_id, done.direction, done.num_bytes) == (7, "store", 2 * eng.kv.bytes_per_block)
+    eng.submit_load(7, [3], [0])  # reported: the id is free again
+    assert [(r.job_id, r.direction, r.ok) for r in eng.get_finished()] == [(7, "load", True)]
+    with pytest.raises(TypeError, match="job_id must be an int"):
+        eng.submit_store("8", [0], [0])
+    assert eng.num_pending == 0
 
 
 def test_failed_launch_marks_job_failed_and_shutdown_reraises(monkeypatch, make_engine):

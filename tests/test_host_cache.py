@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import mmap
+import os
 import sys
 import threading
 import time
@@ -40,6 +42,40 @@ def test_budget_too_small_names_both_sizes():
         host_blocks_for_budget(7000, 1000, 8)
     with pytest.raises(ValueError, match="world_size = 0 must be a positive int"):
         host_blocks_for_budget(7000, 1000, 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="MemAvailable is Linux's")
+def test_available_host_bytes_is_meminfo_mem_available():
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert 0 < host_cache.available_host_bytes() <= total
+
+
+def test_host_memory_check_names_the_setting_and_both_sizes(monkeypatch):
+    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: 3 << 20)
+    host_cache.check_host_memory(3 << 20, "cpu_bytes_to_use = 3MiB")  # exactly what is available
+    with pytest.raises(
+        ValueError,
+        match=r"^cpu_bytes_to_use = 4MiB asks for 4194304 bytes \(0.00 GiB\) of host memory on this machine, but only "
+        r"3145728 bytes \(0.00 GiB\) are available \(MemAvailable",
+    ):
+        host_cache.check_host_memory(4 << 20, "cpu_bytes_to_use = 4MiB")
+    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: None)
+    host_cache.check_host_memory(1 << 60, "cpu_bytes_to_use = 1EiB")  # not Linux: nothing to check against
+
+
+def test_failed_allocation_names_the_size(monkeypatch):
+    """mmap's ENOMEM (a size beyond RAM and swap) comes back naming the cache's size and shape, errno kept."""
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_cache.mmap, "mmap", no_memory)
+    with pytest.raises(
+        OSError, match=r"host cache of 12288 bytes \(0.00 GiB: 3 blocks x 4096 bytes\): Cannot alloc"
+    ) as e:
+        HostCache(4096, num_blocks=3, pin=False)
+    assert e.value.errno == errno.ENOMEM
 
 
 def test_cpu_cache_is_plain_memory_of_the_right_shape(make_host_cache):

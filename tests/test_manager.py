@@ -252,6 +252,21 @@ def test_arc_ghost_hit_moves_key_to_t2_and_adapts_target():
     assert snap == {"t1": (k(4),), "t2": (k(0),), "b1": (k(3),), "b2": (k(1),), "p": 0}, "a B2 hit shrinks p"
 
 
+@pytest.mark.parametrize("success, ghosts", [(False, (k(3),)), (True, ())], ids=["failed", "completed"])
+def test_arc_trims_ghosts_when_a_store_completes(success, ghosts):
+    """The key evicted to make room for a store is a B1 ghost; if the store fails it stays one, as in vLLM (its
+    TestARCPolicy::test_failed_store), while a store that completes trims B1 to the paper's |T1| + |B1| <= c."""
+    m = OffloadManager(4, "arc")
+    store(m, [k(0), k(1), k(2), k(3)])  # T1 full; the prefix head k0 is the most recent, so the tail k3 goes first
+    out = m.prepare_store([k(4)])
+    assert out is not None and out.evicted_keys == [k(3)]
+    assert m.snapshot().policy["b1"] == (k(3),)
+    m.complete_store([k(4)], success=success)
+    pol = m.snapshot().policy
+    assert (pol["b1"], set(pol["t1"])) == (ghosts, {k(0), k(1), k(2)} | ({k(4)} if success else set()))
+    assert m.lookup([k(4)]) == int(success)
+
+
 def test_arc_ghost_lists_stay_bounded():
     """Under a long stream with re-references, |T1|+|B1| <= c and all four lists <= 2c, with ghosts in use."""
     c = 4

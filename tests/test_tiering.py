@@ -10,8 +10,11 @@ its worker takes them) with vLLM's placement rule: sub-block j of chunk c of ten
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ import torch
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
 
+from permissions import exposed_below  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -292,6 +296,23 @@ def test_killed_worker_leaves_no_region_file():
     assert not os.path.exists(path), f"{path} left behind by a killed worker"
 
 
+def test_region_beyond_available_memory_is_refused_naming_the_key(monkeypatch):
+    """The region (the whole instance's CPU tier, one /dev/shm file in RAM) is checked against MemAvailable by the
+    worker that creates it, before the file is sized: a ValueError naming cpu_bytes_to_use and both sizes, and no
+    file left."""
+    from triton_offload import host_cache
+
+    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: 64 << 10)
+    config = make_config({"cpu_bytes_to_use": "1MiB"}, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    region_bytes = spec.num_chunks * spec.kv_bytes_per_chunk
+    with pytest.raises(
+        ValueError, match=rf"cpu_bytes_to_use = 1048576 bytes .* asks for {region_bytes} bytes .* 65536"
+    ):
+        spec.get_worker(kv_caches())
+    assert not os.path.exists(region_file(config.engine_id))
+
+
 def test_failed_worker_startup_removes_the_region_file():
     """A worker that fails after creating the region (here: tensors larger than the slot vLLM sized) removes it."""
     kv = kv_caches()
@@ -302,18 +323,22 @@ def test_failed_worker_startup_removes_the_region_file():
     assert not os.path.exists(region_file(config.engine_id))
 
 
-def test_failed_scheduler_startup_removes_the_region_file(tmp_path):
+def test_failed_scheduler_startup_removes_the_region_file(tmp_path, monkeypatch):
     """The scheduler fails to build its tiers after the worker created the region: the name goes too."""
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("")
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    def broken(*args, **kwargs):
+        raise OSError("the fs tier's disk went away")
+
     kv = kv_caches()
-    extra = {"cpu_bytes_to_use": 4 * sum(PAGES), "secondary_tiers": [{"type": "fs", "root_dir": str(blocker / "x")}]}
+    extra = {"cpu_bytes_to_use": 4 * sum(PAGES), "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}]}
     config = make_config(extra, num_groups=2, worker_bytes=sum(PAGES), f=1)
     spec = OffloadingSpecFactory.create_spec(config)
     worker = spec.get_worker(kv)
+    monkeypatch.setattr(FileSystemTierManager, "__init__", broken)
     try:
-        with pytest.raises(OSError):
-            spec.get_manager()  # the fs tier cannot create its directory under a file
+        with pytest.raises(OSError, match="went away"):
+            spec.get_manager()
         assert not os.path.exists(region_file(config.engine_id))
     finally:
         worker.shutdown()
@@ -357,13 +382,13 @@ def test_good_config_is_parsed_once_with_vllm_keys_passed_through(tmp_path):
     extra = {
         "cpu_bytes_to_use": "2MiB",
         "eviction_policy": "arc",
-        "num_ctas": 4,
+        "num_ctas": "4",  # an int written as a string, as vLLM reads its own block_size
         "backpressure": {"backpressure_cls": "EMABackpressureDetector"},
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 2, "n_write_threads": 2}],
     }
     config = make_config(extra, worker_bytes=sum(PAGES), f=2)
     spec = OffloadingSpecFactory.create_spec(config)
-    assert spec.tiering_config == TritonTieringConfig(2 << 20, "arc", ("fs",), 4)
+    assert spec.tiering_config == TritonTieringConfig(2 << 20, "arc", ("fs",), 4, ((0, str(tmp_path)),))
     assert spec.extra_config["cpu_bytes_to_use"] == 2 << 20, "vLLM's spec reads int(cpu_bytes_to_use)"
     assert spec.num_chunks == (2 << 20) // 4096  # 2 x 1408 bytes per chunk row, rounded up to a 4 KiB page
     # vLLM merged the top-level backpressure into the tier, as its own spec does.
@@ -378,3 +403,87 @@ def test_registered_by_name_next_to_the_packed_spec():
     assert OffloadingSpecFactory.get_spec_cls({"spec_name": plugin.TIERING_SPEC_NAME}) is TritonTieringOffloadingSpec
     by_path = {"spec_name": plugin.TIERING_SPEC_NAME, "spec_module_path": "triton_offload.connector"}
     assert OffloadingSpecFactory.get_spec_cls(by_path) is TritonTieringOffloadingSpec
+
+
+# -- the fs tier's root_dir: checked, created private ----------------------------------------------------------------
+
+ROOT_DIR = r"kv_connector_extra_config\['secondary_tiers'\]\[0\]\['root_dir'\]"
+
+
+def fs_config(root_dir, **tier) -> object:
+    extra = {"cpu_bytes_to_use": 4 * 4096, "secondary_tiers": [{"type": "fs", "root_dir": root_dir, **tier}]}
+    return make_config(extra, num_groups=2, worker_bytes=sum(PAGES), f=1)
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("file", "is not a directory"),
+        ("file/kv", r"passes through '.*/file', which is not a directory"),
+        ("/proc/triton-offload-kv", r"cannot be created: mkdir '/proc/triton-offload-kv' failed"),
+        ("", "must be a directory path"),
+        (7, "must be a directory path"),
+    ],
+    ids=["a-file", "through-a-file", "under-proc", "empty", "not-a-path"],
+)
+def test_a_root_dir_that_cannot_be_a_directory_is_refused_naming_the_key(tmp_path, where, message):
+    """Instead of vLLM's bare FileNotFoundError / NotADirectoryError from inside its tier, at startup."""
+    (tmp_path / "file").write_text("")
+    root_dir = str(tmp_path / where) if where in ("file", "file/kv") else where
+    config = fs_config(root_dir)
+    with pytest.raises(ValueError, match=ROOT_DIR + " = .*" + message):
+        OffloadingSpecFactory.create_spec(config)
+    assert not os.path.exists(region_file(config.engine_id))
+
+
+def test_a_missing_root_dir_is_created_private_before_the_tier_writes(tmp_path):
+    """Under a world-readable parent and the usual umask 022, the missing root_dir and the directory created on the
+    way to it are 0700, so the files vLLM's tier writes inside (its run config, 0644 in a 0755 directory) are out of
+    other users' reach."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o755)
+    root = parent / "kv" / "cache"
+    old_umask = os.umask(0o022)
+    try:
+        config = fs_config(str(root), n_read_threads=1, n_write_threads=1)
+        spec = OffloadingSpecFactory.create_spec(config)
+        assert [stat.S_IMODE(p.stat().st_mode) for p in (parent / "kv", root)] == [0o700, 0o700]
+        worker = spec.get_worker(kv_caches())
+        try:
+            spec.get_manager().shutdown()
+        finally:
+            worker.shutdown()
+    finally:
+        os.umask(old_umask)
+    written = [p for p in root.rglob("*") if p.is_file()]
+    assert written, "vLLM's fs tier wrote nothing: the check below would pass vacuously"
+    assert not exposed_below(parent), exposed_below(parent)
+    assert exposed_below(root), "vLLM's own modes inside root_dir are open: only root_dir's 0700 protects them"
+
+
+@pytest.mark.parametrize("mode, warned", [(0o755, True), (0o770, True), (0o700, False)])
+def test_an_existing_root_dir_open_to_others_is_warned_of(tmp_path, mode, warned):
+    """An existing root_dir is left as the operator made it (instances may share it on purpose); one that its group or
+    others may enter is named at startup, with its mode and the risk."""
+    tmp_path.chmod(mode)
+    config = fs_config(str(tmp_path), n_read_threads=1, n_write_threads=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = spec.get_worker(kv_caches())
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("triton_offload.connector.fs_root").addHandler(handler)
+    try:
+        spec.get_manager().shutdown()
+    finally:
+        logging.getLogger("triton_offload.connector.fs_root").removeHandler(handler)
+        worker.shutdown()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == mode, "an existing root_dir is not changed"
+    if warned:
+        (text,) = warnings
+        assert re.search(ROOT_DIR + rf" = '{re.escape(str(tmp_path))}' has mode {mode:04o}", text), text
+        assert "read the prompts" in text and "change other users' outputs" in text
+    else:
+        assert not warnings

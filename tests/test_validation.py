@@ -30,6 +30,22 @@ BAD = [
     ("gpu-id-negative", dict(g=[1, -1, 2]), ValueError, r"gpu_block_ids\[1\] = -1"),
     ("host-id-out-of-range", dict(h=[0, 5]), ValueError, r"host_block_ids\[1\] = 5 is out of range \[0, 5\)"),
     ("host-id-negative", dict(h=[-3, 1]), ValueError, r"host_block_ids\[0\] = -3"),
+    # Ids int64 cannot hold are named as given, not wrapped negative by the cast to int64.
+    (
+        "gpu-id-uint64-beyond-int64",
+        dict(g=np.array([1, 2**64 - 1, 2], dtype=np.uint64)),
+        ValueError,
+        r"gpu_block_ids\[1\] = 18446744073709551615 is out of range \[0, 8\)",
+    ),
+    (
+        "gpu-id-torch-uint64",
+        dict(g=torch.tensor([1, 2, 2**63], dtype=torch.uint64)),
+        ValueError,
+        r"gpu_block_ids\[2\] = 9223372036854775808 is out of range \[0, 8\)",
+    ),
+    ("host-id-int-beyond-int64", dict(h=[0, 2**64]), ValueError, r"host_block_ids\[1\] = 18446744073709551616 is out"),
+    ("host-id-mixed-uint64", dict(h=[0, 2**64 - 1]), ValueError, r"host_block_ids\[1\] = 18446744073709551615 is out"),
+    ("skip-uint64", dict(skip=np.array([2**64 - 1], dtype=np.uint64)), ValueError, r"skip\[0\] = 18446744073709551615"),
     ("too-few-host-ids", dict(h=[0]), ValueError, r"len\(host_block_ids\) = 1, expected .* = 2"),
     ("too-many-host-ids", dict(h=[0, 1, 2]), ValueError, r"len\(host_block_ids\) = 3, expected .* = 2"),
     ("skip-equals-factor", dict(skip=2), ValueError, r"skip = 2 must be in \[0, 2\)"),

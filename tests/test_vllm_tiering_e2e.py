@@ -6,7 +6,10 @@ from the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 
 token is always recomputed), with A's greedy tokens (a wrong byte changes them: tests/vllm_e2e_driver.py's tiny
 Llama). A and B run ``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that
 writes vLLM's native layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region
-file must be gone once it exits. One process per engine: tests/vllm_tiering_driver.py.
+file must be gone once it exits. Both run with umask 022 and a ``root_dir`` that does not exist yet, under a
+world-readable directory: our spec creates it 0700, so no KV file is readable by other users (vLLM's own spec, as A
+of the native case, leaves them 0644 in 0755 directories, and B then warns). One process per engine:
+tests/vllm_tiering_driver.py.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import json
 import os
 import pathlib
 import re
+import stat
 
 import pytest
 import vllm_harness
+from permissions import exposed_below
 from vllm_harness import GPU_BLOCK_BYTES, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,7 +36,7 @@ REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
 def run_engine(
     model: pathlib.Path, root: pathlib.Path, block_size: int, *args: str, check: bool = True, env: dict | None = None
 ) -> dict:
-    cmd = ["--model", str(model), "--root", str(root), "--block-size", str(block_size), *args]
+    cmd = ["--model", str(model), "--root", str(root), "--block-size", str(block_size), "--umask", "022", *args]
     result = vllm_harness.run_driver(DRIVER, cmd, "TIERING_RESULT", timeout=400, check=check, env=env)
     if check:
         result["regions"] = sorted(set(REGION.findall(result["log"])))
@@ -66,13 +71,17 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, model, tmp_path_factory):
+    """The case's name, A's and B's results and the world-readable directory that holds the (missing) root_dir."""
     block_size, writer = CASES[request.param]
-    a, b = a_then_b(model, tmp_path_factory.mktemp(request.param), block_size, writer)
-    return request.param, a, b
+    shared = tmp_path_factory.mktemp(request.param) / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    a, b = a_then_b(model, shared / "kv" / "cache", block_size, writer)
+    return request.param, a, b, shared
 
 
 def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
-    name, a, b = pair
+    name, a, b, _ = pair
     assert a["cached"] == 0, "A runs cold"
     assert b["cached"] == 192, f"{name}: B should find all 6 GPU blocks of the prefix in the fs tier"
     assert b["tokens"] == a["tokens"], f"{name}: greedy tokens differ: the KV loaded back is not A's"
@@ -83,11 +92,29 @@ def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
 
 
 def test_no_region_file_is_left_after_the_engines_exit(pair):
-    name, a, b = pair
+    name, a, b, _ = pair
     ours = [a, b] if name.startswith("ours") else [b]
     for result in ours:
         assert len(result["regions"]) == 1, "our worker logs its shared region once"
         assert not os.path.exists(result["regions"][0]), f"{result['regions'][0]} outlived its engine"
+
+
+def test_no_kv_file_is_readable_by_other_users(pair):
+    """Real KV files under a root_dir our spec created (umask 022, a world-readable parent): none is readable by the
+    group or others. With vLLM's own spec as A, they are (0644 files in 0755 directories), which this check sees,
+    and B names the shared root_dir at startup."""
+    name, a, b, shared = pair
+    blocks = [p for p in shared.rglob("*.bin") if p.is_file()]
+    assert len(blocks) >= len(a["files"]) > 0, "no KV file was written: the check would pass vacuously"
+    exposed = exposed_below(shared)
+    root = "kv_connector_extra_config['secondary_tiers'][0]['root_dir']"
+    if name.startswith("ours"):
+        assert not exposed, f"{name}: readable by other users: {exposed}"
+        assert [stat.S_IMODE(p.stat().st_mode) for p in (shared / "kv", shared / "kv" / "cache")] == [0o700, 0o700]
+        assert f"{root} = " not in b["log"], "a root_dir our spec created is private: nothing to warn of"
+    else:
+        assert any(e.endswith(".bin") for e in exposed), f"vLLM's spec wrote private files after all: {exposed}"
+        assert f"{root} = '{shared / 'kv' / 'cache'}' has mode 0755" in b["log"]
 
 
 def test_missing_root_dir_stops_the_engine_at_startup_naming_the_key(model, tmp_path):

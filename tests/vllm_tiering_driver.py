@@ -49,7 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", choices=sorted(SPECS), default="ours")
     ap.add_argument("--wait-files", type=int, default=0, help="after serving, wait until this many chunk files exist")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
+    ap.add_argument("--umask", help="octal umask for the engine and its processes, e.g. 022 (default: inherited)")
     args = ap.parse_args(argv)
+    if args.umask is not None:
+        os.umask(int(args.umask, 8))  # before vLLM starts: its processes inherit it
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

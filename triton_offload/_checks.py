@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from numbers import Integral
 
-__all__ = ["positive_int", "int_in_range"]
+__all__ = ["positive_int", "positive_int_setting", "int_in_range"]
+
+_DIGITS = re.compile(r"\s*[0-9]+\s*")
 
 
 def positive_int(value, name: str) -> int:
@@ -15,6 +18,16 @@ def positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise ValueError(f"{name} = {value!r} must be a positive int")
     return int(value)
+
+
+def positive_int_setting(value, name: str) -> int:
+    """A configuration value as an int >= 1: an int, or an int written as a string of digits (``"4"``), the way vLLM
+    reads its own ``block_size`` (JSON on a command line often quotes numbers). A ``ValueError`` naming ``name`` and
+    the value as given otherwise (bools, floats and other strings too)."""
+    number = int(value) if isinstance(value, str) and _DIGITS.fullmatch(value) else value
+    if isinstance(number, bool) or not isinstance(number, Integral) or number < 1:
+        raise ValueError(f"{name} = {value!r} must be a positive int (or one written as a string of digits, e.g. '4')")
+    return int(number)
 
 
 def int_in_range(value, name: str, low: int, high: int | None = None) -> int:

@@ -12,6 +12,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -88,6 +89,8 @@ class TransferEngine:
         self.cuda = kv.device.type == "cuda"
         self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
         self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
+        # Ids submitted and not yet reported: a second job under one of them would report two results with one id.
+        self._pending_ids: set[int] = set()
         self._done: list[JobResult] = []
         self._first_error: BaseException | None = None
         self._closed = False
@@ -129,7 +132,8 @@ class TransferEngine:
 
         With KV-cache groups, ids are concatenated group by group, ``group_sizes`` gives the GPU ids per group and
         ``skip`` may be one per group (see :func:`triton_offload.transfer.plan_transfer`). Bad input raises here,
-        before anything is queued.
+        before anything is queued, a ``job_id`` still pending (submitted, its result not yet returned by
+        :meth:`get_finished`) included.
         """
         self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes)
 
@@ -142,6 +146,13 @@ class TransferEngine:
     def _submit(self, job_id, direction, gpu_block_ids, host_block_ids, skip, group_sizes) -> None:
         if self._closed:
             raise RuntimeError("the transfer engine is shut down")
+        if type(job_id) is not int and (isinstance(job_id, bool) or not isinstance(job_id, Integral)):
+            raise TypeError(f"job_id must be an int, got {type(job_id).__name__} {job_id!r}")
+        if job_id in self._pending_ids:
+            raise ValueError(
+                f"job_id = {job_id} is still pending (submitted, not yet reported by get_finished): a job id may be "
+                "reused only once its result has been reported"
+            )
         trace = self.trace
         if trace is not None:
             trace("submit")
@@ -175,6 +186,7 @@ class TransferEngine:
         else:
             self._run_cpu(job, plan)
         self._pending[direction].append(job)
+        self._pending_ids.add(job_id)
         if trace is not None:
             trace("done")
 
@@ -259,6 +271,7 @@ class TransferEngine:
             # FIFO per direction: the stream completes jobs in order, so the first unfinished one ends the scan.
             while queue and self._poll(queue[0], block=False):
                 out.append(queue.popleft().result)
+        self._pending_ids.difference_update(r.job_id for r in out)
         return out
 
     def wait(self, job_ids) -> None:
@@ -282,6 +295,7 @@ class TransferEngine:
                     self._poll(job, block=True)
                 self._done.extend(job.result for job in queue)
                 queue.clear()
+            self._pending_ids.clear()
         if self._first_error is not None:
             error, self._first_error = self._first_error, None
             raise RuntimeError("a KV transfer failed") from error

@@ -19,7 +19,14 @@ import torch
 
 from triton_offload._checks import positive_int
 
-__all__ = ["HostCache", "host_blocks_for_budget", "register_host_range", "unregister_host_ranges"]
+__all__ = [
+    "HostCache",
+    "available_host_bytes",
+    "check_host_memory",
+    "host_blocks_for_budget",
+    "register_host_range",
+    "unregister_host_ranges",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,45 @@ def host_blocks_for_budget(cpu_bytes_to_use: int, host_block_bytes: int, world_s
             f"less than one host block of {host_block_bytes} bytes"
         )
     return share // host_block_bytes
+
+
+def available_host_bytes() -> int | None:
+    """Host memory that can be allocated now without swapping: ``MemAvailable`` of ``/proc/meminfo`` (Linux), in
+    bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(nbytes: int, setting: str) -> None:
+    """Refuses, before anything is allocated, host memory this machine does not have available.
+
+    A buffer larger than RAM otherwise fails in ``mmap`` with a bare ``ENOMEM``; one below RAM but above what is
+    available is mapped and then ends in the OOM killer while its pages are touched.
+
+    Args:
+        nbytes: the bytes about to be allocated in this process.
+        setting: the configured value that asks for them, for the message (e.g. ``"cpu_bytes_to_use = 40GiB ..."``).
+
+    Raises:
+        ValueError: ``nbytes`` exceeds :func:`available_host_bytes`; the message names ``setting``, the bytes asked
+            and the bytes available. Where the available memory cannot be read, nothing is checked.
+    """
+    available = available_host_bytes()
+    if available is None:
+        logger.debug("MemAvailable not readable: not checking %d bytes of host memory for %s", nbytes, setting)
+        return
+    if nbytes > available:
+        raise ValueError(
+            f"{setting} asks for {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host memory on this machine, but only "
+            f"{available} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable in /proc/meminfo): lower "
+            "it, or free host memory"
+        )
 
 
 def _advise_huge_pages(region: mmap.mmap) -> None:
@@ -212,7 +258,14 @@ class HostCache:
         self._registered: list[tuple[int, int]] = []
         self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
         t0 = time.perf_counter()
-        self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot allocate a host cache of {self.nbytes} bytes ({self.nbytes / 2**30:.2f} GiB: "
+                f"{self.num_blocks} blocks x {host_block_bytes} bytes): {e.strerror}",
+            ) from e
         _advise_huge_pages(self._mmap)
         # A normal tensor even when the caller is in torch.inference_mode() (vLLM builds workers there): an inference
         # tensor could not be written by the populate threads, which do not inherit the mode, nor later outside it.

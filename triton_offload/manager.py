@@ -398,9 +398,10 @@ class OffloadManager:
                     "already stored" if key in self._ready else "not being stored",
                 )
         if success:
-            ready = self._ready
+            ready, on_stored = self._ready, self._policy.on_stored
             for key in unique:
                 ready[key] = storing.pop(key)
+                on_stored(key)
             self._stores += len(unique)
             if self._events is not None and unique:
                 self._events.append(OffloadEvent("stored", unique))

@@ -38,6 +38,9 @@ class EvictionPolicy(Protocol):
         ``ValueError`` if it already is resident or the policy is at capacity.
         """
 
+    def on_stored(self, key: Hashable) -> None:
+        """A resident key's store completed (it was inserted when the store was prepared); its order is unchanged."""
+
     def access(self, key: Hashable) -> None:
         """Records a reuse of a resident key (a load or touch by a request that did not count it yet)."""
 
@@ -83,6 +86,9 @@ class LRUPolicy:
             raise ValueError(f"cannot insert {key!r}: {len(self._order)} keys resident, capacity {self.capacity}")
         self._order[key] = None
 
+    def on_stored(self, key: Hashable) -> None:
+        pass  # its recency was set when the store was prepared
+
     def access(self, key: Hashable) -> None:
         self._order.move_to_end(key)
 
@@ -119,8 +125,11 @@ class ARCPolicy:
     Difference from the paper, forced by the manager evicting for a whole call at once: eviction
     (:meth:`evict_candidates`) runs before the call's keys are inserted, so the paper's tie-break (``|T1| == p`` and
     the new key in B2) is not applied. The ghost-hit adaptation happens when a store is prepared (:meth:`insert`),
-    the one moment a key evicted too early costs work, and nowhere else. Ghost lists are trimmed so that
-    ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c`` always hold (the paper's bounds).
+    the one moment a key evicted too early costs work, and nowhere else. Ghost lists are trimmed when a store
+    completes (:meth:`on_stored`), so that ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c`` hold (the
+    paper's bounds) counting the keys whose store completed; a store in flight may exceed them by its keys until it
+    completes. A store that fails (:meth:`remove`) so leaves the ghost lists as they were: the keys evicted to make
+    room for it stay ghosts, as in vLLM.
 
     :meth:`refresh` (a request using again a block it stored or already reused) moves a key to the most recent end of
     the list it is in: a request counts as one use, so it never promotes a key from T1 to T2.
@@ -154,7 +163,9 @@ class ARCPolicy:
             t2[key] = None
         else:
             t1[key] = None
-            self._trim_ghosts()
+
+    def on_stored(self, key: Hashable) -> None:
+        self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
         t1, b1, b2 = self._t1, self._b1, self._b2

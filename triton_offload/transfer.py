@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -35,10 +36,15 @@ __all__ = [
 ]
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
-    """Block ids as a 1-D int64 array; floats, bools and n-D arrays are a TypeError."""
+def _as_ids(ids: BlockIds, name: str, limit: int | None = None) -> np.ndarray:
+    """Block ids as a 1-D int64 array; floats, bools and n-D arrays are a TypeError.
+
+    An id int64 cannot hold (a uint64 >= 2**63, a Python int beyond int64) is a ValueError naming it as given, not
+    wrapped to a negative number; ``limit`` (the ids' upper bound, when known) goes into the message.
+    """
     if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
         return ids  # what the engines pass: nothing to convert or check
     if isinstance(ids, torch.Tensor):
@@ -50,9 +56,18 @@ def _as_ids(ids: BlockIds, name: str) -> np.ndarray:
         if arr.size == 0:
             arr = arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got {arr.dtype} ({str(ids)[:60]})")
+            # NumPy turns a list with an int beyond int64 into floats or objects: keep the ints exact for the message.
+            if arr.ndim != 1 or not all(isinstance(v, Integral) and not isinstance(v, (bool, np.bool_)) for v in ids):
+                raise TypeError(f"{name} must hold integers, got {arr.dtype} ({str(ids)[:60]})")
+            arr = np.array([int(v) for v in ids], dtype=object)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "O" or (arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX):
+        wide = [int(v) for v in arr]
+        bad = [i for i, v in enumerate(wide) if not -_INT64_MAX - 1 <= v <= _INT64_MAX]
+        if bad:
+            bounds = f"[0, {limit})" if limit is not None else "(beyond int64)"
+            raise ValueError(f"{name}[{bad[0]}] = {wide[bad[0]]} is out of range {bounds}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -109,7 +124,7 @@ def _group_layout(spec, n, skip, group_sizes, f) -> tuple[list[int], list[int]]:
     if isinstance(skip, (int, np.integer)) and not isinstance(skip, bool):
         skips = [int_in_range(skip, "skip", 0, f)] * len(sizes)
     else:
-        skips = _as_ids(skip, "skip").tolist()
+        skips = _as_ids(skip, "skip", f).tolist()
         if len(skips) != len(sizes):
             raise ValueError(f"len(skip) = {len(skips)}, expected one per KV-cache group = {len(sizes)}")
         for gi, s in enumerate(skips):
@@ -153,8 +168,8 @@ class TransferPlanner:
         :func:`~triton_offload.kernels.copy_blocks.pack_ids`); it is the only thing a call that raises may have
         written."""
         spec, f = self.spec, self.blocks_per_host_block
-        g = _as_ids(gpu_block_ids, "gpu_block_ids")
-        h = _as_ids(host_block_ids, "host_block_ids")
+        g = _as_ids(gpu_block_ids, "gpu_block_ids", spec.num_blocks)
+        h = _as_ids(host_block_ids, "host_block_ids", self.num_host_blocks)
         if group_sizes is None and spec.num_groups == 1 and type(skip) is int:
             # The call every single-group engine makes, kept free of the per-group lists' work (this path is held
             # to a 10 us budget at 1024 blocks).
