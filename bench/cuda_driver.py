@@ -1,24 +1,5 @@
-"""The CUDA driver API through ctypes: the calls the copy-engine baselines make, with nothing between them and the
-driver.
-
-Only the benchmark uses this module. It loads ``libcuda.so.1`` itself (no cuda-python), so a baseline's timed call is
-one ctypes call over arrays built once in ``prepare``: the driver's own cost, as a C++ caller such as vLLM pays it.
-
-``cuMemcpyBatchAsync`` changed its ABI between CUDA 12.8 and 13.0 (cuda.h of CUDA 13.0, which this was checked against):
-
-* 12.8 (exported as ``cuMemcpyBatchAsync``): ``(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
-  CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream)``;
-* 13.0 (exported as ``cuMemcpyBatchAsync_v2``; cuda.h maps the name to it): the same without ``failIdx``.
-
-The entry point is taken from ``cuGetProcAddress(symbol, cudaVersion, CU_GET_PROC_ADDRESS_DEFAULT)`` with the ABI the
-driver supports (13000 on a CUDA 13 driver, else 12080), falling back to the exported symbol of that ABI; the ctypes
-prototype is chosen to match (:data:`BATCH_ABIS`).
-
-``CUmemcpyAttributes`` (cuda.h, unchanged from 12.8 to 13.x): ``CUmemcpySrcAccessOrder srcAccessOrder`` (an enum, 4
-bytes) at 0, ``CUmemLocation srcLocHint`` ({``CUmemLocationType type``, ``int id``}, 8 bytes) at 4, ``CUmemLocation
-dstLocHint`` at 12, ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned. ``tests/test_bench_driver.py`` checks
-this layout against cuda.h with a C compiler where the header is installed.
-"""
+"""The benchmark's view of the CUDA driver: the library's ctypes binding (:mod:`triton_offload.cuda_driver`), which
+the copy-engine baselines call, and what the results files record about the driver."""
 
 from __future__ import annotations
 
@@ -26,252 +7,26 @@ import ctypes
 import shutil
 import subprocess
 
-import numpy as np
+from triton_offload.cuda_driver import (  # noqa: F401  (re-exported for the baselines)
+    BATCH_ABIS,
+    FLAG_DEFAULT,
+    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+    LOCATION_DEVICE,
+    LOCATION_HOST,
+    SRC_ACCESS_ORDER_STREAM,
+    CudaDriver,
+    CudaError,
+    CUmemcpyAttributes,
+    CUmemLocation,
+    HostBatchStandIn,
+    MemcpyBatchCall,
+    batch_attributes,
+    batch_prototype,
+    cuda_version_text,
+    load_driver,
+)
 
-__all__ = [
-    "CudaError",
-    "CUmemLocation",
-    "CUmemcpyAttributes",
-    "BATCH_ABIS",
-    "batch_attributes",
-    "batch_prototype",
-    "MemcpyBatchCall",
-    "HostBatchStandIn",
-    "CudaDriver",
-    "load_driver",
-    "driver_info",
-]
-
-# cuda.h enum values.
-SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
-LOCATION_HOST = 0x2  # CU_MEM_LOCATION_TYPE_HOST
-FLAG_DEFAULT = 0x0  # CU_MEMCPY_FLAG_DEFAULT
-FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-_GET_PROC_ADDRESS_DEFAULT = 0
-
-
-def cuda_version_text(version: int) -> str:
-    """A driver's CUDA version as cuDriverGetVersion encodes it (1000 * major + 10 * minor) -> ``"major.minor"``."""
-    return f"{version // 1000}.{version % 1000 // 10}"
-
-
-class CudaError(RuntimeError):
-    """A driver call failed, or the driver lacks what a baseline needs; the message names the call."""
-
-
-class CUmemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class CUmemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", CUmemLocation),
-        ("dstLocHint", CUmemLocation),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-# cudaVersion to ask cuGetProcAddress for -> (exported symbol of that ABI, whether it takes ``size_t *failIdx``).
-BATCH_ABIS = {13000: ("cuMemcpyBatchAsync_v2", False), 12080: ("cuMemcpyBatchAsync", True)}
-
-
-def batch_attributes(gpu_to_host: bool, device_index: int, flags: int) -> CUmemcpyAttributes:
-    """One attribute entry for every copy of a transfer.
-
-    srcAccessOrder=STREAM: the source is read in stream order (a store's KV may still be being written by the model,
-    a load's host block by a previous transfer). The location hints only matter for managed or pageable memory; they
-    are set to the true locations anyway so the struct is fully valid.
-    """
-    device = CUmemLocation(LOCATION_DEVICE, device_index)
-    host = CUmemLocation(LOCATION_HOST, 0)
-    src, dst = (device, host) if gpu_to_host else (host, device)
-    return CUmemcpyAttributes(SRC_ACCESS_ORDER_STREAM, src, dst, flags)
-
-
-def batch_prototype(with_fail_idx: bool):
-    """The ctypes function type of one cuMemcpyBatchAsync ABI (pointers as void*, CUresult as int)."""
-    args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(CUmemcpyAttributes)]
-    args += [ctypes.c_void_p, ctypes.c_size_t]
-    if with_fail_idx:
-        args.append(ctypes.POINTER(ctypes.c_size_t))
-    args.append(ctypes.c_void_p)  # CUstream
-    return ctypes.CFUNCTYPE(ctypes.c_int, *args)
-
-
-def _u64(values: np.ndarray) -> np.ndarray:
-    out = np.ascontiguousarray(values, dtype=np.uint64)
-    if out.ndim != 1:
-        raise ValueError(f"descriptor arrays must be 1-D, got shape {out.shape}")
-    return out
-
-
-class MemcpyBatchCall:
-    """One ``cuMemcpyBatchAsync`` over descriptor arrays built here, once; calling it issues the batch.
-
-    Args:
-        address: the driver function's address.
-        with_fail_idx: the 12.8 ABI (``size_t *failIdx`` before the stream).
-        srcs, dsts, sizes: (count,) source and destination addresses and byte counts; copied to uint64 arrays that
-            this object keeps alive.
-        attrs: the one attribute entry every copy uses (``attrsIdxs = [0]``, ``numAttrs = 1``).
-        stream: the raw CUstream handle (not the legacy NULL stream: the API rejects it).
-    """
-
-    def __init__(self, address: int, with_fail_idx: bool, srcs, dsts, sizes, attrs: CUmemcpyAttributes, stream: int):
-        self.srcs, self.dsts, self.sizes = _u64(srcs), _u64(dsts), _u64(sizes)
-        if not self.srcs.size == self.dsts.size == self.sizes.size:
-            raise ValueError(f"{self.srcs.size} srcs, {self.dsts.size} dsts, {self.sizes.size} sizes: must match")
-        self.count = int(self.sizes.size)
-        self.with_fail_idx = with_fail_idx
-        self.attrs = attrs
-        self.attr_idxs = np.zeros(1, dtype=np.uint64)
-        self.fail_idx = ctypes.c_size_t(0)
-        self._fn = batch_prototype(with_fail_idx)(address)
-        args = [self.dsts.ctypes.data, self.srcs.ctypes.data, self.sizes.ctypes.data, self.count]
-        args += [ctypes.byref(self.attrs), self.attr_idxs.ctypes.data, 1]
-        if with_fail_idx:
-            args.append(ctypes.byref(self.fail_idx))
-        self._args = (*args, stream or None)
-
-    def __call__(self) -> None:
-        err = self._fn(*self._args)
-        if err:
-            raise CudaError(f"cuMemcpyBatchAsync of {self.count} copies failed: CUresult {err}{self._fail_note()}")
-
-    def _fail_note(self) -> str:
-        # 12.8 ABI: the copy the driver rejected, SIZE_MAX when the error concerns no copy in particular.
-        fail = self.fail_idx.value
-        return f", failIdx={fail}" if self.with_fail_idx and fail < self.count else ""
-
-
-class HostBatchStandIn:
-    """A stand-in for the driver's cuMemcpyBatchAsync on a machine without CUDA: a C-callable function of either ABI
-    that reads the arrays it is handed and performs each copy with memmove, so :class:`MemcpyBatchCall`'s marshalling
-    runs exactly as on a GPU and its bytes can be checked. ``calls`` records what each call received.
-
-    Args:
-        with_fail_idx: the 12.8 ABI.
-    """
-
-    def __init__(self, with_fail_idx: bool = False):
-        self.with_fail_idx = with_fail_idx
-        self.calls: list[dict] = []
-        self._callback = batch_prototype(with_fail_idx)(self._batch)  # kept alive as long as this object
-        self.address = ctypes.cast(self._callback, ctypes.c_void_p).value
-
-    def _batch(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, *rest) -> int:
-        u64 = ctypes.POINTER(ctypes.c_uint64)
-        d, s, n = (ctypes.cast(p, u64) for p in (dsts, srcs, sizes))
-        a = attrs.contents
-        self.calls.append(
-            {
-                "count": count,
-                "arrays": (dsts, srcs, sizes),
-                "attrs": (a.srcAccessOrder, (a.srcLocHint.type, a.srcLocHint.id), (a.dstLocHint.type, a.dstLocHint.id),
-                          a.flags),
-                "attr_idxs": [ctypes.cast(attr_idxs, u64)[i] for i in range(num_attrs)],
-                "stream": rest[-1],
-                "fail_idx": bool(self.with_fail_idx and rest[0]),
-            }
-        )  # fmt: skip
-        for i in range(count):
-            ctypes.memmove(d[i], s[i], n[i])
-        return 0
-
-
-class CudaDriver:
-    """``libcuda.so.1`` with the calling thread's context checked, and the entry points the baselines use.
-
-    Args:
-        device_index: the CUDA device the benchmark runs on (PyTorch has already initialised it on this thread).
-    """
-
-    def __init__(self, device_index: int):
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise CudaError(f"cannot load libcuda.so.1: {exc}") from exc
-        self.device_index = device_index
-        get = getattr(self.lib, "cuGetProcAddress_v2", None)  # CUDA >= 12.0 drivers
-        if get is not None:
-            get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64]
-            get.argtypes += [ctypes.POINTER(ctypes.c_int)]
-        self._check(self.lib.cuInit(0), "cuInit")
-        version = ctypes.c_int(0)
-        self._check(self.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
-        self.version = version.value
-        self._ensure_context()
-        self._memcpy_async = None
-
-    def _check(self, err: int, what: str) -> None:
-        if err:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(err, ctypes.byref(name))
-            raise CudaError(f"{what} failed: {(name.value or b'?').decode()} ({err})")
-
-    def _ensure_context(self) -> None:
-        # Driver calls act on the thread's current context. PyTorch's runtime made the primary context current on
-        # this thread when it allocated the caches; if not (another thread, an odd build), make it current here.
-        ctx = ctypes.c_void_p()
-        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-        if ctx.value:
-            return
-        dev = ctypes.c_int()
-        self._check(self.lib.cuDeviceGet(ctypes.byref(dev), self.device_index), "cuDeviceGet")
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-        self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-
-    @property
-    def note(self) -> str:
-        return f"driver API via ctypes on libcuda.so.1, CUDA {cuda_version_text(self.version)}"
-
-    def _proc(self, symbol: str, cuda_version: int, exported: str) -> int:
-        pfn, status = ctypes.c_void_p(), ctypes.c_int(0)
-        get = getattr(self.lib, "cuGetProcAddress_v2", None)
-        if get is not None:
-            err = get(symbol.encode(), ctypes.byref(pfn), cuda_version, _GET_PROC_ADDRESS_DEFAULT, ctypes.byref(status))
-            if not err and pfn.value:
-                return pfn.value
-        try:
-            return ctypes.cast(getattr(self.lib, exported), ctypes.c_void_p).value
-        except AttributeError:
-            raise CudaError(
-                f"the driver (CUDA {self.version}) has no {symbol} for CUDA {cuda_version} "
-                f"(cuGetProcAddress status {status.value}, no {exported} symbol)"
-            ) from None
-
-    def batch_entry(self) -> tuple[int, bool]:
-        """(address, with_fail_idx) of the cuMemcpyBatchAsync ABI this driver speaks; CudaError before CUDA 12.8."""
-        for cuda_version, (exported, with_fail_idx) in BATCH_ABIS.items():
-            if self.version >= cuda_version:
-                return self._proc("cuMemcpyBatchAsync", cuda_version, exported), with_fail_idx
-        raise CudaError(f"the driver supports CUDA {self.version}; cuMemcpyBatchAsync needs 12.8 (12080)")
-
-    def memcpy_batch(self, srcs, dsts, sizes, gpu_to_host: bool, flags: int, stream: int) -> MemcpyBatchCall:
-        """A prepared cuMemcpyBatchAsync of every descriptor, one attribute entry for all (see batch_attributes)."""
-        address, with_fail_idx = self.batch_entry()
-        attrs = batch_attributes(gpu_to_host, self.device_index, flags)
-        return MemcpyBatchCall(address, with_fail_idx, srcs, dsts, sizes, attrs, stream)
-
-    def memcpy_async(self):
-        """``cuMemcpyAsync(dst, src, bytes, stream) -> CUresult`` as a ctypes function (one Python call per copy)."""
-        if self._memcpy_async is None:
-            fn = self.lib.cuMemcpyAsync  # unified addressing: the driver infers the direction from the pointers
-            fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            self._memcpy_async = fn
-        return self._memcpy_async
-
-
-def load_driver(device_index: int) -> tuple[CudaDriver | None, str]:
-    """(CudaDriver, description) or (None, why not)."""
-    try:
-        driver = CudaDriver(device_index)
-    except CudaError as exc:
-        return None, str(exc)
-    return driver, driver.note
+__all__ = ["driver_info"]
 
 
 def driver_info() -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload._checks import positive_int, positive_int_setting
+from triton_offload._checks import positive_int, positive_int_setting, transfer_path
 from triton_offload.policies import POLICIES, policy_name
 
 __all__ = ["TritonOffloadConfig", "parse_size", "OUR_KEYS", "VLLM_KEYS"]
@@ -36,7 +36,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 # Keys this spec reads.
-OUR_KEYS = frozenset({"cpu_bytes_to_use", "eviction_policy", "num_ctas"})
+OUR_KEYS = frozenset({"cpu_bytes_to_use", "eviction_policy", "num_ctas", "transfer_path"})
 # Keys vLLM's OffloadingConnector reads itself, whatever the spec (block_size becomes blocks_per_chunk).
 VLLM_KEYS = frozenset(
     {
@@ -99,12 +99,15 @@ class TritonOffloadConfig:
         eviction_policy: ``"lru"`` or ``"arc"``.
         num_ctas: programs one transfer launch may occupy (the SMs taken from the model); None for the kernel's
             default.
+        transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"`` (triton_offload/path_choice.py); None for the engine's
+            default (``"auto"`` on CUDA, ``"kernel"`` on CPU).
     """
 
     cpu_bytes_to_use: int
     blocks_per_host_block: int = 1
     eviction_policy: str = "lru"
     num_ctas: int | None = None
+    transfer_path: str | None = None
 
     @classmethod
     def from_extra_config(
@@ -137,6 +140,9 @@ class TritonOffloadConfig:
         num_ctas = extra.get("num_ctas")
         if num_ctas is not None:
             num_ctas = positive_int_setting(num_ctas, "num_ctas")
+        path = extra.get("transfer_path")
+        if path is not None:
+            path = transfer_path(path, "transfer_path")
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
@@ -154,4 +160,4 @@ class TritonOffloadConfig:
                 unknown,
                 sorted(OUR_KEYS | {"block_size"}),
             )
-        return cls(cpu_bytes, f, policy, num_ctas)
+        return cls(cpu_bytes, f, policy, num_ctas, path)

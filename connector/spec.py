@@ -39,7 +39,7 @@ class TritonOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``cpu_bytes_to_use`` (required; bytes or ``"40GiB"``, for the whole
     instance), ``block_size`` (tokens per host block, read by vLLM), ``eviction_policy`` (``lru`` | ``arc``),
-    ``num_ctas``. See :class:`~triton_offload.connector.config.TritonOffloadConfig`.
+    ``num_ctas``, ``transfer_path``. See :class:`~triton_offload.connector.config.TritonOffloadConfig`.
     """
 
     @classmethod
@@ -127,6 +127,7 @@ class TritonOffloadingSpec(OffloadingSpec):
                 num_host_blocks=self.num_host_blocks,
                 blocks_per_host_block=self.offload_config.blocks_per_host_block,
                 num_ctas=self.offload_config.num_ctas,
+                transfer_path=self.offload_config.transfer_path,
                 budget_block_bytes=self.budget_block_bytes,
             )
         return self._worker

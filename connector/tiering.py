@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from triton_offload._checks import positive_int_setting
+from triton_offload._checks import positive_int_setting, transfer_path
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
 from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
@@ -53,7 +53,10 @@ TIERING_KEYS = {
     "tier_poll_interval_s": "vLLM >= 0.33: seconds between polls of the secondary tiers by a background thread",
 }
 # Ours.
-OUR_TIERING_KEYS = {"num_ctas": "programs per transfer launch: the SMs a transfer takes from the model"}
+OUR_TIERING_KEYS = {
+    "num_ctas": "programs per transfer launch: the SMs a transfer takes from the model",
+    "transfer_path": "'auto' (per call, the faster of the kernel and the copy engines), 'kernel' or 'dma'",
+}
 # Passed by SecondaryTierFactory itself, never from the tier's configuration.
 _FACTORY_ARGS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
 # Popped from a tier's configuration by SecondaryTierFactory before the rest reaches the tier's constructor.
@@ -133,6 +136,7 @@ class TritonTieringConfig:
         secondary_tiers: the type of each secondary tier, in order.
         num_ctas: programs per transfer launch; None for the kernel's default.
         root_dirs: ``(index in secondary_tiers, root_dir)`` of each file-system (``fs``) tier.
+        transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
     """
 
     cpu_bytes_to_use: int
@@ -140,6 +144,7 @@ class TritonTieringConfig:
     secondary_tiers: tuple[str, ...] = ()
     num_ctas: int | None = None
     root_dirs: tuple[tuple[int, str], ...] = ()
+    transfer_path: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -150,7 +155,8 @@ class TritonTieringConfig:
                 list of dicts; a tier whose ``type`` vLLM does not know, that lacks a key its constructor requires
                 (``root_dir`` for ``fs``) or has one it does not take; an ``fs`` ``root_dir`` that cannot be a
                 directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
-                unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas``.
+                unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas`` or
+                ``transfer_path``.
         """
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
@@ -167,6 +173,9 @@ class TritonTieringConfig:
         num_ctas = extra.get("num_ctas")
         if num_ctas is not None:
             num_ctas = positive_int_setting(num_ctas, "num_ctas")
+        path = extra.get("transfer_path")
+        if path is not None:
+            path = transfer_path(path, "transfer_path")
         threshold = extra.get("store_threshold", 0)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
             raise ValueError(
@@ -197,7 +206,7 @@ class TritonTieringConfig:
                 unknown,
                 sorted(set(TIERING_KEYS) | set(OUR_TIERING_KEYS)),
             )
-        return cls(cpu_bytes, policy, tuple(t for t, _ in checked), num_ctas, root_dirs)
+        return cls(cpu_bytes, policy, tuple(t for t, _ in checked), num_ctas, root_dirs, path)
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -302,6 +311,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 slot_bytes=self.cpu_page_size_per_worker,
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_ctas=self.tiering_config.num_ctas,
+                transfer_path=self.tiering_config.transfer_path,
             )
         except BaseException:
             try:

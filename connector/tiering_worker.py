@@ -44,6 +44,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
         slot_bytes: bytes vLLM reserves per worker slot (``cpu_page_size_per_worker``).
         blocks_per_chunk: GPU blocks per chunk (f).
         num_ctas: programs per launch; None for the kernel's default.
+        transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         pin: register the region with CUDA (default: when the KV caches are on CUDA).
     """
 
@@ -57,6 +58,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
         slot_bytes: int,
         blocks_per_chunk: int,
         num_ctas: int | None = None,
+        transfer_path: str | None = None,
         pin: bool | None = None,
     ) -> None:
         self.region, self.name = region, name
@@ -88,13 +90,13 @@ class TritonTieringWorker(TritonOffloadingWorker):
                 )
             )
         try:
-            self._start_engine(self.host, num_ctas)
+            self._start_engine(self.host, num_ctas, transfer_path)
         except BaseException:
             unregister_host_ranges(self._registered)  # the caller releases the region and its name
             raise
         logger.info(
             "triton-offload tiering worker: shared region %s, %d chunks x %d-byte rows, this worker's slot at byte "
-            "%d (%d of %d bytes used); %s; %s; num_ctas=%s",
+            "%d (%d of %d bytes used); %s; %s; num_ctas=%s, transfer path %s",
             name.paths[0],
             num_chunks,
             row,
@@ -106,6 +108,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
             else "pageable (no CUDA)",
             self.kv,
             "kernel default" if num_ctas is None else num_ctas,
+            self.engine.path,
         )
 
     def _check_against_vllm_views(self, kv_caches: CanonicalKVCaches, slot_offset: int, row: int) -> None:

@@ -84,6 +84,7 @@ class TritonOffloadingWorker(OffloadingWorker):
         num_host_blocks: host blocks, the same number the scheduler's manager hands out.
         blocks_per_host_block: GPU blocks per host block (vLLM's ``blocks_per_chunk``).
         num_ctas: programs per launch; None for the kernel's default.
+        transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         budget_block_bytes: the bytes per host block the budget was divided by; a larger packed block is warned of.
     """
 
@@ -99,6 +100,7 @@ class TritonOffloadingWorker(OffloadingWorker):
         num_host_blocks: int,
         blocks_per_host_block: int,
         num_ctas: int | None = None,
+        transfer_path: str | None = None,
         budget_block_bytes: int | None = None,
     ) -> None:
         self.kv = canonical_kv_spec(kv_caches)
@@ -113,10 +115,10 @@ class TritonOffloadingWorker(OffloadingWorker):
             )
         # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
         self.host_cache = HostCache(host_block_bytes, num_blocks=num_host_blocks, pin=self.kv.device.type == "cuda")
-        self._start_engine(self.host_cache.buffer, num_ctas)
+        self._start_engine(self.host_cache.buffer, num_ctas, transfer_path)
         logger.info(
             "triton-offload worker: host cache %.3f GiB = %d blocks x %d bytes (%d GPU blocks of %d bytes each), "
-            "%s; %s; num_ctas=%s",
+            "%s; %s; num_ctas=%s, transfer path %s",
             self.host_cache.nbytes / 2**30,
             num_host_blocks,
             host_block_bytes,
@@ -125,12 +127,17 @@ class TritonOffloadingWorker(OffloadingWorker):
             "pinned" if self.host_cache.pinned else "pageable (no CUDA)",
             self.kv,
             "kernel default" if num_ctas is None else num_ctas,
+            self.engine.path,
         )
 
-    def _start_engine(self, host_buffer: torch.Tensor, num_ctas: int | None) -> None:
+    def _start_engine(self, host_buffer: torch.Tensor, num_ctas: int | None, transfer_path: str | None) -> None:
         """The transfer engine between ``self.kv`` and ``host_buffer``, and the counters :meth:`get_finished` keeps."""
         self.engine = self.engine_class(
-            self.kv, host_buffer, blocks_per_host_block=self.blocks_per_host_block, num_ctas=num_ctas
+            self.kv,
+            host_buffer,
+            blocks_per_host_block=self.blocks_per_host_block,
+            num_ctas=num_ctas,
+            path=transfer_path,
         )
         self.num_ctas = num_ctas
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}

@@ -252,9 +252,10 @@ def canonical(num_blocks: int, pages: list[int], pad: int = 0, seed: int = 0):
     return [CanonicalKVCacheTensor(v, v.shape[1]) for v in views]
 
 
-def spec_and_worker(kv: CanonicalKVCaches, *, f: int, worker_bytes: int, num_groups: int = 1, blocks=64):
+def spec_and_worker(kv: CanonicalKVCaches, *, f: int, worker_bytes: int, num_groups: int = 1, blocks=64, **extra):
     groups = tuple((gi,) for gi in range(num_groups))
-    config = make_config({"cpu_bytes_to_use": blocks * worker_bytes * f}, groups=groups, worker_bytes=worker_bytes, f=f)
+    extra = {"cpu_bytes_to_use": blocks * worker_bytes * f, **extra}
+    config = make_config(extra, groups=groups, worker_bytes=worker_bytes, f=f)
     spec = OffloadingSpecFactory.create_spec(config)
     return spec, spec.get_manager(), spec.get_worker(kv)
 
@@ -302,12 +303,16 @@ def test_a_budget_beyond_the_machine_is_refused_before_allocating(monkeypatch):
         spec.get_worker(kv)
 
 
-def test_store_f2_then_load_with_skip_into_other_blocks():
+@pytest.mark.parametrize("path", [None, "kernel", "dma"], ids=["default", "kernel", "dma"])
+def test_store_f2_then_load_with_skip_into_other_blocks(path):
     """6 GPU blocks stored into 3 host blocks (f=2); the load skips the first one (the device holds it) and writes
-    5 other blocks. Source and unaddressed blocks stay as they were."""
+    5 other blocks. Source and unaddressed blocks stay as they were. The same through the copy-engine path
+    (``transfer_path``: on CPU its descriptors are replayed by memmove)."""
     tensors = canonical(16, [512, 512])
     kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)]])
-    spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1024)
+    extra = {} if path is None else {"transfer_path": path}
+    spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1024, **extra)
+    assert worker.engine.path == (path or "kernel")  # the CPU default
     assert worker.kv.num_groups == 1 and worker.kv.bytes_per_block == 1024
     before = [t.tensor.clone() for t in tensors]
     rc = ctx()

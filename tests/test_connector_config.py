@@ -63,6 +63,8 @@ def test_defaults_and_full_config():
     assert parse({"cpu_bytes_to_use": "1GiB"}) == TritonOffloadConfig(1 << 30, 1, "lru", None)
     cfg = parse({"cpu_bytes_to_use": 4096, "block_size": 64, "eviction_policy": "ARC", "num_ctas": 12}, f=4)
     assert cfg == TritonOffloadConfig(4096, 4, "arc", 12)
+    for path in ("auto", "kernel", "dma"):
+        assert parse({"cpu_bytes_to_use": 1, "transfer_path": path}).transfer_path == path
     with pytest.raises(AttributeError):
         cfg.num_ctas = 3  # frozen: parsed once, never changed
 
@@ -90,6 +92,12 @@ def test_integers_written_as_strings_are_read_as_vllm_reads_block_size():
         pytest.param({"cpu_bytes_to_use": 1, "block_size": 48}, 2, "block_size = 48 tokens", id="block-size-vs-f"),
         pytest.param({"cpu_bytes_to_use": 1, "block_size": "big"}, 1, "block_size = 'big'", id="block-size-type"),
         pytest.param({"cpu_bytes_to_use": 1}, 0, "blocks_per_chunk", id="factor-0"),
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "transfer_path": "copy"},
+            1,
+            "transfer_path = 'copy' must be one of 'auto', 'kernel', 'dma'",
+            id="bad-path",
+        ),
     ],
 )
 def test_bad_values_name_the_key(extra, f, match):

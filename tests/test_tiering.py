@@ -361,6 +361,7 @@ BAD = {
     "store-threshold": ({"store_threshold": 2}, "store_threshold = 2 is not supported"),
     "canonical": ({"canonical_layout": True}, "canonical_layout = True is not supported"),
     "num-ctas": ({"num_ctas": 0}, "num_ctas = 0 must be a positive int"),
+    "transfer-path": ({"transfer_path": "DMA"}, "transfer_path = 'DMA' must be one of 'auto', 'kernel', 'dma'"),
     "no-budget": ({"cpu_bytes_to_use": None}, "needs 'cpu_bytes_to_use'"),
     "bad-budget": ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use = 'lots' is not a size"),
     "tiny-budget": ({"cpu_bytes_to_use": 100}, "cpu_bytes_to_use = 100 bytes is less than one chunk"),
@@ -383,12 +384,13 @@ def test_good_config_is_parsed_once_with_vllm_keys_passed_through(tmp_path):
         "cpu_bytes_to_use": "2MiB",
         "eviction_policy": "arc",
         "num_ctas": "4",  # an int written as a string, as vLLM reads its own block_size
+        "transfer_path": "kernel",
         "backpressure": {"backpressure_cls": "EMABackpressureDetector"},
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 2, "n_write_threads": 2}],
     }
     config = make_config(extra, worker_bytes=sum(PAGES), f=2)
     spec = OffloadingSpecFactory.create_spec(config)
-    assert spec.tiering_config == TritonTieringConfig(2 << 20, "arc", ("fs",), 4, ((0, str(tmp_path)),))
+    assert spec.tiering_config == TritonTieringConfig(2 << 20, "arc", ("fs",), 4, ((0, str(tmp_path)),), "kernel")
     assert spec.extra_config["cpu_bytes_to_use"] == 2 << 20, "vLLM's spec reads int(cpu_bytes_to_use)"
     assert spec.num_chunks == (2 << 20) // 4096  # 2 x 1408 bytes per chunk row, rounded up to a 4 KiB page
     # vLLM merged the top-level backpressure into the tier, as its own spec does.

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from numbers import Integral
 
-__all__ = ["positive_int", "positive_int_setting", "int_in_range"]
+__all__ = ["positive_int", "positive_int_setting", "int_in_range", "TRANSFER_PATHS", "transfer_path"]
 
 _DIGITS = re.compile(r"\s*[0-9]+\s*")
+# How a transfer may move (triton_offload/path_choice.py): chosen per call, the Triton kernel, the copy engines.
+TRANSFER_PATHS = ("auto", "kernel", "dma")
 
 
 def positive_int(value, name: str) -> int:
@@ -45,3 +47,10 @@ def int_in_range(value, name: str, low: int, high: int | None = None) -> int:
         bounds = f">= {low}" if high is None else f"in [{low}, {high})"
         raise ValueError(f"{name} = {value} must be {bounds}")
     return int(value)
+
+
+def transfer_path(value, name: str = "path") -> str:
+    """``value`` if it is one of :data:`TRANSFER_PATHS`; else a ``ValueError`` naming ``name`` and listing them."""
+    if value not in TRANSFER_PATHS:
+        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(p) for p in TRANSFER_PATHS)}")
+    return value

@@ -17,9 +17,12 @@ from numbers import Integral
 import torch
 
 from triton_offload._checks import int_in_range
+from triton_offload.cuda_driver import CudaError
+from triton_offload.dma import DmaCopier
 from triton_offload.fast_launch import DIRECT, enable_fast_launch, fast_launch_default
 from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan
 from triton_offload.layouts import KVCacheSpec
+from triton_offload.path_choice import AUTO, DMA, KERNEL, Calibration, calibrate, check_path
 from triton_offload.staging import IdSlot, IdStager
 from triton_offload.transfer import BlockIds, TransferPlanner, check_host_buffer
 
@@ -32,7 +35,8 @@ STORE, LOAD = "store", "load"
 
 @dataclass(frozen=True)
 class JobResult:
-    """A finished job. ``seconds`` is GPU time between the launch's events (wall time on CPU)."""
+    """A finished job. ``seconds`` is GPU time between the launch's events (wall time on CPU); ``path`` is how it
+    moved: ``"kernel"`` (one Triton launch) or ``"dma"`` (one cuMemcpyBatchAsync)."""
 
     job_id: int
     ok: bool
@@ -40,6 +44,7 @@ class JobResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+    path: str = KERNEL
 
 
 # The 0.1 name; vLLM's connector API has its own ``TransferResult``, which the plugin imports next to this one.
@@ -54,6 +59,8 @@ class _Job:
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
     ids: IdSlot | None = None
+    path: str = KERNEL
+    keep: object = None  # the copy-engine path's descriptor arrays, which the driver reads until the job is done
     result: JobResult | None = None
 
 
@@ -69,6 +76,15 @@ class TransferEngine:
         fast_launch: launch the kernel's compiled variant directly, past Triton's per-call dispatch, where a canary
             transfer at creation proves it moves the same bytes (:mod:`triton_offload.fast_launch`); None follows
             ``TRITON_OFFLOAD_FAST_LAUNCH`` (on unless it is ``0``). ``launch_paths`` says what each direction uses.
+        path: how transfers move: ``"kernel"`` (the Triton kernel), ``"dma"`` (one ``cuMemcpyBatchAsync`` of
+            coalesced descriptors, :mod:`triton_offload.dma`) or ``"auto"`` (per call, the one a calibration made now
+            predicts faster, :mod:`triton_offload.path_choice`). None: ``"auto"`` on CUDA, ``"kernel"`` on CPU.
+        calibration: for ``"auto"``, use this :class:`~triton_offload.path_choice.Calibration` instead of measuring
+            one (required on CPU, where nothing can be measured).
+
+    Raises:
+        ValueError: a bad argument, ``"dma"`` where the driver has no ``cuMemcpyBatchAsync``, or ``"auto"`` on CPU
+            without a calibration.
     """
 
     def __init__(
@@ -79,6 +95,8 @@ class TransferEngine:
         blocks_per_host_block: int = 1,
         num_ctas: int | None = None,
         fast_launch: bool | None = None,
+        path: str | None = None,
+        calibration: Calibration | None = None,
     ):
         self.kv = kv
         self.host_buffer = host_buffer
@@ -112,6 +130,23 @@ class TransferEngine:
             "triton-offload engine: store launches %s, load launches %s",
             *(("direct" if v == DIRECT else f"through Triton's dispatch ({v})") for v in self.launch_paths.values()),
         )
+        self.path = check_path(path if path is not None else AUTO if self.cuda else KERNEL)
+        self._dma = self._copy_engines() if self.path != KERNEL else None
+        self.calibration = None
+        if self.path == AUTO:
+            if calibration is None:
+                if not self.cuda:
+                    raise ValueError(
+                        "transfer path 'auto' calibrates both paths on the GPU: on CPU choose 'kernel' or 'dma', or "
+                        "pass a calibration"
+                    )
+                calibration = calibrate(self._launcher, self.blocks_per_host_block, self.num_ctas)
+            self.calibration = calibration
+            logger.info(
+                "triton-offload engine: transfer path auto, calibrated in %.3f s: %s",
+                calibration.seconds,
+                calibration.describe(),
+            )
         if self.cuda:
             # Chosen once here: a store stream and a load stream, so loads (on the critical path of a request
             # waiting for its prefix) never queue behind a long store.
@@ -123,6 +158,16 @@ class TransferEngine:
             # Id staging per direction, allocated on its side stream: if a job fails and its slot is dropped, the
             # caching allocator hands that memory out again only in that stream's order, after the queued copy.
             self._stagers = {d: IdStager(kv.device, self._streams[d]) for d in (STORE, LOAD)}
+
+    def _copy_engines(self) -> DmaCopier | None:
+        """The copy-engine path, or None (with ``path="auto"``: every call takes the kernel) when the driver cannot."""
+        try:
+            return DmaCopier(self.kv, self.host_buffer, self.blocks_per_host_block)
+        except CudaError as e:
+            if self.path == DMA:
+                raise ValueError(f"transfer path 'dma' needs cuMemcpyBatchAsync (CUDA >= 12.8): {e}") from e
+            logger.warning("triton-offload engine: no copy-engine path (%s): 'auto' takes the kernel for every call", e)
+            return None
 
     # -- submission ---------------------------------------------------------------------------------------------
     def submit_store(
@@ -176,9 +221,13 @@ class TransferEngine:
             raise
         if trace is not None:
             trace("plan")
-        job = _Job(job_id, direction, plan.num_bytes)
+        path = self.path
+        if path == AUTO:
+            store = direction == STORE
+            path = self.calibration.choose(store, plan.num_bytes, self._dma.count(plan)) if self._dma else KERNEL
+        job = _Job(job_id, direction, plan.num_bytes, path=path)
         if plan.n_blocks == 0:
-            job.result = JobResult(job_id, True, direction, 0, 0.0)
+            job.result = JobResult(job_id, True, direction, 0, 0.0, path=path)
             if slots:
                 stager.give_back(slots[0])
         elif self.cuda:
@@ -193,8 +242,12 @@ class TransferEngine:
     def _run_cpu(self, job: _Job, plan: TransferPlan) -> None:
         t0 = time.perf_counter()
         try:
-            self._launcher.launch(plan, torch.from_numpy(plan.ids), self.num_ctas)
-            job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, time.perf_counter() - t0)
+            if job.path == DMA:
+                self._dma.issue(plan)  # the descriptors replayed by memmove, now
+            else:
+                self._launcher.launch(plan, torch.from_numpy(plan.ids), self.num_ctas)
+            seconds = time.perf_counter() - t0
+            job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, seconds, path=job.path)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
@@ -202,6 +255,9 @@ class TransferEngine:
         trace = self.trace
         stream = self._streams[job.direction]
         fence = self._fences[job.direction]
+        if job.path == DMA:  # the copy engines read the descriptors from host memory: no ids to upload
+            self._stagers[job.direction].give_back(slot)
+            slot = None
         job.ids, job.start, job.end = slot, self._take_event(), self._take_event()
         try:
             # Both directions wait for the compute stream as it is at submission: a store reads KV the model may
@@ -214,6 +270,11 @@ class TransferEngine:
             stream.wait_event(fence)
             if trace is not None:
                 trace("fence")
+            if job.path == DMA:
+                job.start.record(stream)
+                job.keep = self._dma.issue(plan, stream.cuda_stream)
+                job.end.record(stream)
+                return
             with torch.cuda.stream(stream):
                 # The slot is pinned, so this copy is truly asynchronous; it is not reused until the job's end event
                 # has completed.
@@ -237,13 +298,13 @@ class TransferEngine:
         for ev in (job.start, job.end):
             if ev is not None:
                 self._events.append(ev)
-        job.ids = job.start = job.end = None
+        job.ids = job.start = job.end = job.keep = None
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         logger.error("transfer job %s (%s) failed: %s", job.job_id, job.direction, error)
         if self._first_error is None:
             self._first_error = error
-        job.result = JobResult(job.job_id, False, job.direction, job.num_bytes, 0.0, repr(error))
+        job.result = JobResult(job.job_id, False, job.direction, job.num_bytes, 0.0, repr(error), job.path)
         # Its buffers may still be referenced by work already queued on the stream: do not recycle them.
         job.ids = job.start = job.end = None
 
@@ -258,7 +319,7 @@ class TransferEngine:
             elif not job.end.query():
                 return False
             seconds = job.start.elapsed_time(job.end) / 1e3
-            job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, seconds)
+            job.result = JobResult(job.job_id, True, job.direction, job.num_bytes, seconds, path=job.path)
             self._release(job)
         except Exception as e:  # a CUDA error surfaces here: fail the job instead of hanging
             self._fail(job, e)

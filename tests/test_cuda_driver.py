@@ -1,6 +1,7 @@
-"""The memcpy_batch baseline's driver call, checked without a GPU: the CUmemcpyAttributes layout against cuda.h, the
-arguments each cuMemcpyBatchAsync ABI receives through ctypes (a host stand-in for the driver records them and does
-the copies), and which ABI a driver version gets."""
+"""The driver call of the copy-engine path and the memcpy_batch baseline (triton_offload/cuda_driver.py), checked
+without a GPU: the CUmemcpyAttributes layout against cuda.h, the arguments each cuMemcpyBatchAsync ABI receives
+through ctypes (a host stand-in for the driver records them and does the copies), and which ABI a driver version
+gets."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 from bench_modules import bench_modules
 
+from triton_offload import cuda_driver
+
 
 @pytest.fixture(scope="module")
 def cd():
-    with bench_modules("cuda_driver") as (cuda_driver,):
-        yield cuda_driver
+    return cuda_driver
 
 
 def test_attributes_struct_is_24_bytes_with_cuda_h_offsets(cd):

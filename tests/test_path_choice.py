@@ -1,0 +1,135 @@
+"""The ``auto`` path's decision (triton_offload/path_choice.py): models fitted from calibration points, the choice
+per call, and on a GPU (-m gpu) the calibration itself and the three paths moving identical bytes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import triton_offload as to
+from triton_offload.engine import TransferEngine
+from triton_offload.kernels.reference import gather_blocks_ref
+from triton_offload.path_choice import Calibration, PathModel, check_path, fit
+
+from kv_factory import SENTINEL, make_caches
+
+
+def _points(model: PathModel, path: str, store: bool, shapes) -> list[dict]:
+    return [
+        dict(path=path, store=store, bytes=b, descriptors=d, gpu_s=model.gpu_s(b, d), host_s=model.host_s(d))
+        for b, d in shapes
+    ]
+
+
+def test_fit_recovers_linear_costs():
+    kernel = PathModel(12e-6, 0.02e-9, 0.0, 40e-6, 0.0)
+    dma = PathModel(8e-6, 0.018e-9, 3e-9, 6e-6, 0.6e-6)
+    points = _points(kernel, "kernel", True, [(1 << 20, 0), (8 << 20, 0)])
+    # Random ids (a descriptor per block and run) and contiguous ones (fewer, larger), at two sizes.
+    points += _points(dma, "dma", True, [(1 << 20, 640), (8 << 20, 5120), (1 << 20, 40), (8 << 20, 320)])
+    models = fit(points)
+    for got, want in ((models["kernel/store"], kernel), (models["dma/store"], dma)):
+        for name in PathModel.__dataclass_fields__:
+            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-6, abs=1e-15), name
+    assert set(models) == {"kernel/store", "dma/store"}
+
+
+def test_fit_of_proportional_bytes_and_descriptors_predicts_calls_of_that_proportion():
+    """Without coalescing, bytes and descriptors grow together: the split between them is not identifiable, but every
+    call of the same proportion is predicted right."""
+    dma = PathModel(8e-6, 0.018e-9, 3e-9, 6e-6, 0.6e-6)
+    per_block = (80 * 8192, 160)  # bytes and descriptors of one block
+    shapes = [(n * per_block[0], n * per_block[1]) for n in (16, 128, 16, 128)]
+    model = fit(_points(dma, "dma", False, shapes))["dma/load"]
+    for n in (1, 1024, 5000):
+        b, d = n * per_block[0], n * per_block[1]
+        assert model.predict(b, d) == pytest.approx(dma.predict(b, d), rel=1e-6)
+
+
+def test_negative_slopes_are_clamped():
+    points = [
+        dict(path="kernel", store=True, bytes=1 << 20, descriptors=0, gpu_s=30e-6, host_s=5e-6),
+        dict(path="kernel", store=True, bytes=8 << 20, descriptors=0, gpu_s=20e-6, host_s=5e-6),
+    ]
+    assert fit(points)["kernel/store"].gpu_per_byte == 0.0
+
+
+def test_choose_takes_the_lower_prediction_ties_to_the_kernel():
+    kernel = PathModel(10e-6, 1e-9, 0.0, 5e-6, 0.0)
+    dma = PathModel(10e-6, 0.9e-9, 0.0, 0.0, 1e-6)
+    cal = Calibration({"kernel/store": kernel, "kernel/load": kernel, "dma/store": dma, "dma/load": dma})
+    # 1 MB: kernel 1010 us; copy engines 910 us on the GPU, but 100 descriptors are 100 us of host time: dma.
+    assert cal.choose(True, 10**6, 100) == "dma"
+    # 2000 descriptors: 2000 us of host time, more than the kernel's 1010 us: kernel.
+    assert cal.choose(False, 10**6, 2000) == "kernel"
+    same = Calibration({"kernel/store": kernel, "dma/store": kernel})
+    assert same.choose(True, 10**6, 0) == "kernel"
+    assert Calibration({"kernel/store": kernel}, note="no copy-engine path").choose(True, 10**9, 1) == "kernel"
+    assert "dma/store" in cal.to_dict()["models"] and "ns/descriptor" in cal.describe()
+
+
+def test_check_path():
+    assert [check_path(p) for p in ("auto", "kernel", "dma")] == ["auto", "kernel", "dma"]
+    with pytest.raises(ValueError, match="'auto', 'kernel', 'dma'"):
+        check_path("DMA")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+# Calibration's wall-time bound, with room over the < 1 s it aims at (a cold Triton compile is excluded: the engine
+# compiles its launches before it calibrates).
+CALIBRATION_BOUND_S = 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout,page",
+    [
+        pytest.param("kv_first", dict(block_size=8, heads=1, head_dim=64), id="2KiB"),
+        pytest.param("block_first", dict(block_size=16, heads=8, head_dim=128), id="64KiB"),
+    ],
+)
+def test_gpu_paths_move_identical_bytes_and_auto_calibrates_in_bound(layout, page, make_host_cache):
+    caches = make_caches(layout, 8, 300, page, torch.bfloat16, device="cuda", seed=2)
+    spec = to.KVCacheSpec(caches, layout)
+    f, rng = 2, np.random.default_rng(3)
+    hosts = {}
+    for path in ("kernel", "dma", "auto"):
+        cache = make_host_cache(spec.host_block_bytes(f), 160 * spec.host_block_bytes(f))
+        cache.buffer.fill_(SENTINEL)
+        t0 = time.perf_counter()
+        eng = TransferEngine(spec, cache.buffer, blocks_per_host_block=f, path=path)
+        if path == "auto":
+            assert eng.calibration.seconds < CALIBRATION_BOUND_S, eng.calibration.to_dict()
+            assert set(eng.calibration.models) == {"kernel/store", "kernel/load", "dma/store", "dma/load"}
+            print(f"auto ({layout}): engine built in {time.perf_counter() - t0:.3f} s; {eng.calibration.describe()}")
+        hosts[path] = (cache, eng)
+    for job, n in enumerate((1, 17, 250)):
+        g = rng.permutation(300)[:n]
+        h = rng.permutation(160)[: -(-(1 + n) // f)]
+        for path, (_, eng) in hosts.items():
+            eng.submit_store(job, g, h, skip=1)
+            eng.wait([job])
+            (res,) = eng.get_finished()
+            assert res.ok and (res.path == path or path == "auto"), res
+        want = torch.full_like(hosts["kernel"][0].buffer, SENTINEL)
+        gather_blocks_ref(caches, layout, g, want, h, blocks_per_host_block=f, skip=1)
+        for path, (cache, _) in hosts.items():
+            assert torch.equal(cache.buffer, want), f"{path}, {n} blocks"
+    loaded = {}
+    for path, (_, eng) in hosts.items():
+        before = [c.clone() for c in caches]
+        eng.submit_load(99, np.arange(250), h, skip=1)
+        eng.wait([99])
+        assert eng.get_finished()[0].ok
+        loaded[path] = [c.clone() for c in caches]
+        for c, b in zip(caches, before):
+            c.copy_(b)
+    for path in ("dma", "auto"):
+        for a, b in zip(loaded[path], loaded["kernel"]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), path

@@ -1,0 +1,200 @@
+"""The copy-engine path: a transfer as one ``cuMemcpyBatchAsync`` of (src, dst, bytes) descriptors, no SMs used.
+
+Where pages are large the copy engines reach the link's peak and take nothing from the model; where they are small
+the driver's per-descriptor cost dominates (about 0.5-1 us of host time each) and the Triton kernel wins.
+:mod:`triton_offload.path_choice` picks per call; this module builds and issues the descriptors.
+
+Descriptors come from the spec's segments, as the kernel's do: per KV-cache group, a *run* is a segment merged with
+its neighbours where they are adjacent both on the GPU and on the host (K and V of a ``block_first`` block), so a
+block costs one descriptor per run. Runs whose blocks are also adjacent on both sides (GPU block stride and host
+sub-block stride equal to the run's bytes: vLLM's worker-slot layout of unpadded pages) are *coalesced* across
+consecutive GPU blocks that land in consecutive sub-blocks of one host block: contiguous allocations cost few
+descriptors. A descriptor never spans two host blocks, so it stays inside one CUDA host registration (HostCache
+registers whole host blocks per chunk, and a copy-engine copy may not span two registrations). Building is vectorised
+over runs and blocks (NumPy, no Python loop over blocks or layers).
+
+On CPU the same descriptors are replayed by a memmove stand-in for the driver, so the bytes this path would move are
+tested like the kernel's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from triton_offload.cuda_driver import (
+    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+    HostBatchStandIn,
+    MemcpyBatchCall,
+    batch_attributes,
+    shared_driver,
+)
+from triton_offload.kernels.copy_blocks import TransferPlan
+from triton_offload.layouts import KVCacheSpec, Segment
+
+__all__ = ["GroupRuns", "group_runs", "DmaPlanner", "DmaCopier"]
+
+
+@dataclass(frozen=True)
+class GroupRuns:
+    """One KV-cache group's runs as arrays (one entry per run), the host placement already scaled by f.
+
+    Attributes:
+        base: GPU address of block 0's bytes.
+        block_stride: bytes between GPU blocks.
+        nbytes: bytes per block.
+        host_stride: bytes between sub-blocks of a host block.
+        host_start: offset of sub-block 0's bytes in a host block's row.
+        coalesce: the run's blocks are adjacent on both sides, so consecutive blocks may share a descriptor.
+    """
+
+    base: np.ndarray
+    block_stride: np.ndarray
+    nbytes: np.ndarray
+    host_stride: np.ndarray
+    host_start: np.ndarray
+    coalesce: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.base.size)
+
+
+def _adjacent(a: Segment, b: Segment) -> bool:
+    """b continues a on the GPU and on the host, for every block and sub-block."""
+    return (
+        a.block_stride == b.block_stride
+        and a.base + a.nbytes == b.base
+        and a.host_stride == b.host_stride
+        and a.host_region == b.host_region
+        and a.host_offset + a.nbytes == b.host_offset
+    )
+
+
+def group_runs(spec: KVCacheSpec, blocks_per_host_block: int) -> list[GroupRuns]:
+    """Each group's segments merged into runs (:class:`GroupRuns`), for host blocks of ``blocks_per_host_block``."""
+    f = blocks_per_host_block
+    out = []
+    for segs in spec.group_segments:
+        runs: list[list[int]] = []  # base, block stride, bytes, host stride, host start
+        last: Segment | None = None
+        for s in segs:
+            if last is not None and _adjacent(last, s):
+                runs[-1][2] += s.nbytes
+            else:
+                runs.append([s.base, s.block_stride, s.nbytes, s.host_stride, f * s.host_region + s.host_offset])
+            last = s
+        a = np.array(runs, dtype=np.int64).reshape(-1, 5)
+        coalesce = (a[:, 1] == a[:, 2]) & (a[:, 3] == a[:, 2])
+        out.append(GroupRuns(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], coalesce))
+    return out
+
+
+def _groups_of(plan: TransferPlan, num_groups: int):
+    """(gpu ids, host ids, skip) of each group of a packed plan (see ``copy_blocks.pack_ids``)."""
+    ids, n, m = plan.ids, plan.n_blocks, plan.n_host
+    g, h = ids[:n], ids[n : n + m]
+    if num_groups == 1:
+        yield g, h, plan.skip
+        return
+    table = ids[2 * n + m : 2 * n + m + 3 * num_groups].reshape(num_groups, 3)
+    first_block = table[:, 0].tolist() + [n]
+    first_host = table[:, 2].tolist() + [m]
+    for gi in range(num_groups):
+        yield g[first_block[gi] : first_block[gi + 1]], h[first_host[gi] : first_host[gi + 1]], int(table[gi, 1])
+
+
+class DmaPlanner:
+    """Descriptors of transfers between one spec and one host buffer, f fixed.
+
+    Args:
+        spec: the prepared KV caches.
+        host_buffer: (num_host_blocks, row bytes) uint8/int8, already checked against the spec.
+        blocks_per_host_block: GPU blocks per host block (f).
+    """
+
+    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
+        self.spec = spec
+        self.f = blocks_per_host_block
+        self.host_ptr = host_buffer.data_ptr()
+        self.row_bytes = host_buffer.stride(0) * host_buffer.element_size()
+        self.groups = group_runs(spec, blocks_per_host_block)
+        self.coalesces = any(bool(r.coalesce.any()) for r in self.groups)
+
+    def _layout(self, g: np.ndarray, h: np.ndarray, skip: int):
+        """(host row of each block, sub-block of each block, starts of the coalescable stretches)."""
+        pos = skip + np.arange(g.size, dtype=np.int64)
+        rows, sub = h[pos // self.f], pos % self.f
+        cont = (g[1:] == g[:-1] + 1) & (rows[1:] == rows[:-1]) & (sub[1:] == sub[:-1] + 1)
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        return rows, sub, starts
+
+    def count(self, plan: TransferPlan) -> int:
+        """Descriptors :meth:`descriptors` would build for ``plan`` (cheap: no addresses are computed)."""
+        total = 0
+        for runs, (g, h, skip) in zip(self.groups, _groups_of(plan, self.spec.num_groups)):
+            if not g.size:
+                continue
+            merged = int(runs.coalesce.sum()) if self.coalesces else 0
+            stretches = self._layout(g, h, skip)[2].size if merged else 0
+            total += (len(runs) - merged) * g.size + merged * stretches
+        return total
+
+    def descriptors(self, plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src, dst, bytes) of every copy of ``plan``, as uint64 arrays: run-major within each group."""
+        srcs, dsts, sizes = [], [], []
+        for runs, (g, h, skip) in zip(self.groups, _groups_of(plan, self.spec.num_groups)):
+            if not g.size:
+                continue
+            rows, sub, starts = self._layout(g, h, skip)
+            gpu = runs.base[:, None] + g[None, :] * runs.block_stride[:, None]  # (runs, n)
+            host = (self.host_ptr + rows * self.row_bytes)[None, :] + (
+                sub[None, :] * runs.host_stride[:, None] + runs.host_start[:, None]
+            )
+            nbytes = np.broadcast_to(runs.nbytes[:, None], gpu.shape)
+            if starts.size < g.size and runs.coalesce.any():
+                lengths = np.diff(np.append(starts, g.size))
+                keep = ~runs.coalesce
+                srcs += [gpu[keep].ravel(), gpu[runs.coalesce][:, starts].ravel()]
+                dsts += [host[keep].ravel(), host[runs.coalesce][:, starts].ravel()]
+                sizes += [nbytes[keep].ravel(), (runs.nbytes[runs.coalesce][:, None] * lengths[None, :]).ravel()]
+            else:
+                srcs.append(gpu.ravel())
+                dsts.append(host.ravel())
+                sizes.append(nbytes.ravel())
+        gpu_addr, host_addr, nbytes = (np.concatenate(a).view(np.uint64) for a in (srcs, dsts, sizes))
+        return (gpu_addr, host_addr, nbytes) if plan.store else (host_addr, gpu_addr, nbytes)
+
+
+class DmaCopier:
+    """Issues plans as one ``cuMemcpyBatchAsync`` each (CUDA), or replays their descriptors with memmove (CPU).
+
+    Every copy reads its source in stream order (``srcAccessOrder = STREAM``): a store's KV may still be being written
+    by work queued before it, a load's host block by an earlier transfer; the batch prefers copy engines that overlap
+    with compute.
+    """
+
+    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
+        self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block)
+        self.cuda = spec.device.type == "cuda"
+        index = spec.device.index or 0
+        if self.cuda:
+            self._address, self._fail_idx = shared_driver(index).batch_entry()
+        else:
+            self._stand_in = HostBatchStandIn()
+            self._address, self._fail_idx = self._stand_in.address, False
+        self._attrs = {
+            store: batch_attributes(store, index, FLAG_PREFER_OVERLAP_WITH_COMPUTE) for store in (True, False)
+        }
+
+    def count(self, plan: TransferPlan) -> int:
+        return self.planner.count(plan)
+
+    def issue(self, plan: TransferPlan, stream: int = 0) -> MemcpyBatchCall:
+        """Builds ``plan``'s descriptors and issues them on ``stream`` (a raw CUstream; 0 on CPU, where the copies
+        run now). The returned call holds the descriptor arrays: keep it until the copies have completed."""
+        src, dst, nbytes = self.planner.descriptors(plan)
+        call = MemcpyBatchCall(self._address, self._fail_idx, src, dst, nbytes, self._attrs[plan.store], stream)
+        call()
+        return call
