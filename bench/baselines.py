@@ -16,6 +16,11 @@ import numpy as np
 import torch
 
 import triton_offload as to
+from triton_offload.dma import DmaCopier
+from triton_offload.fast_launch import enable_fast_launch
+from triton_offload.kernels.copy_blocks import CopyLauncher
+from triton_offload.path_choice import KERNEL, Calibration, calibrate
+from triton_offload.transfer import TransferPlanner
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
@@ -31,7 +36,7 @@ from cuda_driver import (
 )
 from sm_copy import SmCopy, uses_sm_copy
 
-__all__ = ["METHODS", "Triton", "MemcpyPerBlock", "MemcpyBatch", "TorchStaged", "Vllm033", "Peak", "issue_each"]
+__all__ = ["METHODS", "Triton", "Auto", "MemcpyPerBlock", "MemcpyBatch", "TorchStaged", "Vllm033", "Peak", "issue_each"]
 
 
 class Triton:
@@ -170,6 +175,53 @@ class TorchStaged:
         return Prepared(store if case.store else load, case.contiguous_host_ids, impl)
 
 
+class Auto:
+    """Ours with the per-call path choice of ``TransferEngine(path="auto")`` (triton_offload/path_choice.py): a
+    calibration per spec and f (made once, timed, kept in :attr:`calibrations`), then for the case the predicted
+    faster of the kernel (the public call, as ``triton``) and one ``cuMemcpyBatchAsync`` of the library's coalesced
+    descriptors, planned and built per call as the engine does."""
+
+    # (spec, f) -> Calibration; the spec is held so its id is not reused while the entry lives.
+    _calibrated: dict = {}
+
+    @classmethod
+    def calibrations(cls) -> list[dict]:
+        """What each calibration of this run measured and how long it took, for the results file."""
+        return [
+            {"spec": repr(spec), "blocks_per_host_block": f, **cal.to_dict()}
+            for (_, spec, f), cal in cls._calibrated.items()
+        ]
+
+    def _calibration(self, case: TransferCase) -> Calibration:
+        key = (id(case.spec), case.spec, case.f)
+        cal = self._calibrated.get(key)
+        if cal is None:
+            launcher = CopyLauncher(case.spec, case.host, case.f)
+            enable_fast_launch(launcher)  # the calibration times the launch the engine would make
+            cal = self._calibrated[key] = calibrate(launcher, case.f)
+        return cal
+
+    def prepare(self, case: TransferCase, env: Env) -> Prepared:
+        planner = TransferPlanner(case.spec, case.host.shape[0], case.f)
+        g, h, skip, store = case.gpu_ids, case.host_ids, case.skip, case.store
+        dma = DmaCopier(case.spec, case.host, case.f)
+        kept = []  # the last call's descriptors, held until the next call (the driver reads them at submission)
+
+        def run_dma(stream: int = env.stream_handle) -> None:
+            kept[:] = [dma.issue(planner.plan(g, h, skip=skip, store=store), stream)]
+
+        if not env.cuda:
+            impl = "copy-engine path (triton_offload.dma) replayed with memmove: no CUDA to calibrate on"
+            return Prepared(run_dma, h, impl, True)
+        cal = self._calibration(case)
+        plan = planner.plan(g, h, skip=skip, store=store)
+        path = cal.choose(store, plan.num_bytes, dma.count(plan))
+        if path == KERNEL:
+            prepared = Triton(None).prepare(case, env)
+            return dataclasses.replace(prepared, impl=f"per call: {prepared.impl}")
+        return Prepared(run_dma, h, f"per call: one cuMemcpyBatchAsync, descriptors built per call ({env.driver_note})")
+
+
 class Peak:
     """The link's practical ceiling: one contiguous pinned copy_ of the same number of bytes."""
 
@@ -186,6 +238,7 @@ class Peak:
 # Methods by exact name; "triton" is built per num_ctas by the driver.
 METHODS = {
     "triton": Triton,
+    "auto": Auto,
     "memcpy_per_block": MemcpyPerBlock,
     "memcpy_batch": MemcpyBatch,
     "torch_staged": TorchStaged,

@@ -134,7 +134,7 @@ def public_steps(s: Setup, calls: int) -> dict[str, dict]:
 
 def engine_calls(s: Setup, calls: int, fast: bool) -> tuple[dict[str, dict], dict[str, dict]]:
     """Both submits, whole; and the steps of each, from the trace of the same calls."""
-    eng = TransferEngine(s.spec, s.host, fast_launch=fast)
+    eng = TransferEngine(s.spec, s.host, fast_launch=fast, path="kernel")
     job, queued = [0], []
     marks: list[tuple[str, int]] = []
     eng.trace = lambda step: marks.append((step, time.perf_counter_ns()))

@@ -40,10 +40,15 @@ from serving_config import (
 )
 from workloads import WORKLOADS
 
-__all__ = ["TEST_PART", "SERVING_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
+__all__ = ["TEST_PART", "SERVING_PART", "CALL_COST_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
 
 TEST_PART = "tests"  # `pytest -m gpu`
 SERVING_PART = "serving"  # bench/serving.py; the parts in PARTS run bench/bench_transfer.py
+CALL_COST_PART = "call-cost"  # bench/call_cost.py: host time per call, direct launch vs Triton's dispatch
+CALL_COST_CALLS = 400  # call_cost.py's default --calls
+# call_cost.py's rows that each issue CALL_COST_CALLS transfers of 1024 blocks x 80 layers of 8 KiB pages: the public
+# calls and engine submits, each with the direct launch and with Triton's dispatch, and the launch alone twice.
+CALL_COST_ROWS = 10
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]
 PARTS: dict[str, list[str]] = {
     "quick": ["--quick"],
@@ -65,13 +70,14 @@ HOST_MEMSET_BPS = 10e9
 STARTUP_S = 60.0  # dev's install check, torch import and CUDA init, the C++ helper, Triton compiles
 TESTS_S = 5 * 60.0  # `pytest -m gpu`: the review's 3-5 minutes, mostly CPU-side random caches
 GEMM_S = 1.6e-3  # one 8192^3 bf16 GEMM on an H100
+CALIBRATE_S = 2.0  # auto's calibration, once per layout and f (path_choice.calibrate: < 1 s aimed at, 3 s tested)
 MATMUL_FLOPS = 400e12  # the serving step's bf16 products on an H100 (dense peak ~990e12)
 LAUNCH_S = 10e-6  # one kernel launch from Python
 KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes
 CHECK_BPS = 2e9  # the serving byte check: host index + pageable copy up + compare; the prefixes' byte sums
-# none, triton at the default and each other num_ctas, vllm033, dma (serving_methods.method_points: imports Triton);
-# the duplex is measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
-SERVING_POINTS = 4 + len(GPU_LOOP.triton_ctas)
+# none, triton at the default and each other num_ctas, auto, vllm033, dma (serving_methods.method_points: imports
+# Triton); the duplex is measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
+SERVING_POINTS = 5 + len(GPU_LOOP.triton_ctas)
 DUPLEX_POINTS = 2
 # sm_copy.MAX_PAGE_BYTES: vllm033 loads smaller pages with its SM copy (sm_copy imports Triton, which this module,
 # run before the project is installed, must not; tests/test_bench_runner.py checks that the two agree).
@@ -88,7 +94,7 @@ def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: 
         return nbytes / min(LINK_BPS, 12 * PER_PROGRAM_BPS)
     if method in ("memcpy_batch", "vllm033"):
         return max(link, copies * BATCH_DESCRIPTOR_S)
-    return link  # peak, torch_staged (its GPU-side gather is ~1% of the link time)
+    return link  # peak, torch_staged (its GPU-side gather is ~1% of the link time), auto (the faster path)
 
 
 def _measure_s(t: float, budget_s: float) -> float:
@@ -111,6 +117,8 @@ def _sweep_s(workloads, grid: Grid, one_layout: bool) -> float:
             block_bytes = w.num_layers * w.page_bytes
             host_bytes = max(_host_bytes(grid.blocks[-1], f, skip, block_bytes) for f, skip in grid.host_configs)
             total += 2.0 + host_bytes / 5e9  # allocation: pinning runs at a few GB/s
+            if "auto" in BASELINE_ORDER:
+                total += CALIBRATE_S * len(grid.host_configs)
             for n in grid.blocks:
                 nbytes = n * block_bytes
                 for f, skip in grid.host_configs:
@@ -152,8 +160,16 @@ def _serving_s() -> float:
         run = steps * step + -(-steps // shape.load_every) * load
         check = (sizes.host_ring + (LOAD_REGIONS + PREFIXES) * sizes.prefix_blocks) * block_bytes / CHECK_BPS
         duplex = DUPLEX_POINTS * (1 + 3 * DUPLEX_REPEATS) * (GATE_US * 1e-6 + 2 * load)
-        total += setup + SERVING_POINTS * (run + check) + duplex + (1 + CONTIGUOUS_REPEATS) * load
+        # auto calibrates once per workload.
+        total += setup + SERVING_POINTS * (run + check) + duplex + (1 + CONTIGUOUS_REPEATS) * load + CALIBRATE_S
     return total
+
+
+def _call_cost_s() -> float:
+    w = WORKLOADS["llama3-70b-tp8"]
+    transfer = 1024 * w.num_layers * w.page_bytes / LINK_BPS
+    allocate = 2100 * w.num_layers * w.page_bytes / 5e9  # the caches' random fill and the pinned host cache
+    return allocate + CALL_COST_ROWS * CALL_COST_CALLS * transfer
 
 
 def estimate_seconds(part: str) -> float:
@@ -162,6 +178,8 @@ def estimate_seconds(part: str) -> float:
         return STARTUP_S + TESTS_S
     if part == SERVING_PART:
         return STARTUP_S + _serving_s()
+    if part == CALL_COST_PART:
+        return STARTUP_S + _call_cost_s()
     args = PARTS[part]
     if part == "quick":
         work = _sweep_s(WORKLOADS.values(), QUICK, one_layout=True) + _extras_s(QUICK)
@@ -182,9 +200,9 @@ def _device_name() -> str:
 
 
 def main(argv: list[str]) -> int:
-    names = [TEST_PART, *PARTS, SERVING_PART]
+    names = [TEST_PART, *PARTS, SERVING_PART, CALL_COST_PART]
     if argv[:1] == ["list"]:
-        what = {TEST_PART: "pytest -m gpu", SERVING_PART: "bench/serving.py"}
+        what = {TEST_PART: "pytest -m gpu", SERVING_PART: "bench/serving.py", CALL_COST_PART: "bench/call_cost.py"}
         for name in names:
             print(f"{name:<11} ~{estimate_seconds(name) / 60:.1f} min  {what.get(name) or ' '.join(PARTS[name])}")
         return 0

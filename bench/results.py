@@ -35,8 +35,9 @@ __all__ = [
 
 # Baselines a speedup column is computed against, in table order.
 BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033")
-# Every method but triton, in the order a run measures them (after the triton sweep).
-BASELINE_ORDER = (*BASELINE_NAMES, "peak")
+# Every method but triton, in the order a run measures them (after the triton sweep): auto (ours, the per-call choice
+# of kernel or copy engines) first, then the baselines and the peak.
+BASELINE_ORDER = ("auto", *BASELINE_NAMES, "peak")
 
 ROW_KEYS = (
     "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",

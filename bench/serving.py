@@ -146,7 +146,12 @@ def _run_point(setup: Setup, point: MethodPoint, env: Env, defer: bool) -> tuple
     try:
         engine = build_engine(point, setup.target)
         run = run_loop(setup, engine, defer)
-        impl = run.impl or (impl if setup.cuda else f"{impl}; no CUDA: synchronous, through the Triton interpreter")
+        where = "its descriptors replayed by memmove" if getattr(engine, "path", None) == "dma" else "the interpreter"
+        impl = run.impl or (impl if setup.cuda else f"{impl}; no CUDA: synchronous, {where}")
+        if getattr(engine, "path", None) is not None:  # ours: how its jobs moved, and what its calibration took
+            jobs = ", ".join(f"{d} {p} x{k}" for (d, p), k in sorted(run.paths.items()))
+            cal = engine.calibration
+            impl += f"; path {engine.path}: {jobs}" + (f"; calibrated in {cal.seconds:.3f} s" if cal else "")
         return run, byte_check(setup, run), impl
     except Exception as exc:  # reported in its row; a dead CUDA context stops the run
         if not env.alive():

@@ -18,6 +18,7 @@ interpreter, and its times mean nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -155,14 +156,16 @@ class LoopRun:
     offloaded: bool
     impl: str | None = None
     compute_ms: list[float] = field(default_factory=list)
+    paths: collections.Counter = field(default_factory=collections.Counter)  # (direction, path) -> jobs
 
 
-def _finished(engine, unfinished: set[int], load_device_s: dict[int, float]) -> None:
+def _finished(engine, unfinished: set[int], load_device_s: dict[int, float], paths: collections.Counter) -> None:
     for r in engine.get_finished():
         if not r.ok:
             # vLLM asserts that a job succeeded; going on would hand the model garbage KV.
             raise RuntimeError(f"{r.direction} job {r.job_id} failed: {r.error}")
         unfinished.discard(r.job_id)
+        paths[r.direction, getattr(r, "path", None)] += 1
         if r.direction == "load":
             load_device_s[r.job_id] = r.seconds
 
@@ -178,6 +181,7 @@ def run_loop(setup: Setup, engine, defer_stores: bool = False) -> LoopRun:
     records: list[StepRecord] = []
     unfinished: set[int] = set()
     load_device_s: dict[int, float] = {}
+    paths: collections.Counter = collections.Counter()
     deferred = None  # (job, gpu ids, host ids) of a store submitted at the next step's start
 
     def submit_store(rec: StepRecord, job: int, gpu_ids: np.ndarray, host_ids: np.ndarray) -> None:
@@ -225,7 +229,7 @@ def run_loop(setup: Setup, engine, defer_stores: bool = False) -> LoopRun:
                 rec.compute_events[1].synchronize()  # the step's output goes back to the scheduler
         if engine is not None:
             t0 = time.perf_counter()
-            _finished(engine, unfinished, load_device_s)
+            _finished(engine, unfinished, load_device_s, paths)
             rec.poll_s = time.perf_counter() - t0
         rec.step_s = time.perf_counter() - t_step
         if s >= shape.warmup:
@@ -234,12 +238,13 @@ def run_loop(setup: Setup, engine, defer_stores: bool = False) -> LoopRun:
         with setup.stream():
             if deferred is not None:  # the last step's stores, so the host ring ends complete
                 submit_store(StepRecord(), *deferred)
-        _finished(engine, unfinished, load_device_s)
+        _finished(engine, unfinished, load_device_s, paths)
         for r in engine.shutdown() or []:
+            paths[r.direction, getattr(r, "path", None)] += 1
             if r.direction == "load":
                 load_device_s[r.job_id] = r.seconds
     setup.sync()
-    run = LoopRun(records, load_device_s, blocks, engine is not None, getattr(engine, "impl", None))
+    run = LoopRun(records, load_device_s, blocks, engine is not None, getattr(engine, "impl", None), paths=paths)
     if setup.cuda:
         run.compute_ms = [a.elapsed_time(b) for a, b in (r.compute_events for r in records)]
     for r in records:

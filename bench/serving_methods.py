@@ -40,7 +40,17 @@ from cuda_driver import (
 )
 from sm_copy import SmCopy, uses_sm_copy
 
-__all__ = ["OffloadTarget", "BatchEngine", "Method", "METHODS", "MethodPoint", "method_points", "build_engine"]
+__all__ = [
+    "OffloadTarget",
+    "BatchEngine",
+    "Method",
+    "METHODS",
+    "MethodPoint",
+    "method_points",
+    "build_engine",
+    "triton_engine",
+    "auto_engine",
+]
 
 
 @dataclass
@@ -202,18 +212,31 @@ class Method:
 
 def triton_engine(target: OffloadTarget, num_ctas: int | None, **engine_args) -> TransferEngine:
     """Ours, as the plugin's worker builds it; the default num_ctas is passed as None, the way a user runs it.
-    ``engine_args`` go to TransferEngine as they are (a ``path`` choice, once it has one)."""
+    ``engine_args`` go to TransferEngine as they are (``path``)."""
     ctas = None if num_ctas == DEFAULT_NUM_CTAS else num_ctas
     return TransferEngine(target.kv, target.host_buffer, num_ctas=ctas, **engine_args)
+
+
+def auto_engine(target: OffloadTarget, num_ctas: int | None) -> TransferEngine:
+    """The engine as a user gets it on CUDA: ``path="auto"``, calibrated at creation. Without CUDA nothing can be
+    calibrated, so the engine's copy-engine path (auto's other half; the kernel is the ``triton`` row) runs, its
+    descriptors replayed by memmove, and is byte-checked like every method."""
+    path = "auto" if target.kv.device.type == "cuda" else "dma"
+    return triton_engine(target, num_ctas, path=path)
 
 
 # Methods by exact name.
 METHODS: dict[str, Method] = {
     "none": Method(lambda target, _: None, "no offload traffic: the model's steps alone"),
     "triton": Method(
-        triton_engine,
-        "TransferEngine: one Triton launch per transfer on its store / load stream (the plugin's worker path)",
+        lambda target, num_ctas: triton_engine(target, num_ctas, path="kernel"),
+        "TransferEngine(path='kernel'): one Triton launch per transfer on its store / load stream",
         sweeps_ctas=True,
+    ),
+    "auto": Method(
+        auto_engine,
+        "TransferEngine(path='auto'), the default on CUDA: per transfer the faster of our kernel and one "
+        "cuMemcpyBatchAsync of coalesced descriptors, from the calibration the engine makes at creation",
     ),
     "vllm033": Method(
         lambda target, _: BatchEngine(target, sm_copy_loads=True, flags=FLAG_DEFAULT, name="vllm033"),

@@ -9,6 +9,7 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from baselines import Auto
 from case import Env, TransferCase
 from extras import cpu_overhead, interference
 from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_LAYOUT, EXTRAS_WORKLOAD, grid
@@ -116,6 +117,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
         cpu_overhead=overhead,
         interference=inter,
         targets=targets,
+        calibrations=Auto.calibrations(),
         fatal=fatal,
     )
     return result, 1 if run.failures else 0

@@ -26,7 +26,7 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     data = json.loads(out.read_text())
     assert data["complete"] and data["failures"] == [] and data["mode"] == "gpu"
     rows = data["rows"]
-    methods = {"triton", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
+    methods = {"triton", "auto", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
     assert {r["method"] for r in rows} == methods
     # 2 layouts x 2 sizes x 2 host formats x 2 directions, each method checked on each before it was timed.
     assert len({(r["layout"], r["blocks"], r["skip"], r["direction"]) for r in rows}) == 16
@@ -36,5 +36,8 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     assert "ctypes" in impls["memcpy_batch"], impls
     loads = {r["impl"].split(" ")[0] for r in rows if r["method"] == "vllm033" and r["direction"] == "load"}
     assert loads == {"SM"}  # 2 KiB pages at >= 16 descriptors: the SM copy
+    # auto took one of its two paths in every case, and its calibration is in the file.
+    assert all(r["impl"].startswith("per call: ") for r in rows if r["method"] == "auto")
+    assert data["calibrations"] and all(c["seconds"] > 0 and c["models"] for c in data["calibrations"])
     tri = [r for r in rows if r["method"] == "triton"]
     assert all(r["speedup_vs_vllm033"] and r["speedup_vs_memcpy_batch"] for r in tri)

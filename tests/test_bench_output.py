@@ -111,3 +111,13 @@ def test_results_are_written_whole_or_not_at_all(mods, tmp_path):
     results.write_json(path, {"rows": [1, 2], "complete": True})
     assert json.loads(path.read_text()) == {"rows": [1, 2], "complete": True}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize(("auto_ms", "verdict"), [(1.28, "PASS"), (1.30, "FAIL")], ids=["2.4%-slower", "4%-slower"])
+def test_the_auto_target_compares_with_the_better_of_kernel_and_copy_engines(mods, auto_ms, verdict):
+    results, summary, _, copy_loop = mods
+    rows = _rows(results, copy_loop, triton_ms=1.25, vllm_ms=2.5)  # memcpy_batch 3.0 ms: the kernel is the better
+    auto = dict(rows[0], method="auto", num_ctas=None, median_ms=auto_ms)
+    targets = {t["target"]: t for t in summary.evaluate_targets([*rows, auto], None, None)}
+    (target,) = (t for name, t in targets.items() if name.startswith("auto never slower"))
+    assert target["result"] == verdict and f"worst {auto_ms / 1.25:.3g}" in target["detail"], target

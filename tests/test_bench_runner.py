@@ -27,7 +27,7 @@ def _fake_python3(tmp_path: pathlib.Path) -> pathlib.Path:
     return bin_dir
 
 
-@pytest.mark.parametrize("part", ["tests", "quick", "full-8b", "serving", "no-such-part"])
+@pytest.mark.parametrize("part", ["tests", "quick", "full-8b", "serving", "call-cost", "no-such-part"])
 def test_without_cuda_the_runner_says_so_in_one_line_and_installs_nothing(tmp_path, part):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_OFFLOAD_VENV")}
     env["PATH"] = f"{_fake_python3(tmp_path)}:{env['PATH']}"
@@ -69,6 +69,7 @@ esac
     [
         ("serving", "bench/serving.py --json {out}/gpu-2026-01-01-serving.json --plot "
          "{out}/gpu-2026-01-01-serving.png"),
+        ("call-cost", "bench/call_cost.py --json {out}/gpu-2026-01-01-call-cost.json"),
         ("quick", "bench/bench_transfer.py --part quick --json {out}/gpu-2026-01-01-quick.json --plot "
          "{out}/gpu-2026-01-01-quick.png"),
     ],
@@ -99,7 +100,7 @@ def parts():
 
 
 def test_every_part_is_estimated_under_8_minutes(parts):
-    names = [parts.TEST_PART, *parts.PARTS, parts.SERVING_PART]
+    names = [parts.TEST_PART, *parts.PARTS, parts.SERVING_PART, parts.CALL_COST_PART]
     estimates = {name: parts.estimate_seconds(name) for name in names}
     assert all(60 < s < parts.LIMIT_S for s in estimates.values()), estimates
     # Together the parts are the whole sweep: every workload once, and the extras once.
@@ -117,8 +118,9 @@ def test_the_parts_cli(parts, capsys):
     assert "full-small" in capsys.readouterr().err
     assert parts.main(["list"]) == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert set(listed) == {parts.TEST_PART, *parts.PARTS, parts.SERVING_PART}
+    assert set(listed) == {parts.TEST_PART, *parts.PARTS, parts.SERVING_PART, parts.CALL_COST_PART}
     assert listed["serving"].endswith("bench/serving.py") and listed["tests"].endswith("pytest -m gpu")
+    assert listed["call-cost"].endswith("bench/call_cost.py")
 
 
 def test_result_names_are_device_date_part():

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVING = ROOT / "bench" / "serving.py"
 REQUIRED = ("workload", "method", "num_ctas", "byte_check", "step_ms_median", "step_ms_p99", "slowdown_vs_none",
             "load_latency_ms_median", "load_latency_ms_p99", "submit_cpu_us_per_step", "offload_gbps")  # fmt: skip
-OFFLOAD = ("triton", "vllm033", "dma")
+OFFLOAD = ("triton", "auto", "vllm033", "dma")
 
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -49,7 +49,7 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
     labels = set(_rows_by_label(rows))
     for w in ("llama3-8b", "llama3-70b-tp8", "small-page"):
         assert {(w, "none", None), (w, "triton", 4), (w, "triton", 2), (w, "triton", 8)} <= labels
-        assert {(w, "vllm033", None), (w, "dma", None)} <= labels
+        assert {(w, "auto", None), (w, "vllm033", None), (w, "dma", None)} <= labels
     for r in rows:
         assert r["byte_check"] == "pass" and r["byte_check_note"] is None, r
         assert all(r[k] is None for k in timing), f"a number was reported without a GPU: {r}"
@@ -57,6 +57,10 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
             assert r["loads"] == 3 and r["stored_bytes_per_step"] > 0 and r["load_bytes"] > 0, r
         else:
             assert r["impl"].startswith("no offload")
+    # Without CUDA to calibrate on, auto runs the engine's copy-engine path (the memmove stand-in); the kernel is
+    # the triton rows' path.
+    assert all("memmove; path dma: load dma x4, store dma x" in r["impl"] for r in rows if r["method"] == "auto")
+    assert all("path kernel: load kernel x4, store kernel x" in r["impl"] for r in rows if r["method"] == "triton")
     # vllm033's loads took its SM copy (the interpreter), its stores the batch call (the memmove stand-in).
     assert all("SM copy load" in r["impl"] and "store" in r["impl"] for r in rows if r["method"] == "vllm033")
     assert data["duplex"] == [] and data["targets"] == [] and data["failures"] == []
@@ -93,12 +97,12 @@ def test_wrong_bytes_fail_the_run(tmp_path):
     data = json.loads(out.read_text())
     by = {r["method"]: r for r in data["rows"]}
     assert by["none"]["byte_check"] == "pass"
-    triton = [r for r in data["rows"] if r["method"] == "triton"]
-    assert len(triton) == 3 and all(r["byte_check"] == "fail" for r in triton)
-    assert all("stored host blocks" in r["byte_check_note"] for r in triton), triton
+    ours = [r for r in data["rows"] if r["method"] in ("triton", "auto")]  # both TransferEngine
+    assert len(ours) == 4 and all(r["byte_check"] == "fail" for r in ours)
+    assert all("stored host blocks" in r["byte_check_note"] for r in ours), ours
     for method in ("vllm033", "dma"):
         assert by[method]["byte_check"] == "fail" and "loaded GPU blocks" in by[method]["byte_check_note"]
-    assert len(data["failures"]) == 5
+    assert len(data["failures"]) == 6
     assert "FAIL" in proc.stdout
 
 
@@ -284,11 +288,11 @@ def test_every_default_method_is_registered_and_points_expand():
     with bench_modules("serving_methods", "serving_config", "serving", "parts") as (methods, config, serving, parts):
         assert set(config.DEFAULT_METHODS) <= set(methods.METHODS)
         points = methods.method_points(config.DEFAULT_METHODS, config.GPU_LOOP.triton_ctas)
-        assert [p.label for p in points] == ["none", "triton@4", "triton@2", "triton@8", "vllm033", "dma"]
+        assert [p.label for p in points] == ["none", "triton@4", "triton@2", "triton@8", "auto", "vllm033", "dma"]
         assert parts.SERVING_POINTS == len(points) and parts.DUPLEX_POINTS == len(serving.DUPLEX_POINTS)
         assert set(serving.DUPLEX_POINTS) <= set(points)
-        with pytest.raises(ValueError, match=r"unknown method\(s\) \['auto'\]; supported: \['dma', 'none'"):
-            methods.method_points(["triton", "auto"], ())
+        with pytest.raises(ValueError, match=r"unknown method\(s\) \['nvme'\]; supported: \['auto', 'dma', 'none'"):
+            methods.method_points(["triton", "nvme"], ())
 
 
 def test_the_triton_method_passes_engine_options_through(monkeypatch):
