@@ -12,6 +12,7 @@ install the same conversion on the interpreter's tensor patch. Compiled kernels 
 from __future__ import annotations
 
 import triton
+from triton import knobs as _knobs
 
 _FIXED_IN = (3, 7)
 
@@ -77,10 +78,9 @@ class DirectRunner:
 
 
 def launch_hooks_idle() -> bool:
-    """True when no launch hook is installed (Triton >= 3.4 keeps empty hook chains; older ones None)."""
-    from triton import knobs
-
-    runtime = knobs.runtime
+    """True when no launch hook is installed (Triton >= 3.4 keeps empty hook chains; older ones None). Called on
+    every direct launch: a few attribute reads."""
+    runtime = _knobs.runtime
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
