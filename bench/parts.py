@@ -55,6 +55,7 @@ GEMM_S = 1.6e-3  # one 8192^3 bf16 GEMM on an H100
 NATIVE_RUN_S = 12e-6
 NATIVE_DESCRIPTOR_S = 0.01e-6
 PIN_BPS = 5e9  # allocating and zeroing pinned host memory
+NATIVE_WARM_DEPTH = 16  # baselines.NATIVE_WARM_DEPTH (baselines imports torch; tests/test_bench_runner.py compares)
 # sm_copy.MAX_PAGE_BYTES: vllm033 (like vLLM's own worker) loads smaller pages with its SM copy (sm_copy imports
 # Triton, which this module, run before the project is installed, must not; tests/test_bench_runner.py checks that the
 # two agree).
@@ -109,6 +110,8 @@ def _sweep_s(workloads, grid: Grid, one_layout: bool) -> float:
                         for method, c in methods:
                             t = _transfer_s(method, c, nbytes, n * runs, store, w.page_bytes, runs)
                             total += _measure_s(t, budget_s) + check
+                            if method == "vllm_native":
+                                total += NATIVE_WARM_DEPTH * t  # vLLM's pools warmed before the check
     return total
 
 

@@ -395,6 +395,13 @@ class NativeWorker:
         """Host chunks -> GPU blocks (CPU -> GPU); returns the job id."""
         return self.submit(False, self.transfer_specs(gpu_ids, host_ids, skip))
 
+    def warm(self, store: bool, specs: tuple[object, object], depth: int) -> None:
+        """Submits ``depth`` transfers of ``specs`` back to back and waits for them: vLLM's worker pools a stream, two
+        events and pinned descriptor buffers per transfer in flight, creating them when its pool is empty, so after
+        this a caller keeping up to ``depth`` transfers in flight meets vLLM's steady state (a serving engine's), not
+        the creation of its streams and buffers."""
+        self.wait([self.submit(store, specs) for _ in range(depth)])
+
     def order_after(self, job: int) -> None:
         """Makes the current stream wait for ``job`` (vLLM runs it on a stream of its own): what a caller timing the
         transfer on its stream needs. A serving loop does not call it: it polls instead."""

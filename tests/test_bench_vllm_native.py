@@ -115,6 +115,8 @@ def test_vllms_worker_builds_the_descriptors_the_op_replays(mods):
     job = worker.submit_load(host, [0, 2, 3], skip=1)
     assert worker._swap.stand_in.calls[-1]["attrs"][0] == ANY
     assert [r.job_id for r in worker.wait([job])] == [job] and worker.poll() == []
+    worker.warm(False, worker.transfer_specs([0, 2, 3], host, skip=1), 3)  # three more of the same load, waited for
+    assert len(worker._swap.stand_in.calls) == 5 and worker.poll() == []
     for t in range(len(widths)):
         expect = before[t].clone()
         expect[[0, 2, 3]] = before[t][gpu]
