@@ -11,6 +11,7 @@ still verifies the bytes their descriptors address.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 import torch
@@ -35,8 +36,20 @@ from cuda_driver import (
     batch_attributes,
 )
 from sm_copy import SmCopy, uses_sm_copy
+from vllm_native import VLLM_VERSION, NativeWorker, PackedHostView, VllmUnavailable
 
-__all__ = ["METHODS", "Triton", "Auto", "MemcpyPerBlock", "MemcpyBatch", "TorchStaged", "Vllm033", "Peak", "issue_each"]
+__all__ = [
+    "METHODS",
+    "Triton",
+    "Auto",
+    "MemcpyPerBlock",
+    "MemcpyBatch",
+    "TorchStaged",
+    "Vllm033",
+    "VllmNative",
+    "Peak",
+    "issue_each",
+]
 
 
 class Triton:
@@ -138,6 +151,51 @@ class Vllm033:
             return Prepared(SmCopy(*plan, case.device), case.host_ids, impl)
         prepared = _batch(case, env, plan, FLAG_DEFAULT)
         return dataclasses.replace(prepared, impl=f"batch: {prepared.impl}")
+
+
+# spec -> ((f, chunks), NativeWorker): the worker of the spec's latest host format, so a case's store and load share
+# one vLLM worker and its region; it goes with the spec (the workload's caches), and a new format replaces it.
+_NATIVE_WORKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _native_worker(case: TransferCase, env: Env) -> NativeWorker:
+    key = (case.f, case.host.shape[0])
+    held = _NATIVE_WORKERS.get(case.spec)
+    if held is not None and held[0] == key:
+        return held[1]
+    if held is not None:
+        held[1].shutdown()  # frees its region before the next is allocated
+    if env.cuda and env.driver is None:
+        raise Unavailable(f"needs the CUDA driver for vLLM's swap_blocks_batch: {env.driver_note}")
+    worker = NativeWorker([r.view for r in case.runs], case.f, case.host.shape[0], env.driver)
+    _NATIVE_WORKERS[case.spec] = (key, worker)
+    return worker
+
+
+# Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
+NATIVE_WARM_DEPTH = 16
+
+
+class VllmNative:
+    """vLLM 0.33's own CPUOffloadingWorker (:mod:`vllm_native`) over the case's KV tensors, one canonical tensor per
+    run, with a host region of its own layout (one tensor per run) at the case's host ids: vLLM's descriptor building,
+    streams and Triton load kernel, its compiled op replaced by the same cuMemcpyBatchAsync through ctypes."""
+
+    def prepare(self, case: TransferCase, env: Env) -> Prepared:
+        try:
+            worker = _native_worker(case, env)
+        except VllmUnavailable as exc:
+            raise Unavailable(str(exc)) from exc
+        specs = worker.transfer_specs(case.gpu_ids, case.host_ids, case.skip)  # the scheduler's side, built once
+        if env.cuda:
+            worker.warm(case.store, specs, NATIVE_WARM_DEPTH)  # vLLM's pools as a running engine's, before timing
+
+        def run() -> None:
+            worker.poll()  # as vLLM's connector does every step: finished jobs hand back their streams and buffers
+            worker.order_after(worker.submit(case.store, specs))
+
+        impl = f"vLLM {VLLM_VERSION}'s own worker ({worker.vllm.where}): {worker.path(case.store, case.n)}"
+        return Prepared(run, case.host_ids, impl, not env.cuda, PackedHostView(worker.host_views, case.f))
 
 
 class TorchStaged:
@@ -243,5 +301,6 @@ METHODS = {
     "memcpy_batch": MemcpyBatch,
     "torch_staged": TorchStaged,
     "vllm033": Vllm033,
+    "vllm_native": VllmNative,
     "peak": Peak,
 }

@@ -215,12 +215,15 @@ class Prepared:
         host_ids: the host blocks it addresses, or None for a contiguous copy (peak).
         impl: how it is implemented here, for the output.
         emulated: a CUDA-only method replayed on CPU with memmove: its copy plan is checked, it is never timed.
+        host_subs: where the method keeps host blocks when not in ``case.host``: a ``(rows * f, bytes_per_block)``
+            table of packed sub-blocks with ``shape``, ``fill_``, ``copy_`` and ``to`` (``vllm_native``'s region).
     """
 
     run: Callable[[], None]
     host_ids: np.ndarray | None
     impl: str
     emulated: bool = False
+    host_subs: object | None = None
 
 
 class Unavailable(Exception):

@@ -13,6 +13,7 @@ from triton_offload.cuda_driver import (  # noqa: F401  (re-exported for the bas
     FLAG_PREFER_OVERLAP_WITH_COMPUTE,
     LOCATION_DEVICE,
     LOCATION_HOST,
+    SRC_ACCESS_ORDER_ANY,
     SRC_ACCESS_ORDER_STREAM,
     CudaDriver,
     CudaError,

@@ -60,4 +60,4 @@ def host_rows(n: int, f: int, skip: int) -> int:
 # The extras (CPU cost per call, GEMM interference): 1024 blocks x 80 layers of Llama-3-70B TP8 pages, Triton at
 # every num_ctas of the sweep and these baselines.
 EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024
-EXTRAS_BASELINES = ("memcpy_batch", "vllm033")
+EXTRAS_BASELINES = ("memcpy_batch", "vllm033", "vllm_native")

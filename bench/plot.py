@@ -23,6 +23,7 @@ _STYLE = {
     "memcpy_per_block": dict(color="tab:red", marker="v"),
     "torch_staged": dict(color="tab:green", marker="^"),
     "vllm033": dict(color="tab:purple", marker="D"),
+    "vllm_native": dict(color="tab:brown", marker="P"),
     "peak": dict(color="black", linestyle="--", marker="_", markersize=14),  # a lone page size still shows
 }
 

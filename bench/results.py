@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # Baselines a speedup column is computed against, in table order.
-BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033")
+BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "vllm_native")
 # Every method but triton, in the order a run measures them (after the triton sweep): auto (ours, the per-call choice
 # of kernel or copy engines) first, then the baselines and the peak.
 BASELINE_ORDER = ("auto", *BASELINE_NAMES, "peak")

@@ -15,7 +15,13 @@ from results import BASELINE_NAMES, by_case
 
 __all__ = ["print_header", "print_results", "print_extras", "print_targets", "evaluate_targets", "target_result"]
 
-_SHORT = {"memcpy_batch": "batch", "memcpy_per_block": "per-blk", "torch_staged": "staged", "vllm033": "vllm033"}
+_SHORT = {
+    "memcpy_batch": "batch",
+    "memcpy_per_block": "per-blk",
+    "torch_staged": "staged",
+    "vllm033": "vllm033",
+    "vllm_native": "native",
+}
 _HANDICAP = "\u2020"  # marks a value measured on a Python-issued (handicapped) baseline
 
 

@@ -61,9 +61,14 @@ def block_checksums(case: TransferCase) -> torch.Tensor:
     return sum(r.view.sum(dim=1, dtype=torch.int64) for r in case.runs)
 
 
+def _host_subs(case: TransferCase, prepared: Prepared):
+    """The method's host sub-blocks: the case's packed buffer, or the method's own region seen the same way."""
+    return case.host.view(-1, case.bytes_per_block) if prepared.host_subs is None else prepared.host_subs
+
+
 def _check_store(case: TransferCase, prepared: Prepared, expected: torch.Tensor) -> str | None:
-    device, bpb = expected.device, case.bytes_per_block
-    subs = case.host.view(-1, bpb)
+    device = expected.device
+    subs = _host_subs(case, prepared)
     _sync(case.device)  # nothing may still be writing the host buffer
     subs.fill_(SENTINEL)
     prepared.run()
@@ -83,8 +88,8 @@ def _check_store(case: TransferCase, prepared: Prepared, expected: torch.Tensor)
 
 
 def _check_load(case: TransferCase, prepared: Prepared, expected: torch.Tensor) -> str | None:
-    device, bpb = expected.device, case.bytes_per_block
-    subs = case.host.view(-1, bpb)
+    device = expected.device
+    subs = _host_subs(case, prepared)
     _sync(case.device)
     idx = _slot_rows(case, prepared.host_ids, device)
     staged = torch.full(subs.shape, SENTINEL, dtype=torch.uint8, device=device)

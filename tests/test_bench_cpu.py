@@ -17,11 +17,15 @@ BENCH = ROOT / "bench"
 TIMING_FIELDS = (
     "median_ms", "p20_ms", "p80_ms", "gbps", "call_cpu_us", "fraction_of_peak",
     "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged", "speedup_vs_vllm033",
+    "speedup_vs_vllm_native",
 )  # fmt: skip
 RUNS_ON_CPU = {"triton", "torch_staged", "peak"}
 CUDA_ONLY = {"memcpy_per_block", "memcpy_batch", "auto"}
 # Stores are one cuMemcpyBatchAsync (CUDA only); loads of these small pages are its Triton SM copy, run on CPU.
 VLLM033 = "vllm033"
+# vLLM 0.33's own worker: its descriptors replayed on host memory where vLLM 0.33's code is importable, else n/a with
+# the reason (this environment's vLLM, if any, is another version).
+NATIVE = "vllm_native"
 
 
 def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
@@ -39,7 +43,7 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
     assert data["mode"] == "cpu-interpreter-check"
     assert data["failures"] == []
     rows = data["rows"]
-    assert {r["method"] for r in rows} == RUNS_ON_CPU | CUDA_ONLY | {VLLM033}
+    assert {r["method"] for r in rows} == RUNS_ON_CPU | CUDA_ONLY | {VLLM033, NATIVE}
     # One row schema, in both modes: every row has exactly the same keys.
     assert len({tuple(r) for r in rows}) == 1 and set(TIMING_FIELDS) <= set(rows[0])
     # Every workload and every layout took part, in both directions, with a non-zero skip.
@@ -54,6 +58,8 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
         elif r["method"] == VLLM033 and r["direction"] == "load":
             # The SM copy ran under the interpreter in every layout and moved the right bytes.
             assert r["status"] == "pass" and r["impl"].startswith("SM copy"), r
+        elif r["method"] == NATIVE and r["impl"] is None:
+            assert r["status"] == "n/a" and "vllm_native runs vLLM 0.33.0's own worker" in r["note"], r
         else:
             # Not runnable without CUDA, but the copy plan they would issue moved the right bytes.
             assert r["status"] == "n/a" and "memmove" in r["note"], r

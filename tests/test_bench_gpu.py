@@ -1,10 +1,13 @@
 """The benchmark end to end on a GPU, at a size that takes seconds: every method is byte-checked on every case and
 then timed, the baselines issue from compiled code, and the rows carry the CPU cost and the vllm033 speedup. Runs
-in `./dev gpu tests`, before the benchmark parts, so a broken baseline shows before any time is spent measuring."""
+in `./dev gpu tests`, before the benchmark parts, so a broken baseline shows before any time is spent measuring.
+``vllm_native`` must run wherever vLLM 0.33's code is on the path (`./dev gpu` puts the carried bundle there)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +15,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _has_vllm033() -> bool:
+    try:
+        return importlib.metadata.version("vllm") == "0.33.0"
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 @pytest.mark.gpu
@@ -26,10 +36,18 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     data = json.loads(out.read_text())
     assert data["complete"] and data["failures"] == [] and data["mode"] == "gpu"
     rows = data["rows"]
-    methods = {"triton", "auto", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
+    methods = {"triton", "auto", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "vllm_native", "peak"}
     assert {r["method"] for r in rows} == methods
     # 2 layouts x 2 sizes x 2 host formats x 2 directions, each method checked on each before it was timed.
     assert len({(r["layout"], r["blocks"], r["skip"], r["direction"]) for r in rows}) == 16
+    native = [r for r in rows if r["method"] == "vllm_native"]
+    if not (_has_vllm033() or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
+        assert all(r["status"] == "n/a" for r in native), native
+        rows = [r for r in rows if r["method"] != "vllm_native"]
+    else:
+        # vLLM's own choices: its Triton kernel for loads of 2 KiB pages, one STREAM-ordered batch for stores.
+        assert all("Triton swap kernel" in r["impl"] for r in native if r["direction"] == "load"), native
+        assert all("srcAccessOrder=STREAM" in r["impl"] for r in native if r["direction"] == "store"), native
     assert all(r["status"] == "pass" and r["median_ms"] and r["call_cpu_us"] for r in rows), rows
     impls = {r["method"]: r["impl"] for r in rows}
     assert "C++" in impls["memcpy_per_block"], impls  # not the handicapped Python loop

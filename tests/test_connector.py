@@ -1,7 +1,8 @@
 """TritonOffloadingSpec through vLLM's real classes, without an engine (runs against vLLM 0.32 and 0.33).
 
 The configuration is built by hand as vLLM's connector would build it; the manager is driven the way vLLM's
-scheduler drives it and the worker the way vLLM's worker does, on CPU tensors (kernels under the interpreter).
+scheduler drives it and the worker the way vLLM's worker does, on CPU tensors (kernels under the interpreter) and,
+with -m gpu, on CUDA tensors (compiled kernels, pinned host cache).
 """
 
 from __future__ import annotations
@@ -239,16 +240,24 @@ def test_host_spec_survives_pickling():
 # -- worker side: canonical KV caches through the spec's worker ------------------------------------------------------
 
 
-def canonical(num_blocks: int, pages: list[int], pad: int = 0, seed: int = 0):
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Where the KV caches live: CPU (the kernels under the interpreter) or CUDA (compiled, pinned host cache)."""
+    return request.param
+
+
+def canonical(num_blocks: int, pages: list[int], pad: int = 0, seed: int = 0, device: str = "cpu"):
     """vLLM's layout: one backing allocation, layer-major, one (num_blocks, page + pad) int8 view per layer; pages
     that differ (hybrid models) get a backing allocation each."""
     gen = torch.Generator().manual_seed(seed)
     if len(set(pages)) == 1:
         stride = pages[0] + pad
         backing = torch.randint(-128, 128, (len(pages) * num_blocks, stride), dtype=torch.int8, generator=gen)
+        backing = backing.to(device)
         views = [backing[i * num_blocks : (i + 1) * num_blocks] for i in range(len(pages))]
     else:
         views = [torch.randint(-128, 128, (num_blocks, p + pad), dtype=torch.int8, generator=gen) for p in pages]
+        views = [v.to(device) for v in views]
     return [CanonicalKVCacheTensor(v, v.shape[1]) for v in views]
 
 
@@ -304,15 +313,15 @@ def test_a_budget_beyond_the_machine_is_refused_before_allocating(monkeypatch):
 
 
 @pytest.mark.parametrize("path", [None, "kernel", "dma"], ids=["default", "kernel", "dma"])
-def test_store_f2_then_load_with_skip_into_other_blocks(path):
+def test_store_f2_then_load_with_skip_into_other_blocks(path, device):
     """6 GPU blocks stored into 3 host blocks (f=2); the load skips the first one (the device holds it) and writes
     5 other blocks. Source and unaddressed blocks stay as they were. The same through the copy-engine path
     (``transfer_path``: on CPU its descriptors are replayed by memmove)."""
-    tensors = canonical(16, [512, 512])
+    tensors = canonical(16, [512, 512], device=device)
     kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)]])
     extra = {} if path is None else {"transfer_path": path}
     spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1024, **extra)
-    assert worker.engine.path == (path or "kernel")  # the CPU default
+    assert worker.engine.path == (path or ("auto" if device == "cuda" else "kernel"))  # the engine's default
     assert worker.kv.num_groups == 1 and worker.kv.bytes_per_block == 1024
     before = [t.tensor.clone() for t in tensors]
     rc = ctx()
@@ -337,10 +346,10 @@ def test_store_f2_then_load_with_skip_into_other_blocks(path):
     worker.shutdown()
 
 
-def test_two_groups_with_different_layers_and_pages():
+def test_two_groups_with_different_layers_and_pages(device):
     """HMA: group 0 has layers 0 and 1 (512-byte pages), group 1 layer 2 (256 bytes); one job moves both groups,
     each with its own skip, in one submission."""
-    tensors = canonical(16, [512, 512, 256])
+    tensors = canonical(16, [512, 512, 256], device=device)
     kv = CanonicalKVCaches(
         tensors,
         [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)], [CanonicalKVCacheRef(2, 256)]],
@@ -368,9 +377,9 @@ def test_two_groups_with_different_layers_and_pages():
     worker.shutdown()
 
 
-def test_padded_pages_move_only_the_unpadded_bytes():
+def test_padded_pages_move_only_the_unpadded_bytes(device):
     """stride(0) exceeds the page: the refs name 384 un-padded bytes of 512-byte rows; padding is never moved."""
-    tensors = canonical(8, [384, 384], pad=128)
+    tensors = canonical(8, [384, 384], pad=128, device=device)
     kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 384), CanonicalKVCacheRef(1, 384)]])
     spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024)
     assert worker.kv.bytes_per_block == 768
@@ -390,10 +399,10 @@ def test_padded_pages_move_only_the_unpadded_bytes():
     worker.shutdown()
 
 
-def test_aliased_refs_are_moved_once():
+def test_aliased_refs_are_moved_once(device):
     """Two layers of group 0 alias tensor 0 (moved once, the larger page wins); group 1 overlays the same tensor,
     as vLLM's packed layouts do (one ref per group to tensor 0)."""
-    tensors = canonical(8, [512, 256])
+    tensors = canonical(8, [512, 256], device=device)
     kv = CanonicalKVCaches(
         tensors,
         [

@@ -15,8 +15,7 @@ import pytest
 import vllm_harness
 from vllm_harness import GPU_BLOCK_BYTES, require_engine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-require_engine()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine()]
 
 DRIVER = pathlib.Path(__file__).with_name("vllm_e2e_driver.py")
 

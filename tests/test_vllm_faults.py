@@ -15,8 +15,7 @@ import pytest
 import vllm_harness
 from vllm_harness import assert_no_errors, require_engine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-require_engine()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine()]
 
 TESTS = pathlib.Path(__file__).parent
 DRIVER = TESTS / "vllm_fault_driver.py"

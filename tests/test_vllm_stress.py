@@ -17,8 +17,7 @@ import pytest
 import vllm_harness
 from vllm_harness import GPU_BLOCK_BYTES, assert_no_errors, require_engine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-require_engine()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine()]
 
 DRIVER = pathlib.Path(__file__).with_name("vllm_stress_driver.py")
 SCHEDULER_LINE = re.compile(r"triton-offload scheduler counters: (\{.*?\}); host blocks at shutdown: (\{.*?\})")

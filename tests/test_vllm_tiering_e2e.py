@@ -25,8 +25,7 @@ import vllm_harness
 from permissions import exposed_below
 from vllm_harness import GPU_BLOCK_BYTES, require_engine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-require_engine("vllm.v1.kv_offload.tiering.spec")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.spec")]
 
 TESTS = pathlib.Path(__file__).parent
 DRIVER = TESTS / "vllm_tiering_driver.py"

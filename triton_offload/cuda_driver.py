@@ -41,6 +41,7 @@ __all__ = [
     "shared_driver",
     "cuda_version_text",
     "SRC_ACCESS_ORDER_STREAM",
+    "SRC_ACCESS_ORDER_ANY",
     "LOCATION_DEVICE",
     "LOCATION_HOST",
     "FLAG_DEFAULT",
@@ -49,6 +50,7 @@ __all__ = [
 
 # cuda.h enum values.
 SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+SRC_ACCESS_ORDER_ANY = 0x3  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
 LOCATION_HOST = 0x2  # CU_MEM_LOCATION_TYPE_HOST
 FLAG_DEFAULT = 0x0  # CU_MEMCPY_FLAG_DEFAULT
@@ -247,12 +249,14 @@ class CudaDriver:
                 f"(cuGetProcAddress status {status.value}, no {exported} symbol)"
             ) from None
 
-    def batch_entry(self) -> tuple[int, bool]:
-        """(address, with_fail_idx) of the cuMemcpyBatchAsync ABI this driver speaks; CudaError before CUDA 12.8."""
+    def batch_entry(self, abi: int | None = None) -> tuple[int, bool]:
+        """(address, with_fail_idx) of cuMemcpyBatchAsync: the newest ABI this driver speaks, or the ``abi`` of
+        :data:`BATCH_ABIS` asked for (as a caller built against that CUDA version gets it); CudaError before 12.8."""
         for cuda_version, (exported, with_fail_idx) in BATCH_ABIS.items():
-            if self.version >= cuda_version:
+            if self.version >= cuda_version and abi in (None, cuda_version):
                 return self._proc("cuMemcpyBatchAsync", cuda_version, exported), with_fail_idx
-        raise CudaError(f"the driver supports CUDA {self.version}; cuMemcpyBatchAsync needs 12.8 (12080)")
+        wanted = f"the {abi} ABI of " if abi else ""
+        raise CudaError(f"the driver supports CUDA {self.version}; {wanted}cuMemcpyBatchAsync needs 12.8 (12080)")
 
     def memcpy_batch(self, srcs, dsts, sizes, gpu_to_host: bool, flags: int, stream: int) -> MemcpyBatchCall:
         """A prepared cuMemcpyBatchAsync of every descriptor, one attribute entry for all (see batch_attributes)."""
