@@ -78,9 +78,9 @@ MATMUL_FLOPS = 400e12  # the serving step's bf16 products on an H100 (dense peak
 LAUNCH_S = 10e-6  # one kernel launch from Python
 KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes
 CHECK_BPS = 2e9  # the serving byte check: host index + pageable copy up + compare; the prefixes' byte sums
-# none, triton at the default and each other num_ctas, auto, vllm033, dma (serving_methods.method_points: imports
+# none, triton at the default and each other num_ctas, auto, vllm033, vllm_native, dma (serving_methods.method_points:
 # Triton); the duplex is measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
-SERVING_POINTS = 5 + len(GPU_LOOP.triton_ctas)
+SERVING_POINTS = 6 + len(GPU_LOOP.triton_ctas)
 DUPLEX_POINTS = 2
 # vLLM's transfer_async per call: per canonical tensor (run) and per descriptor, measured in host replay on the
 # 2-core CI-class VM (10-14 us per tensor at 16-1024 blocks; a GPU machine's host is faster).
@@ -177,8 +177,11 @@ def _serving_s() -> float:
         run = steps * step + -(-steps // shape.load_every) * load
         check = (sizes.host_ring + (LOAD_REGIONS + PREFIXES) * sizes.prefix_blocks) * block_bytes / CHECK_BPS
         duplex = DUPLEX_POINTS * (1 + 3 * DUPLEX_REPEATS) * (GATE_US * 1e-6 + 2 * load)
-        # auto calibrates once per workload.
-        total += setup + SERVING_POINTS * (run + check) + duplex + (1 + CONTIGUOUS_REPEATS) * load + CALIBRATE_S
+        # auto calibrates once per workload; vllm_native pins a region as large as the host cache and mirrors the
+        # host cache into it and back.
+        native = 3 * sizes.host_blocks * block_bytes / PIN_BPS
+        contiguous = (1 + CONTIGUOUS_REPEATS) * load
+        total += setup + SERVING_POINTS * (run + check) + duplex + contiguous + CALIBRATE_S + native
     return total
 
 

@@ -29,7 +29,7 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from case import Env
+from case import Env, Unavailable
 from report import say
 from results import write_json
 from serving_config import (
@@ -130,7 +130,7 @@ def _row(setup: Setup, point: MethodPoint, device: str, args, impl: str, problem
         page_bytes=setup.spec.page_bytes[0], num_layers=setup.spec.num_layers, block_size=w.block_size,
         prefill_tokens=shape.prefill, decode_tokens=shape.decode, prefix_tokens=shape.prefix_tokens,
         load_every=shape.load_every, steps=shape.steps, defer_stores=args.defer_stores,
-        byte_check="fail" if problem else "pass", byte_check_note=problem,
+        byte_check="fail" if problem else "pass" if run is not None else "n/a", byte_check_note=problem,
     )  # fmt: skip
     if run is not None:
         fields.update(count_fields(run))
@@ -153,6 +153,8 @@ def _run_point(setup: Setup, point: MethodPoint, env: Env, defer: bool) -> tuple
             cal = engine.calibration
             impl += f"; path {engine.path}: {jobs}" + (f"; calibrated in {cal.seconds:.3f} s" if cal else "")
         return run, byte_check(setup, run), impl
+    except Unavailable as exc:  # cannot run on this machine: said in its row, not a failure
+        return None, None, f"n/a: {exc}"
     except Exception as exc:  # reported in its row; a dead CUDA context stops the run
         if not env.alive():
             raise FatalCudaError(f"{point.label} on {setup.workload.name}: {exc}") from exc
@@ -241,7 +243,7 @@ def main(argv=None) -> int:
     targets = evaluate_targets(rows, duplex_rows) if cuda else []
     if cuda:
         print_targets(targets)
-    failed = [r for r in rows + duplex_rows if r["byte_check"] != "pass"]
+    failed = [r for r in rows + duplex_rows if r["byte_check"] == "fail"]
     say(
         f"{sum(r['byte_check'] == 'pass' for r in rows)} of {len(rows)} runs byte-checked pass"
         + ("" if cuda else "; nothing was timed: this machine has no CUDA device (or --cpu-check)"),
@@ -274,7 +276,7 @@ def _run_workload(w, shape, points, env, meta, args, rows, duplex_rows, contiguo
             run, problem, impl = _run_point(setup, point, env, args.defer_stores)
             rows.append(_row(setup, point, meta["device"], args, impl, problem, run))
             _say_row(rows[-1])
-            if cuda and problem is None:
+            if cuda and problem is None and run is not None:
                 samples.setdefault(name, {})[point.label] = {
                     "step_ms": [round(r.step_s * 1e3, 4) for r in run.records],
                     "load_latency_ms": [

@@ -73,7 +73,7 @@ CPU_LOOP = LoopShape(8, 4, 16, 2, 6, 2, (2, 8))
 # The workloads with model dimensions (workloads.ModelDims); DeepSeek's MLA attention is not modelled.
 SERVING_WORKLOADS = ("llama3-8b", "llama3-70b-tp8", "small-page")
 # Every method of a run, in table order (serving_methods.METHODS holds each of them).
-DEFAULT_METHODS = ("none", "triton", "auto", "vllm033", "dma")
+DEFAULT_METHODS = ("none", "triton", "auto", "vllm033", "vllm_native", "dma")
 
 # Distinct cached prefixes and GPU regions the arrivals rotate through: consecutive loads write different bytes into
 # a region than the load before, so a skipped load shows in the byte check.

@@ -30,7 +30,7 @@ from triton_offload.layouts import KVCacheSpec
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from case import Env, copy_plan, runs_of
+from case import Env, Unavailable, copy_plan, runs_of
 from cuda_driver import (
     FLAG_DEFAULT,
     FLAG_PREFER_OVERLAP_WITH_COMPUTE,
@@ -50,6 +50,7 @@ __all__ = [
     "build_engine",
     "triton_engine",
     "auto_engine",
+    "NativeEngine",
 ]
 
 
@@ -195,6 +196,77 @@ class BatchEngine:
         return out
 
 
+class NativeEngine:
+    """vLLM 0.33's own ``CPUOffloadingWorker`` (:class:`vllm_native.NativeWorker`: vLLM's descriptor building, streams
+    and Triton load kernel, its one compiled op replaced by the same ``cuMemcpyBatchAsync`` through ctypes) behind
+    TransferEngine's worker API, over the same KV caches: one canonical tensor per run, one GPU block per chunk.
+
+    vLLM's host region has its own layout (a tensor per run), so the host cache's bytes are mirrored into it before
+    the first transfer (after the loop's reset, in a warm-up step) and back out when the engine shuts down, outside
+    the measured steps: the loop's byte check then reads the host cache as for every method.
+
+    Raises:
+        Unavailable: vLLM 0.33.0's code cannot be imported here (the bundle is not built), or no CUDA driver.
+    """
+
+    def __init__(self, target: OffloadTarget):
+        from vllm_native import NativeWorker, PackedHostView, VllmUnavailable  # imports vLLM only when used
+
+        env, host = target.env, target.host_buffer
+        if env.cuda and env.driver is None:
+            raise Unavailable(f"needs the CUDA driver for vLLM's swap_blocks_batch: {env.driver_note}")
+        try:
+            self.worker = NativeWorker([r.view for r in runs_of(target.kv)], 1, host.shape[0], env.driver)
+        except VllmUnavailable as exc:
+            raise Unavailable(str(exc)) from exc
+        self.region = PackedHostView(self.worker.host_views, 1)
+        self.host, self.bytes_per_block = host, target.kv.bytes_per_block
+        self.impl = f"vllm_native: vLLM's own worker ({self.worker.vllm.where}), swap_blocks_batch -> {self.worker.op}"
+        self._mirrored = False
+        self._jobs: dict[int, tuple[int, str, int]] = {}  # vLLM's job id -> (ours, direction, bytes)
+        self._done: list[JobResult] = []
+
+    def _submit(self, job_id: int, store: bool, gpu_ids, host_ids) -> None:
+        if not self._mirrored:  # the host cache as the loop reset it, cached prefixes included
+            self.region.copy_(self.host)
+            self._mirrored = True
+        n = int(np.asarray(gpu_ids).size)
+        native = self.worker.submit_store(gpu_ids, host_ids) if store else self.worker.submit_load(host_ids, gpu_ids)
+        self._jobs[native] = (job_id, STORE if store else LOAD, n * self.bytes_per_block)
+
+    def submit_store(self, job_id: int, gpu_block_ids, host_block_ids) -> None:
+        self._submit(job_id, True, gpu_block_ids, host_block_ids)
+
+    def submit_load(self, job_id: int, gpu_block_ids, host_block_ids) -> None:
+        self._submit(job_id, False, gpu_block_ids, host_block_ids)
+
+    def _results(self, finished) -> list[JobResult]:
+        out = []
+        for r in finished:
+            job_id, direction, nbytes = self._jobs.pop(r.job_id)
+            out.append(JobResult(job_id, bool(r.success), direction, nbytes, float(r.transfer_time or 0.0)))
+        return out
+
+    def get_finished(self) -> list[JobResult]:
+        out, self._done = self._done + self._results(self.worker.poll()), []
+        return out
+
+    def wait(self, job_ids) -> None:
+        wanted = set(job_ids)
+        native = [n for n, (ours, _, _) in self._jobs.items() if ours in wanted]
+        if native:
+            self._done += self._results(self.worker.wait(native))
+
+    def shutdown(self) -> list[JobResult]:
+        out = self.get_finished()
+        self.wait([ours for ours, _, _ in self._jobs.values()])
+        out += self.get_finished()
+        if self._mirrored:  # vLLM's region back into the host cache, for the byte check
+            self.host.copy_(self.region.to("cpu"))
+        self.worker.shutdown()
+        return out
+
+
 @dataclass(frozen=True)
 class Method:
     """One row label's way of moving blocks.
@@ -242,6 +314,11 @@ METHODS: dict[str, Method] = {
         lambda target, _: BatchEngine(target, sm_copy_loads=True, flags=FLAG_DEFAULT, name="vllm033"),
         "vLLM 0.33's policy: stores one cuMemcpyBatchAsync; loads of pages < 28 KiB its SM copy (12 programs), "
         "others one cuMemcpyBatchAsync; descriptors built per call from the block ids",
+    ),
+    "vllm_native": Method(
+        lambda target, _: NativeEngine(target),
+        "vLLM 0.33's own CPUOffloadingWorker (bench/vllm_native.py), its swap_blocks_batch op the same "
+        "cuMemcpyBatchAsync through ctypes; n/a where vLLM 0.33's code is not importable (./dev gpu-bundle)",
     ),
     "dma": Method(
         lambda target, _: BatchEngine(target, sm_copy_loads=False, flags=FLAG_PREFER_OVERLAP_WITH_COMPUTE, name="dma"),

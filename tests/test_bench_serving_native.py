@@ -1,0 +1,59 @@
+"""vLLM 0.33's own worker in the serving step loop (``vllm_native``, bench/serving_methods.NativeEngine), on CPU in
+host replay: byte-checked like every method, and a run whose bytes are wrong fails. Runs where vLLM 0.33.0's
+Python code imports (``./dev test`` runs it in the vLLM 0.33 environment); skipped elsewhere."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SERVING = ROOT / "bench" / "serving.py"
+
+try:
+    _VLLM = importlib.metadata.version("vllm")
+except importlib.metadata.PackageNotFoundError:
+    _VLLM = None
+pytestmark = pytest.mark.skipif(_VLLM != "0.33.0", reason=f"needs vLLM 0.33.0's Python code, found {_VLLM}")
+
+_RUN = """
+import sys
+sys.path.insert(0, {bench!r})
+import serving, serving_methods
+if {broken!r}:
+    submit = serving_methods.NativeEngine._submit
+    def shifted(self, job_id, store, gpu_ids, host_ids):  # a store lands one host block over
+        if store:
+            host_ids = (host_ids + 1) % self.host.shape[0]
+        submit(self, job_id, store, gpu_ids, host_ids)
+    serving_methods.NativeEngine._submit = shifted
+sys.exit(serving.main(["--cpu-check", "--methods", "none", "vllm_native", "--workloads", "small-page", "--json",
+                       {out!r}]))
+"""
+
+
+def _run(tmp_path, broken: bool) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "native.json"
+    code = _RUN.format(bench=str(SERVING.parent), broken=broken, out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return proc, json.loads(out.read_text())
+
+
+def test_vllms_worker_in_the_loop_moves_every_byte(tmp_path):
+    proc, data = _run(tmp_path, broken=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (row,) = [r for r in data["rows"] if r["method"] == "vllm_native"]
+    assert row["byte_check"] == "pass" and row["loads"] == 3 and row["stored_bytes_per_step"] > 0, row
+    assert row["impl"].startswith("vllm_native: vLLM's own worker") and "memmove" in row["impl"]
+
+
+def test_a_store_into_the_wrong_host_block_fails_the_run(tmp_path):
+    proc, data = _run(tmp_path, broken=True)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (row,) = [r for r in data["rows"] if r["method"] == "vllm_native"]
+    assert row["byte_check"] == "fail" and "stored host blocks" in row["byte_check_note"], row
