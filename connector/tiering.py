@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from triton_offload._checks import positive_int
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
+from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
@@ -56,10 +57,6 @@ _FACTORY_ARGS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_t
 _TIER_META_KEYS = frozenset({"type", "module_path", "backpressure"})
 
 
-def _where(i: int, key: str | None = None) -> str:
-    return f"kv_connector_extra_config['secondary_tiers'][{i}]" + (f"[{key!r}]" if key else "")
-
-
 def _check_backpressure(value: Any, where: str) -> dict:
     if value is None:
         return {}
@@ -68,19 +65,20 @@ def _check_backpressure(value: Any, where: str) -> dict:
     return dict(value)
 
 
-def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> str:
-    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type."""
+def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[str, ObjectStore | None]:
+    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type and, for an object-store tier,
+    the store to check at startup."""
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     if not isinstance(tier, Mapping):
-        raise ValueError(f"{_where(i)} = {tier!r} must be a dict with a 'type' key (e.g. {{'type': 'fs', ...}})")
+        raise ValueError(f"{where(i)} = {tier!r} must be a dict with a 'type' key (e.g. {{'type': 'fs', ...}})")
     tier_type = tier.get("type")
     if not isinstance(tier_type, str) or not tier_type:
-        raise ValueError(f"{_where(i, 'type')} is missing or not a string; supported types: {_tier_types()}")
+        raise ValueError(f"{where(i, 'type')} is missing or not a string; supported types: {_tier_types()}")
     try:
         tier_cls = SecondaryTierFactory.get_tier_class(dict(tier))
     except (ValueError, ImportError, AttributeError) as e:
-        raise ValueError(f"{_where(i, 'type')} = {tier_type!r} is not a usable secondary tier: {e}") from e
+        raise ValueError(f"{where(i, 'type')} = {tier_type!r} is not a usable secondary tier: {e}") from e
     params = inspect.signature(tier_cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - _FACTORY_ARGS
@@ -89,24 +87,25 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> str:
     missing = [n for n in required if n not in given]
     if missing:
         raise ValueError(
-            f"{_where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
+            f"{where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
             + (": the directory shared by every instance that reads these blocks" if missing == ["root_dir"] else "")
         )
     unknown = sorted(given - named)
     if unknown and not takes_any:
         raise ValueError(
-            f"{_where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
+            f"{where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
             "'backpressure' and 'module_path'"
         )
     # vLLM merges the top-level default under the tier's own settings, then requires a detector class.
-    own = _check_backpressure(tier.get("backpressure"), _where(i, "backpressure"))
+    own = _check_backpressure(tier.get("backpressure"), where(i, "backpressure"))
     merged = {**(default_backpressure or {}), **own}
+    store = check_network_tier(i, tier_type, tier_cls, tier, backpressure=merged, ignored=unknown)
     if (merged or "backpressure" in tier) and "backpressure_cls" not in merged:
         raise ValueError(
-            f"{_where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
+            f"{where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
             "e.g. 'EMABackpressureDetector'"
         )
-    return tier_type
+    return tier_type, store
 
 
 def _tier_types() -> list[str]:
@@ -124,12 +123,14 @@ class TritonTieringConfig:
         eviction_policy: the primary tier's eviction policy name.
         secondary_tiers: the type of each secondary tier, in order.
         num_ctas: programs per transfer launch; None for the kernel's default.
+        object_stores: the object stores of the ``obj`` tiers, checked for reachability at startup.
     """
 
     cpu_bytes_to_use: int
     eviction_policy: str = "lru"
     secondary_tiers: tuple[str, ...] = ()
     num_ctas: int | None = None
+    object_stores: tuple[ObjectStore, ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -176,7 +177,7 @@ class TritonTieringConfig:
                 "[{'type': 'fs', 'root_dir': '/mnt/shared/kv'}]"
             )
         default_bp = _check_backpressure(extra.get("backpressure"), "kv_connector_extra_config['backpressure']")
-        types = tuple(_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers))
+        checked = [_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers)]
         known = set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | VLLM_KEYS
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -186,7 +187,8 @@ class TritonTieringConfig:
                 unknown,
                 sorted(set(TIERING_KEYS) | set(OUR_TIERING_KEYS)),
             )
-        return cls(cpu_bytes, policy, types, num_ctas)
+        types = tuple(tier_type for tier_type, _ in checked)
+        return cls(cpu_bytes, policy, types, num_ctas, tuple(store for _, store in checked if store is not None))
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -223,6 +225,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             return self._manager
         path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"  # SharedOffloadRegion's name for this engine
         try:
+            check_reachable(self.tiering_config.object_stores)
             manager = super().get_manager()
         except BaseException:
             # The engine will not start: the region's workers may have created the name, nobody needs it now.
