@@ -11,9 +11,10 @@ secondary tier are byte-compatible with vLLM's native tiering: two instances, on
 Differences from vLLM's spec, all at startup: the configuration is checked before anything is allocated, with a
 ``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); ``cpu_bytes_to_use`` also
 takes sizes such as ``"40GiB"``; ``num_ctas`` is ours; ``canonical_layout`` is refused (the Triton worker writes
-vLLM's direct worker-slot layout only); the CPU platform is supported (the kernels run through Triton's
-interpreter); and the region's ``/dev/shm`` file is removed on every exit path (:class:`~triton_offload.connector.
-shm_region.RegionName`).
+vLLM's direct worker-slot layout only); the network tiers' keys are checked too, and an object store that does not
+answer stops the startup naming it (:mod:`~triton_offload.connector.network_tiers`); the CPU platform is supported
+(the kernels run through Triton's interpreter); and the region's ``/dev/shm`` file is removed on every exit path
+(:class:`~triton_offload.connector.shm_region.RegionName`).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class TritonTieringConfig:
                 list of dicts; a tier whose ``type`` vLLM does not know, that lacks a key its constructor requires
                 (``root_dir`` for ``fs``) or has one it does not take; a ``backpressure`` without
                 ``backpressure_cls``; an unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``;
-                a bad ``num_ctas``.
+                a bad ``num_ctas``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``).
         """
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
@@ -220,7 +221,8 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         self._worker: OffloadingWorker | None = None
 
     def get_manager(self) -> OffloadingManager:
-        """vLLM's ``TieringOffloadingManager``, unchanged; then the region's name is dropped (see ``RegionName``)."""
+        """vLLM's ``TieringOffloadingManager``, unchanged, once every object store has answered; then the region's
+        name is dropped (see ``RegionName``)."""
         if self._manager is not None:
             return self._manager
         path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"  # SharedOffloadRegion's name for this engine
