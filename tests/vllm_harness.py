@@ -18,9 +18,10 @@ GPU_BLOCK_BYTES = 2 * 2 * 2 * GPU_BLOCK * 64 * 4
 ERROR_LINE = re.compile(r"^(\([^)]*\) )?(ERROR|CRITICAL) |^Traceback ")
 # The metrics an end-to-end driver reports: ours, vLLM's offloading connector's and its prefix caches'.
 METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
-# For an engine whose worker totals a test reads: they are logged by the worker's shutdown, which runs inside vLLM's
-# teardown of the engine process; vLLM kills that process VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after SIGTERM, which
-# a loaded 2-core CI machine once reached before the teardown got to our worker (our shutdown itself takes ~0.4 s).
+# For an engine whose shutdown logs what a test reads (a worker's totals, the scheduler's accounting): that shutdown
+# runs inside vLLM's teardown of the engine process, which vLLM kills VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after
+# SIGTERM; a loaded 2-core CI machine reached that deadline before the teardown got to our code (our shutdown itself
+# takes ~0.4 s).
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
 # How our tiering worker logs its region at startup.
 REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
