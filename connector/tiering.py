@@ -12,10 +12,11 @@ Differences from vLLM's spec, all at startup: the configuration is checked befor
 ``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); an ``fs`` tier's missing
 ``root_dir`` is created 0700, so its KV files are private (:mod:`~triton_offload.connector.fs_root`), and a shared
 existing one is warned of; ``cpu_bytes_to_use`` also takes sizes such as ``"40GiB"`` and is checked against the
-memory available; ``num_ctas`` is ours; ``canonical_layout`` is refused (the Triton worker writes
-vLLM's direct worker-slot layout only); the CPU platform is supported (the kernels run through Triton's
-interpreter); and the region's ``/dev/shm`` file is removed on every exit path (:class:`~triton_offload.connector.
-shm_region.RegionName`).
+memory available; ``num_ctas`` and ``transfer_path`` are ours; ``canonical_layout`` is refused (the Triton worker
+writes vLLM's direct worker-slot layout only); the network tiers' keys are checked too, and an object store that does
+not answer stops the startup naming it (:mod:`~triton_offload.connector.network_tiers`); the CPU platform is
+supported (the kernels run through Triton's interpreter); and the region's ``/dev/shm`` file is removed on every exit
+path (:class:`~triton_offload.connector.shm_region.RegionName`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from triton_offload._checks import positive_int_setting, transfer_path
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.config import VLLM_KEYS, parse_size
 from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
+from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 from triton_offload.host_cache import check_host_memory
 
@@ -63,10 +65,6 @@ _FACTORY_ARGS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_t
 _TIER_META_KEYS = frozenset({"type", "module_path", "backpressure"})
 
 
-def _where(i: int, key: str | None = None) -> str:
-    return f"kv_connector_extra_config['secondary_tiers'][{i}]" + (f"[{key!r}]" if key else "")
-
-
 def _check_backpressure(value: Any, where: str) -> dict:
     if value is None:
         return {}
@@ -75,21 +73,21 @@ def _check_backpressure(value: Any, where: str) -> dict:
     return dict(value)
 
 
-def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[str, str | None]:
-    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type and, for a file-system tier,
-    its ``root_dir``."""
+def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[str, str | None, ObjectStore | None]:
+    """Checks one ``secondary_tiers`` entry the way vLLM will use it; returns its type, for a file-system tier its
+    ``root_dir``, and for an object-store tier the store to check at startup."""
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
     if not isinstance(tier, Mapping):
-        raise ValueError(f"{_where(i)} = {tier!r} must be a dict with a 'type' key (e.g. {{'type': 'fs', ...}})")
+        raise ValueError(f"{where(i)} = {tier!r} must be a dict with a 'type' key (e.g. {{'type': 'fs', ...}})")
     tier_type = tier.get("type")
     if not isinstance(tier_type, str) or not tier_type:
-        raise ValueError(f"{_where(i, 'type')} is missing or not a string; supported types: {_tier_types()}")
+        raise ValueError(f"{where(i, 'type')} is missing or not a string; supported types: {_tier_types()}")
     try:
         tier_cls = SecondaryTierFactory.get_tier_class(dict(tier))
     except (ValueError, ImportError, AttributeError) as e:
-        raise ValueError(f"{_where(i, 'type')} = {tier_type!r} is not a usable secondary tier: {e}") from e
+        raise ValueError(f"{where(i, 'type')} = {tier_type!r} is not a usable secondary tier: {e}") from e
     params = inspect.signature(tier_cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - _FACTORY_ARGS
@@ -98,26 +96,28 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
     missing = [n for n in required if n not in given]
     if missing:
         raise ValueError(
-            f"{_where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
+            f"{where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
             + (": the directory shared by every instance that reads these blocks" if missing == ["root_dir"] else "")
         )
     unknown = sorted(given - named)
     if unknown and not takes_any:
         raise ValueError(
-            f"{_where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
+            f"{where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
             "'backpressure' and 'module_path'"
         )
     # vLLM merges the top-level default under the tier's own settings, then requires a detector class.
-    own = _check_backpressure(tier.get("backpressure"), _where(i, "backpressure"))
+    own = _check_backpressure(tier.get("backpressure"), where(i, "backpressure"))
     merged = {**(default_backpressure or {}), **own}
+    store = check_network_tier(i, tier_type, tier_cls, tier, backpressure=merged, ignored=unknown)
     if (merged or "backpressure" in tier) and "backpressure_cls" not in merged:
         raise ValueError(
-            f"{_where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
+            f"{where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
             "e.g. 'EMABackpressureDetector'"
         )
+    root_dir = None
     if issubclass(tier_cls, FileSystemTierManager):
-        return tier_type, check_root_dir(tier["root_dir"], _where(i, "root_dir"))
-    return tier_type, None
+        root_dir = check_root_dir(tier["root_dir"], where(i, "root_dir"))
+    return tier_type, root_dir, store
 
 
 def _tier_types() -> list[str]:
@@ -137,6 +137,7 @@ class TritonTieringConfig:
         num_ctas: programs per transfer launch; None for the kernel's default.
         root_dirs: ``(index in secondary_tiers, root_dir)`` of each file-system (``fs``) tier.
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
+        object_stores: the object stores of the ``obj`` tiers, checked for reachability at startup.
     """
 
     cpu_bytes_to_use: int
@@ -145,6 +146,7 @@ class TritonTieringConfig:
     num_ctas: int | None = None
     root_dirs: tuple[tuple[int, str], ...] = ()
     transfer_path: str | None = None
+    object_stores: tuple[ObjectStore, ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -156,7 +158,7 @@ class TritonTieringConfig:
                 (``root_dir`` for ``fs``) or has one it does not take; an ``fs`` ``root_dir`` that cannot be a
                 directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
                 unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas`` or
-                ``transfer_path``.
+                ``transfer_path``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``).
         """
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
@@ -196,7 +198,7 @@ class TritonTieringConfig:
             )
         default_bp = _check_backpressure(extra.get("backpressure"), "kv_connector_extra_config['backpressure']")
         checked = [_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers)]
-        root_dirs = tuple((i, root) for i, (_, root) in enumerate(checked) if root is not None)
+        root_dirs = tuple((i, root) for i, (_, root, _) in enumerate(checked) if root is not None)
         known = set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | VLLM_KEYS
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -206,7 +208,9 @@ class TritonTieringConfig:
                 unknown,
                 sorted(set(TIERING_KEYS) | set(OUR_TIERING_KEYS)),
             )
-        return cls(cpu_bytes, policy, tuple(t for t, _ in checked), num_ctas, root_dirs, path)
+        types = tuple(tier_type for tier_type, _, _ in checked)
+        stores = tuple(store for _, _, store in checked if store is not None)
+        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores)
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -238,17 +242,19 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         # Once the rest is checked, and before vLLM's fs tier (built by get_manager) creates them with the umask
         # and fills them with KV files.
         for i, root in cfg.root_dirs:
-            make_private_root_dir(root, _where(i, "root_dir"))
+            make_private_root_dir(root, where(i, "root_dir"))
         self._worker: OffloadingWorker | None = None
 
     def get_manager(self) -> OffloadingManager:
-        """vLLM's ``TieringOffloadingManager``, unchanged; then the region's name is dropped (see ``RegionName``)."""
+        """vLLM's ``TieringOffloadingManager``, unchanged, once every object store has answered; then the region's
+        name is dropped (see ``RegionName``)."""
         if self._manager is not None:
             return self._manager
         path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"  # SharedOffloadRegion's name for this engine
         for i, root in self.tiering_config.root_dirs:  # once per instance: only the scheduler builds the tiers
-            warn_if_shared(root, _where(i, "root_dir"))
+            warn_if_shared(root, where(i, "root_dir"))
         try:
+            check_reachable(self.tiering_config.object_stores)
             manager = super().get_manager()
         except BaseException:
             # The engine will not start: the region's workers may have created the name, nobody needs it now.

@@ -29,6 +29,17 @@ def make_host_cache():
         cache.close()
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The end-to-end tests' tiny random-weight Llama (tests/vllm_harness.py), one directory per test module: engines
+    that share KV must name the same model path, part of the tiers' namespace."""
+    import vllm_harness
+
+    path = tmp_path_factory.mktemp("model") / "tiny_llama"
+    vllm_harness.build_tiny_llama(str(path))
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -489,3 +489,129 @@ def test_an_existing_root_dir_open_to_others_is_warned_of(tmp_path, mode, warned
         assert "read the prompts" in text and "change other users' outputs" in text
     else:
         assert not warnings
+
+
+# -- the network tiers: p2p and obj ----------------------------------------------------------------------------------
+
+P2P = {"type": "p2p", "host": "127.0.0.1", "port": 5701, "backends": ["UCX"], "num_threads": 1}
+STORE = {"bucket": "kvcache", "endpoint_override": "127.0.0.1:9000", "access_key": "k", "secret_key": "s"}
+OBJ = {"type": "ObjectStoreTier", "module_path": "triton_offload.connector.obj_tier", "store_config": STORE}
+EMA = {"backpressure_cls": "EMABackpressureDetector"}
+BAD_NETWORK = {
+    "p2p-typo": ({"secondary_tiers": [{**P2P, "prot": 5702}]}, r"unknown key\(s\) \['prot'\] \(vLLM's p2p tier would"),
+    "p2p-port": ({"secondary_tiers": [{**P2P, "port": 70000}]}, T0 + r"\['port'\] = 70000 must be a TCP port"),
+    "p2p-port-str": ({"secondary_tiers": [{**P2P, "port": "5701"}]}, r"\['port'\] = '5701' must be a TCP port"),
+    "p2p-host": ({"secondary_tiers": [{**P2P, "host": ""}]}, T0 + r"\['host'\] = '' must be the address"),
+    "p2p-backends": ({"secondary_tiers": [{**P2P, "backends": "UCX"}]}, r"\['backends'\] = 'UCX' must be a list"),
+    "p2p-threads": ({"secondary_tiers": [{**P2P, "num_threads": 0}]}, r"\['num_threads'\] = 0 must be a positive"),
+    "p2p-reap": ({"secondary_tiers": [{**P2P, "unbound_store_timeout_s": -1}]}, r"= -1 must be a positive number"),
+    "p2p-backpressure": ({"secondary_tiers": [{**P2P, "backpressure": EMA}]}, r"p2p tier takes no backpressure"),
+    "p2p-top-backpressure": ({"backpressure": EMA, "secondary_tiers": [P2P]}, r"top-level 'backpressure' applies"),
+    "obj-no-store": ({"secondary_tiers": [{**OBJ, "store_config": "kvcache"}]}, "must be a dict with 'bucket'"),
+    "obj-missing-store": (
+        {"secondary_tiers": [{"type": OBJ["type"], "module_path": OBJ["module_path"]}]},
+        T0 + r" \(type 'ObjectStoreTier'\) needs 'store_config'",
+    ),
+    "obj-store-typo": (
+        {"secondary_tiers": [{**OBJ, "store_config": {**STORE, "endpoint": "x"}}]},
+        r"\['store_config'\] has unknown key\(s\) \['endpoint'\]; it accepts \['bucket', ",
+    ),
+    "obj-no-endpoint": (
+        {"secondary_tiers": [{**OBJ, "store_config": {"bucket": "kvcache"}}]},
+        r"\['store_config'\]\['endpoint_override'\] = None must be a non-empty string",
+    ),
+    "obj-scheme": (
+        {"secondary_tiers": [{**OBJ, "store_config": {**STORE, "scheme": "s3"}}]},
+        r"\['scheme'\] = 's3' must be one of \['http', 'https'\]",
+    ),
+    "obj-endpoint-port": (
+        {"secondary_tiers": [{**OBJ, "store_config": {**STORE, "endpoint_override": "h:99999"}}]},
+        r"\['endpoint_override'\] = 'h:99999' is not host\[:port\]",
+    ),
+    "obj-io-threads": ({"secondary_tiers": [{**OBJ, "io_threads": 0}]}, r"\['io_threads'\] = 0 must be a positive int"),
+    "obj-typo": ({"secondary_tiers": [{**OBJ, "bucket": "kvcache"}]}, r"unknown key\(s\) \['bucket'\]"),
+}
+
+
+@pytest.fixture
+def nixl_installed(monkeypatch):
+    """The checks below do not need NIXL itself: the tests run where it is not installed too."""
+    from triton_offload.connector import network_tiers
+
+    monkeypatch.setattr(network_tiers, "_nixl_installed", lambda: True)
+
+
+@pytest.mark.parametrize("extra,message", list(BAD_NETWORK.values()), ids=list(BAD_NETWORK))
+def test_bad_network_tier_is_refused_at_startup_naming_the_key(nixl_installed, extra, message):
+    test_bad_config_is_refused_at_startup_naming_the_key(extra, message)
+
+
+@pytest.mark.parametrize("tier", [P2P, OBJ], ids=["p2p", "obj"])
+def test_network_tiers_need_nixl(monkeypatch, tier):
+    from triton_offload.connector import network_tiers
+
+    monkeypatch.setattr(network_tiers, "_nixl_installed", lambda: False)
+    message = rf"\(type '{tier['type']}'\) needs NIXL, which is not installed: pip install nixl==1.5.1 nixl-cu12==1.5.1"
+    test_bad_config_is_refused_at_startup_naming_the_key({"secondary_tiers": [tier]}, message)
+
+
+def test_good_network_tiers_are_parsed_with_the_object_store_to_check(nixl_installed):
+    from triton_offload.connector.network_tiers import ObjectStore
+
+    https = {**OBJ, "store_config": {**STORE, "endpoint_override": "s3.example", "scheme": "https"}}
+    extra = {"cpu_bytes_to_use": "1MiB", "secondary_tiers": [P2P, {"type": "p2p"}, OBJ, https]}
+    spec = OffloadingSpecFactory.create_spec(make_config(extra, worker_bytes=sum(PAGES), f=1))
+    where = "kv_connector_extra_config['secondary_tiers'][{}]".format
+    assert spec.tiering_config.secondary_tiers == ("p2p", "p2p", "ObjectStoreTier", "ObjectStoreTier")
+    assert spec.tiering_config.object_stores == (
+        ObjectStore(where(2), "http://127.0.0.1:9000", "127.0.0.1", 9000),
+        ObjectStore(where(3), "https://s3.example", "s3.example", 443),
+    )
+
+
+def test_vllm_obj_tier_is_refused_before_0_33_naming_ours(nixl_installed):
+    """vLLM 0.32's obj tier dies at its first finished transfer (NIXL_ERR_NO_TELEMETRY); 0.33's works as it is."""
+    import vllm
+
+    extra = {"cpu_bytes_to_use": "1MiB", "secondary_tiers": [{"type": "obj", "store_config": STORE}]}
+    config = make_config(extra, worker_bytes=sum(PAGES), f=1)
+    if vllm.__version__.startswith("0.32"):
+        with pytest.raises(ValueError, match=r"capture_telemetry.*'type': 'ObjectStoreTier', 'module_path': 'triton"):
+            OffloadingSpecFactory.create_spec(config)
+    else:
+        assert OffloadingSpecFactory.create_spec(config).tiering_config.secondary_tiers == ("obj",)
+
+
+def test_unreachable_object_store_stops_startup_naming_the_endpoint(nixl_installed):
+    """Nothing listens at the endpoint: the scheduler refuses at once, naming it (vLLM's own probe retries for about
+    25 s and names no endpoint), before any NIXL agent exists; the region file goes too."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nobody listens
+    store = {**STORE, "endpoint_override": f"127.0.0.1:{port}"}
+    extra = {"cpu_bytes_to_use": 4 * sum(PAGES), "secondary_tiers": [{**OBJ, "store_config": store}]}
+    config = make_config(extra, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = spec.get_worker(kv_caches())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"\[0\]: the object store http://127.0.0.1:{port} is unreachable"):
+            spec.get_manager()
+        assert time.monotonic() - t0 < 10
+        assert not os.path.exists(region_file(config.engine_id))
+    finally:
+        worker.shutdown()
+
+
+def test_reachable_object_store_passes_the_startup_check():
+    import socket
+
+    from triton_offload.connector.network_tiers import ObjectStore, check_reachable
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        check_reachable((ObjectStore("tier", f"http://127.0.0.1:{port}", "127.0.0.1", port),))

@@ -17,47 +17,29 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import stat
 
 import pytest
 import vllm_harness
 from permissions import exposed_below
-from vllm_harness import GPU_BLOCK_BYTES, require_engine
+from vllm_harness import GPU_BLOCK_BYTES, region_files, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.spec")]
-
-TESTS = pathlib.Path(__file__).parent
-DRIVER = TESTS / "vllm_tiering_driver.py"
-REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
 
 
 def run_engine(
     model: pathlib.Path, root: pathlib.Path, block_size: int, *args: str, check: bool = True, env: dict | None = None
 ) -> dict:
-    cmd = ["--model", str(model), "--root", str(root), "--block-size", str(block_size), "--umask", "022", *args]
-    result = vllm_harness.run_driver(DRIVER, cmd, "TIERING_RESULT", timeout=400, check=check, env=env)
-    if check:
-        result["regions"] = sorted(set(REGION.findall(result["log"])))
-    return result
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> pathlib.Path:
-    """One model directory for every engine: its path is part of the fs tier's namespace."""
-    path = tmp_path_factory.mktemp("tiering") / "tiny_llama"
-    vllm_harness.build_tiny_llama(str(path))
-    return path
+    return vllm_harness.run_tiering(
+        model, "--root", str(root), "--block-size", str(block_size), "--umask", "022", *args, check=check, env=env
+    )
 
 
 def a_then_b(model: pathlib.Path, root: pathlib.Path, block_size: int, writer: str) -> tuple[dict, dict]:
     chunks = 192 // block_size
-    a = run_engine(model, root, block_size, "--spec", writer, "--wait-files", str(chunks))
-    assert len(a["files"]) == chunks, f"A's chunks did not all reach the fs tier: {a['files']}"
-    # B's worker totals (read below) are logged by its shutdown, which runs inside vLLM's teardown of the engine
-    # process; vLLM kills that process VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after SIGTERM, which a loaded 2-core
-    # CI machine once reached before the teardown got to our worker (our shutdown itself takes ~0.4 s).
-    b = run_engine(model, root, block_size, env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"})
+    a = run_engine(model, root, block_size, "--spec", writer, "--wait-stored", str(chunks))
+    assert len(a["stored"][0]) == chunks, f"A's chunks did not all reach the fs tier: {a['stored'][0]}"
+    b = run_engine(model, root, block_size, env=vllm_harness.KEEP_WORKER_TOTALS)  # test_b_... reads its totals
     return a, b
 
 
@@ -69,21 +51,22 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def pair(request, model, tmp_path_factory):
+def pair(request, tiny_model, tmp_path_factory):
     """The case's name, A's and B's results and the world-readable directory that holds the (missing) root_dir."""
     block_size, writer = CASES[request.param]
     shared = tmp_path_factory.mktemp(request.param) / "shared"
     shared.mkdir()
     shared.chmod(0o755)
-    a, b = a_then_b(model, shared / "kv" / "cache", block_size, writer)
+    a, b = a_then_b(tiny_model, shared / "kv" / "cache", block_size, writer)
     return request.param, a, b, shared
 
 
 def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
     name, a, b, _ = pair
-    assert a["cached"] == 0, "A runs cold"
-    assert b["cached"] == 192, f"{name}: B should find all 6 GPU blocks of the prefix in the fs tier"
-    assert b["tokens"] == a["tokens"], f"{name}: greedy tokens differ: the KV loaded back is not A's"
+    (a_out,), (b_out,) = a["requests"], b["requests"]
+    assert a_out["cached"] == 0, "A runs cold"
+    assert b_out["cached"] == 192, f"{name}: B should find all 6 GPU blocks of the prefix in the fs tier"
+    assert b_out["tokens"] == a_out["tokens"], f"{name}: greedy tokens differ: the KV loaded back is not A's"
     # Promoted from the files (vLLM's tiering metrics), then moved to the GPU by our kernel (our worker's totals).
     assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:fs}"] == 192 // a["block_size"]
     assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
@@ -104,7 +87,7 @@ def test_no_kv_file_is_readable_by_other_users(pair):
     and B names the shared root_dir at startup."""
     name, a, b, shared = pair
     blocks = [p for p in shared.rglob("*.bin") if p.is_file()]
-    assert len(blocks) >= len(a["files"]) > 0, "no KV file was written: the check would pass vacuously"
+    assert len(blocks) >= len(a["stored"][0]) > 0, "no KV file was written: the check would pass vacuously"
     exposed = exposed_below(shared)
     root = "kv_connector_extra_config['secondary_tiers'][0]['root_dir']"
     if name.startswith("ours"):
@@ -116,9 +99,9 @@ def test_no_kv_file_is_readable_by_other_users(pair):
         assert f"{root} = '{shared / 'kv' / 'cache'}' has mode 0755" in b["log"]
 
 
-def test_missing_root_dir_stops_the_engine_at_startup_naming_the_key(model, tmp_path):
+def test_missing_root_dir_stops_the_engine_at_startup_naming_the_key(tiny_model, tmp_path):
     bad = json.dumps({"secondary_tiers": [{"type": "fs"}]})
-    out = run_engine(model, tmp_path, 32, "--extra", bad, check=False)
+    out = run_engine(tiny_model, tmp_path, 32, "--extra", bad, check=False)
     assert out["returncode"] != 0
     assert "kv_connector_extra_config['secondary_tiers'][0] (type 'fs') needs 'root_dir'" in out["log"]
-    assert not REGION.findall(out["log"]), "nothing may be allocated for a refused config"
+    assert not region_files(out["log"]), "nothing may be allocated for a refused config"

@@ -4,8 +4,11 @@ process, one engine each; the test modules start them and read their JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import time
 
 GPU_BLOCK = 32  # tokens; CPU attention needs a multiple of 32
 # The whole model's KV bytes per GPU block: 2 layers x K,V x 2 KV heads x 32 tokens x 64 dims x fp32.
@@ -15,6 +18,38 @@ GPU_BLOCK_BYTES = 2 * 2 * 2 * GPU_BLOCK * 64 * 4
 ERROR_LINE = re.compile(r"^(\([^)]*\) )?(ERROR|CRITICAL) |^Traceback ")
 # The metrics an end-to-end driver reports: ours, vLLM's offloading connector's and its prefix caches'.
 METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
+# For an engine whose shutdown logs what a test reads (a worker's totals, the scheduler's accounting): that shutdown
+# runs inside vLLM's teardown of the engine process, which vLLM kills VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after
+# SIGTERM; a loaded 2-core CI machine reached that deadline before the teardown got to our code (our shutdown itself
+# takes ~0.4 s).
+KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
+# How our tiering worker logs its region at startup.
+REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
+
+
+def region_files(log: str) -> list[str]:
+    """The ``/dev/shm`` region files our tiering workers logged, each once."""
+    return sorted(set(REGION.findall(log)))
+
+
+def shm_files(pgid: int) -> list[str]:
+    """The ``/dev/shm`` files the processes of group ``pgid`` map or hold open now, whether or not their names still
+    exist (a driver reports its engine's, so that a test can check that none outlives it)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/maps") as maps:
+                found.update(line.split(None, 5)[5].strip() for line in maps if " /dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        found.add(target)
+        except (OSError, ProcessLookupError):  # exited meanwhile
+            continue
+    return sorted({path.removesuffix(" (deleted)") for path in found})
 
 
 def assert_no_errors(log: str) -> None:
@@ -114,42 +149,164 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def run_driver(
-    driver, args: list[str], marker: str, *, timeout: int, env: dict | None = None, check: bool = True
-) -> dict:
-    """Runs ``driver`` (a script next to this file) in its own process and returns the JSON printed after its last
-    ``marker`` line, with the whole output under ``"log"`` (``"returncode"`` and ``"log"`` only, when not
-    ``check``).
-
-    The child gets this environment minus TRITON_INTERPRET (the kernels pick the interpreter for CPU tensors
-    themselves) and VLLM_CPU_KVCACHE_SPACE (it would override the driver's KV-cache size), with INFO logging (the
-    tests read startup and shutdown lines) and this directory on PYTHONPATH (vLLM imports test plugins by module
-    name in every process it starts); ``env`` adds to that (a None value removes the variable).
-    """
-    import json
+def _driver_env(env: dict | None) -> dict:
+    """The environment a driver runs in: this one minus TRITON_INTERPRET (the kernels pick the interpreter for CPU
+    tensors themselves) and VLLM_CPU_KVCACHE_SPACE (it would override the driver's KV-cache size), with INFO logging
+    (the tests read startup and shutdown lines) and this directory on PYTHONPATH (vLLM imports test plugins by module
+    name in every process it starts); ``env`` adds to that (a None value removes the variable)."""
     import pathlib
-    import subprocess
-    import sys
 
-    tests = pathlib.Path(__file__).parent
     child = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE")}
     child["VLLM_LOGGING_LEVEL"] = "INFO"
-    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(tests), child.get("PYTHONPATH")) if p)
+    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(pathlib.Path(__file__).parent), child.get("PYTHONPATH")) if p)
     for name, value in (env or {}).items():
         if value is None:
             child.pop(name, None)
         else:
             child[name] = value
-    proc = subprocess.run(
-        [sys.executable, str(driver), *args], capture_output=True, text=True, timeout=timeout, env=child, cwd=tests
+    return child
+
+
+def _start(driver, args: list[str], env: dict | None, stdout, stderr):
+    """The driver in its own session, so that a timeout or a test can end it with every process vLLM started under
+    it (``os.killpg``)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, str(driver), *args],
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        env=_driver_env(env),
+        cwd=pathlib.Path(__file__).parent,
+        start_new_session=True,
     )
-    log = proc.stdout + proc.stderr
+
+
+def kill_group(proc, sig: int = signal.SIGKILL) -> None:
+    """Sends ``sig`` to the process group a driver leads (the driver, vLLM's engine core and workers), while the
+    driver has not been reaped (a zombie still holds the group's id; once reaped, the id may be someone else's)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
+def parse_result(log: str, marker: str) -> dict | None:
+    """The JSON a driver printed after its last ``marker`` line, or None."""
+    import json
+
+    lines = [line for line in log.splitlines() if line.startswith(marker + " ")]
+    return json.loads(lines[-1][len(marker) + 1 :]) if lines else None
+
+
+def run_driver(
+    driver, args: list[str], marker: str, *, timeout: int, env: dict | None = None, check: bool = True
+) -> dict:
+    """Runs ``driver`` (a script next to this file) in its own process and returns the JSON printed after its last
+    ``marker`` line, with the whole output under ``"log"`` (``"returncode"`` and ``"log"`` only, when not
+    ``check``). Past ``timeout`` seconds its whole process group is killed and the test fails. The environment:
+    ``_driver_env``.
+    """
+    import pathlib
+    import subprocess
+
+    proc = _start(driver, args, env, subprocess.PIPE, subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{pathlib.Path(driver).name} {args} ran past {timeout} s:\n{(out + err)[-6000:]}"
+        ) from None
+    log = out + err
     if not check:
         return {"returncode": proc.returncode, "log": log}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(marker + " ")]
-    assert proc.returncode == 0 and lines, (
+    result = parse_result(out, marker)
+    assert proc.returncode == 0 and result is not None, (
         f"{pathlib.Path(driver).name} {args} failed (rc={proc.returncode}):\n{log[-6000:]}"
     )
-    result = json.loads(lines[-1][len(marker) + 1 :])
     result["log"] = log
     return result
+
+
+def run_tiering(model, *args: str, check: bool = True, env: dict | None = None, timeout: int = 400) -> dict:
+    """One engine of tests/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end; its
+    result (:func:`run_driver`) with the region files its workers logged under ``"regions"``."""
+    import pathlib
+
+    driver = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
+    result = run_driver(driver, ["--model", str(model), *args], "TIERING_RESULT", timeout=timeout, check=check, env=env)
+    if check:
+        result["regions"] = region_files(result["log"])
+    return result
+
+
+class Background:
+    """A driver running beside the test (an engine other engines talk to), output to ``log_path``; every wait is
+    bounded and :meth:`stop` (also on ``with`` exit) kills its process group if it still runs.
+
+    Args:
+        driver: the script; args, env: as for :func:`run_driver`.
+        log_path: where its stdout and stderr go (a file, not a pipe: nobody reads it while it runs).
+    """
+
+    def __init__(self, driver, args: list[str], log_path, *, env: dict | None = None):
+        import pathlib
+        import subprocess
+
+        self.name = f"{pathlib.Path(driver).name} {args}"
+        self.log_path = pathlib.Path(log_path)
+        with open(self.log_path, "w") as out:
+            self.proc = _start(driver, args, env, out, subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def result(self, marker: str, timeout: float) -> dict:
+        """Waits for the JSON printed after ``marker``; fails if the driver exits first or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = parse_result(self.log(), marker)
+            if result is not None:
+                return result
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"{self.name} exited (rc={self.proc.returncode}) before {marker}:\n{self.log()[-6000:]}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"{self.name}: no {marker} within {timeout} s:\n{self.log()[-6000:]}")
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> int:
+        """The exit status; past ``timeout`` seconds the group is killed and the test fails."""
+        import subprocess
+
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"{self.name} ran past {timeout} s:\n{self.log()[-6000:]}") from None
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        kill_group(self.proc, sig)
+        self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the kernel's choice, so parallel runs get different ones). Whoever binds it
+    next may lose a race with another process: a caller that binds it retries with a new one."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

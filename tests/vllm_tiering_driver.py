@@ -1,15 +1,23 @@
-"""One vLLM engine (CPU platform) with a tiering spec and an ``fs`` tier: serves one prompt, prints one JSON line.
+"""One vLLM engine (CPU platform) with a tiering spec and its secondary tiers: serves prompts, prints one JSON line.
 
-Used by tests/test_vllm_tiering_e2e.py, one process per engine, so that two engines share nothing but ``root_dir``:
+Used by the tiering end-to-end tests, one process per engine, so that engines share nothing but their tiers:
 
-    # A: serve the prompt cold, wait until its chunks are files under --root, exit
-    python tests/vllm_tiering_driver.py --model M --root R --block-size 64 --wait-files 3
-    # B: a fresh engine (empty CPU tier) on the same files: the prefix comes back from the fs tier
+    # fs, A: serve the prompt cold, wait until its 3 chunks are files under --root, exit
+    python tests/vllm_tiering_driver.py --model M --root R --block-size 64 --wait-stored 3
+    # fs, B: a fresh engine (empty CPU tier) on the same files: the prefix comes back from the fs tier
     python tests/vllm_tiering_driver.py --model M --root R --block-size 64
+    # p2p, A: serve prompts 1 and 2, print the result, keep serving peers until the file STOP exists
+    python tests/vllm_tiering_driver.py --model M --tiers '[{"type": "p2p", "port": 5701, ...}]' \
+        --requests '[{"prompt": 1}, {"prompt": 2}]' --serve-until STOP
+    # p2p, B: prompt 1, fetched from A's CPU tier
+    python tests/vllm_tiering_driver.py --model M --tiers '[{"type": "p2p", "port": 5702, ...}]' \
+        --requests '[{"prompt": 1, "kv_transfer_params": {"remote_kv_source": {"kv_request_id": "r1",
+        "remote_host": "127.0.0.1", "remote_port": 5701}}}]'
 
 ``--spec native`` runs vLLM's own TieringOffloadingSpec with a test-only worker that writes vLLM's native layout
-through its region views (tests/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: the greedy tokens, the
-cached tokens vLLM reports, the files under --root and the labelled cache-hit metrics.
+through its region views (tests/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: per request the greedy
+tokens, the cached tokens vLLM reports and the seconds it took; the chunks each tier holds (fs: files, obj: objects;
+null for others), the labelled cache-hit metrics and the ``/dev/shm`` files the engine's processes use.
 """
 
 from __future__ import annotations
@@ -21,33 +29,67 @@ import os
 import sys
 import time
 
-from vllm_harness import GPU_BLOCK, tiny_llm
+from vllm_harness import GPU_BLOCK, shm_files, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 SPECS = {
     "ours": {"spec_name": "TritonTieringOffloadingSpec"},
     "native": {"spec_name": "NativeLayoutTestSpec", "spec_module_path": "vllm_native_tiering"},
 }
+RESULT = "TIERING_RESULT"
+STEP_PAUSE_S = 0.01  # a serving producer's pause between engine steps (see --serve-until)
 
 
 def prompt(seed: int = 1) -> list[int]:
+    """A ``PROMPT_LEN``-token prompt; prompts of different seeds share no leading block."""
     import random
 
     rng = random.Random(seed)
     return [rng.randrange(3, 512) for _ in range(PROMPT_LEN)]
 
 
-def block_files(root: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(root, "**", "*.bin"), recursive=True))
+def stored_chunks(tier: dict) -> list[str] | None:
+    """What a secondary tier holds, by name: an ``fs`` tier's block files (relative to ``root_dir``), an object
+    store's object keys (through boto3, with the tier's own ``store_config``); None for other tiers."""
+    if tier["type"] == "fs":
+        root = tier["root_dir"]
+        return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**", "*.bin"), recursive=True))
+    store = tier.get("store_config")
+    if store is None:
+        return None
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=f"{store.get('scheme', 'http')}://{store['endpoint_override']}",
+        aws_access_key_id=store.get("access_key") or None,
+        aws_secret_access_key=store.get("secret_key") or None,
+        region_name=store.get("region") or "us-east-1",
+    )
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=store["bucket"])
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", ()))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model directory; its path is part of the files' namespace")
-    ap.add_argument("--root", required=True, help="the fs tier's root_dir")
+    ap.add_argument("--model", required=True, help="model directory; its path is part of the tiers' namespace")
+    ap.add_argument("--root", help="an fs tier's root_dir: the tiers are then [fs at --root]")
+    ap.add_argument("--tiers", help="JSON: the secondary_tiers list, instead of --root")
     ap.add_argument("--block-size", type=int, default=GPU_BLOCK, help="tokens per chunk (host block)")
     ap.add_argument("--spec", choices=sorted(SPECS), default="ours")
-    ap.add_argument("--wait-files", type=int, default=0, help="after serving, wait until this many chunk files exist")
+    ap.add_argument(
+        "--requests",
+        default='[{"prompt": 1}]',
+        help="JSON list, served one after the other: {'prompt': seed, 'kv_transfer_params': {...}}",
+    )
+    ap.add_argument(
+        "--wait-stored",
+        type=int,
+        default=0,
+        help="after serving, wait until each fs or obj tier holds this many chunks",
+    )
+    ap.add_argument("--serve-until", help="after printing the result, keep the engine up until this file exists")
+    ap.add_argument("--serve-timeout", type=float, default=300, help="bound on --serve-until, seconds")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--umask", help="octal umask for the engine and its processes, e.g. 022 (default: inherited)")
     args = ap.parse_args(argv)
@@ -56,23 +98,47 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if (args.root is None) == (args.tiers is None):
+        ap.error("give --root or --tiers")
+    tiers = (
+        json.loads(args.tiers)
+        if args.tiers
+        else [{"type": "fs", "root_dir": args.root, "n_read_threads": 2, "n_write_threads": 2}]
+    )
     extra = {
         **SPECS[args.spec],
         "block_size": args.block_size,
         "cpu_bytes_to_use": 4 << 20,
-        "secondary_tiers": [{"type": "fs", "root_dir": args.root, "n_read_threads": 2, "n_write_threads": 2}],
+        "secondary_tiers": tiers,
         **json.loads(args.extra),
     }
     t0 = time.perf_counter()
     llm = tiny_llm(args.model, extra)
     t_start = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt())], params, use_tqdm=False)[0]
-    # Stores reach the CPU tier, then cascade to files, as the engine steps: keep it stepping with prompts too short
-    # to fill a block (so they store nothing) until the chunks are files.
+    served = []
+    for request in json.loads(args.requests):
+        extra_args = {"kv_transfer_params": request["kv_transfer_params"]} if "kv_transfer_params" in request else None
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, extra_args=extra_args)
+        t = time.monotonic()  # CLOCK_MONOTONIC: comparable with other processes' on this machine
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(request["prompt"]))], params, use_tqdm=False)[0]
+        served.append(
+            {
+                "prompt": request["prompt"],
+                "tokens": list(out.outputs[0].token_ids),
+                "cached": out.num_cached_tokens,
+                "seconds": round(time.monotonic() - t, 2),
+                "span": [t, time.monotonic()],
+            }
+        )
+    # Stores reach the CPU tier, then cascade to the secondary tiers, as the engine steps: keep it stepping with
+    # prompts too short to fill a block (so they store nothing) until the chunks are there.
     tick = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     deadline = time.monotonic() + 60
-    while len(block_files(args.root)) < args.wait_files and time.monotonic() < deadline:
+
+    def waiting() -> bool:
+        return any(len(held) < args.wait_stored for held in map(stored_chunks, tiers) if held is not None)
+
+    while waiting() and time.monotonic() < deadline:
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)
         time.sleep(0.05)
     metrics = {}
@@ -84,13 +150,24 @@ def main(argv=None) -> int:
     result = {
         "spec": args.spec,
         "block_size": args.block_size,
-        "tokens": list(out.outputs[0].token_ids),
-        "cached": out.num_cached_tokens,
-        "files": [os.path.relpath(p, args.root) for p in block_files(args.root)],
+        "requests": served,
+        "stored": [stored_chunks(tier) for tier in tiers],
         "metrics": metrics,
+        "shm": shm_files(os.getpgid(0)),  # the /dev/shm files this engine's processes map or hold open now
         "seconds": {"startup": round(t_start - t0, 1), "serve": round(time.perf_counter() - t_start, 1)},
     }
-    print("TIERING_RESULT " + json.dumps(result), flush=True)
+    print(f"{RESULT} " + json.dumps(result), flush=True)
+    if args.serve_until:
+        # Serving peers (a p2p producer): the tiers answer them once per engine step. vLLM's multiprocess engine core
+        # steps back to back for as long as a p2p tier lives, and its worker spins on the step queue, about two cores
+        # all the time (tests/test_vllm_p2p_e2e.py), which starves the other engines of a test on a 2-core machine.
+        # So a producer runs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped here.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            ap.error("--serve-until needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the in-process engine)")
+        deadline = time.monotonic() + args.serve_timeout
+        while not os.path.exists(args.serve_until) and time.monotonic() < deadline:
+            llm.llm_engine.step()
+            time.sleep(STEP_PAUSE_S)
     # Not vllm_harness.shutdown: the region-file test wants the exit a user gets who never shuts the engine down.
     del llm
     return 0
