@@ -201,24 +201,14 @@ class TransferEngine:
         trace = self.trace
         if trace is not None:
             trace("submit")
-        slots: list[IdSlot] = []
-        stage = None
-        if self.cuda:
-            stager = self._stagers[direction]
-
-            def stage(size: int):  # the ids are packed straight into a pinned slot
-                slots.append(stager.take(size))
-                return slots[-1].host_np
-
         # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
-        try:
-            plan = self._planner.plan(
-                gpu_block_ids, host_block_ids, skip=skip, store=direction == STORE, group_sizes=group_sizes, stage=stage
+        kw = dict(skip=skip, store=direction == STORE, group_sizes=group_sizes)
+        if self.cuda:  # the ids are packed straight into a pinned slot
+            plan, slot = self._stagers[direction].staged(
+                lambda stage: self._planner.plan(gpu_block_ids, host_block_ids, **kw, stage=stage)
             )
-        except BaseException:
-            for slot in slots:  # packed into before the checks failed, read by nothing
-                stager.give_back(slot)
-            raise
+        else:
+            plan, slot = self._planner.plan(gpu_block_ids, host_block_ids, **kw), None
         if trace is not None:
             trace("plan")
         path = self.path
@@ -228,10 +218,10 @@ class TransferEngine:
         job = _Job(job_id, direction, plan.num_bytes, path=path)
         if plan.n_blocks == 0:
             job.result = JobResult(job_id, True, direction, 0, 0.0, path=path)
-            if slots:
-                stager.give_back(slots[0])
+            if slot is not None:
+                self._stagers[direction].give_back(slot)
         elif self.cuda:
-            self._launch_cuda(job, plan, slots[0])
+            self._launch_cuda(job, plan, slot)
         else:
             self._run_cpu(job, plan)
         self._pending[direction].append(job)

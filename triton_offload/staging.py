@@ -9,11 +9,15 @@ with an event recorded after its launch, which the next taker queries.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 __all__ = ["IdSlot", "IdStager"]
+
+T = TypeVar("T")
 
 # The smallest slot: 1024 blocks of one group with their host ids fit; slots grow by powers of two from there.
 _MIN_SLOT = 2048
@@ -72,6 +76,25 @@ class IdStager:
             return IdSlot(capacity, self.device)
         with torch.cuda.stream(self.stream):
             return IdSlot(capacity, self.device)
+
+    def staged(self, plan: Callable[[Callable[[int], np.ndarray]], T]) -> tuple[T, IdSlot]:
+        """``plan(stage)``, where ``stage(size)`` hands out the pinned array of a slot of at least ``size``
+        elements to pack the ids into (a :meth:`~triton_offload.transfer.TransferPlanner.plan` call); returns its
+        result and the slot. If ``plan`` raises, the slot it took is given back (nothing reads it) and the error
+        propagates."""
+        slots: list[IdSlot] = []
+
+        def stage(size: int) -> np.ndarray:
+            slots.append(self.take(size))
+            return slots[-1].host_np
+
+        try:
+            result = plan(stage)
+        except BaseException:
+            for slot in slots:
+                self.give_back(slot)
+            raise
+        return result, slots[0]
 
     def give_back(self, slot: IdSlot, guard: torch.cuda.Event | None = None) -> None:
         """Returns a slot; it is handed out again once ``guard`` (if any) has completed."""

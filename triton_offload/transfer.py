@@ -341,19 +341,7 @@ def _transfer(
     # The ids are packed straight into a pinned staging slot, so their upload is truly asynchronous (a copy from
     # pageable memory may synchronise with the stream) and no pinned memory is allocated per call.
     stager = _public_state(spec).stager
-    slots = []
-
-    def stage(size: int):
-        slots.append(stager.take(size))
-        return slots[-1].host_np
-
-    try:
-        plan = planner.plan(gpu_block_ids, host_block_ids, **kw, stage=stage)
-    except BaseException:
-        for slot in slots:  # packed into before the checks failed, read by nothing
-            stager.give_back(slot)
-        raise
-    slot = slots[0]
+    plan, slot = stager.staged(lambda stage: planner.plan(gpu_block_ids, host_block_ids, **kw, stage=stage))
     if plan.n_blocks == 0:
         stager.give_back(slot)
         return
