@@ -15,7 +15,7 @@ from typing import Any
 from triton_offload._checks import positive_int, positive_int_setting, transfer_path
 from triton_offload.policies import POLICIES, policy_name
 
-__all__ = ["TritonOffloadConfig", "parse_size", "OUR_KEYS", "VLLM_KEYS"]
+__all__ = ["TritonOffloadConfig", "parse_size", "engine_settings", "OUR_KEYS", "VLLM_KEYS"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,23 @@ VLLM_KEYS = frozenset(
         "sync_load_budget_bytes",
     }
 )
+
+
+def engine_settings(extra: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """``(num_ctas, transfer_path)`` of a ``kv_connector_extra_config``, checked (None where a key is absent, for the
+    engine's default): the two keys both specs hand to the transfer engine.
+
+    Raises:
+        ValueError: naming the key, as :func:`~triton_offload._checks.positive_int_setting` and
+            :func:`~triton_offload._checks.transfer_path` do.
+    """
+    num_ctas = extra.get("num_ctas")
+    if num_ctas is not None:
+        num_ctas = positive_int_setting(num_ctas, "num_ctas")
+    path = extra.get("transfer_path")
+    if path is not None:
+        path = transfer_path(path, "transfer_path")
+    return num_ctas, path
 
 
 def parse_size(value: Any, key: str = "size") -> int:
@@ -137,12 +154,7 @@ class TritonOffloadConfig:
             raise ValueError(
                 f"eviction_policy = {policy!r} is not supported; accepted: {', '.join(sorted(POLICIES))}"
             ) from None
-        num_ctas = extra.get("num_ctas")
-        if num_ctas is not None:
-            num_ctas = positive_int_setting(num_ctas, "num_ctas")
-        path = extra.get("transfer_path")
-        if path is not None:
-            path = transfer_path(path, "transfer_path")
+        num_ctas, path = engine_settings(extra)
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:

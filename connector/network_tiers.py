@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
 
+from triton_offload._checks import positive_int
+
 __all__ = ["NIXL_INSTALL", "ObjectStore", "check_network_tier", "check_reachable", "where"]
 
 logger = logging.getLogger(__name__)
@@ -133,9 +135,8 @@ def _check_p2p(i: int, tier_type: str, tier: Mapping[str, Any], backpressure: di
         not isinstance(backends, list) or not backends or not all(isinstance(b, str) and b for b in backends)
     ):
         raise ValueError(f"{where(i, 'backends')} = {backends!r} must be a list of NIXL backend names, e.g. ['UCX']")
-    threads = tier.get("num_threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, Integral) or threads < 1):
-        raise ValueError(f"{where(i, 'num_threads')} = {threads!r} must be a positive int")
+    if tier.get("num_threads") is not None:
+        positive_int(tier["num_threads"], where(i, "num_threads"))
     timeout = tier.get("unbound_store_timeout_s")
     if timeout is not None and not _positive_number(timeout):
         raise ValueError(f"{where(i, 'unbound_store_timeout_s')} = {timeout!r} must be a positive number of seconds")
@@ -167,9 +168,8 @@ def _check_obj(i: int, tier_type: str, tier_cls: type, tier: Mapping[str, Any]) 
     scheme = store.get("scheme", "http")
     if scheme not in _SCHEMES:
         raise ValueError(f"{where(i, 'store_config')}['scheme'] = {scheme!r} must be one of {list(_SCHEMES)}")
-    threads = tier.get("io_threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, Integral) or threads < 1):
-        raise ValueError(f"{where(i, 'io_threads')} = {threads!r} must be a positive int")
+    if tier.get("io_threads") is not None:
+        positive_int(tier["io_threads"], where(i, "io_threads"))
     endpoint = store["endpoint_override"]
     url = endpoint if "://" in endpoint else f"{scheme}://{endpoint}"
     try:

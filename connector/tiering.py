@@ -32,9 +32,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from triton_offload._checks import positive_int_setting, transfer_path
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
-from triton_offload.connector.config import VLLM_KEYS, parse_size
+from triton_offload.connector.config import VLLM_KEYS, engine_settings, parse_size
 from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
@@ -172,12 +171,7 @@ class TritonTieringConfig:
                 "worker writes vLLM's direct worker-slot layout only. Remove the key (or use vLLM's own "
                 "TieringOffloadingSpec, CUDA only)"
             )
-        num_ctas = extra.get("num_ctas")
-        if num_ctas is not None:
-            num_ctas = positive_int_setting(num_ctas, "num_ctas")
-        path = extra.get("transfer_path")
-        if path is not None:
-            path = transfer_path(path, "transfer_path")
+        num_ctas, path = engine_settings(extra)
         threshold = extra.get("store_threshold", 0)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
             raise ValueError(

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import triton_offload as to
+from triton_offload._checks import transfer_path
 from triton_offload.engine import TransferEngine
 from triton_offload.kernels.reference import gather_blocks_ref
-from triton_offload.path_choice import Calibration, PathModel, check_path, fit
+from triton_offload.path_choice import Calibration, PathModel, fit
 
 from kv_factory import SENTINEL, make_caches
 
@@ -71,10 +72,10 @@ def test_choose_takes_the_lower_prediction_ties_to_the_kernel():
     assert "dma/store" in cal.to_dict()["models"] and "ns/descriptor" in cal.describe()
 
 
-def test_check_path():
-    assert [check_path(p) for p in ("auto", "kernel", "dma")] == ["auto", "kernel", "dma"]
-    with pytest.raises(ValueError, match="'auto', 'kernel', 'dma'"):
-        check_path("DMA")
+def test_transfer_path_names_the_accepted_paths():
+    assert [transfer_path(p) for p in ("auto", "kernel", "dma")] == ["auto", "kernel", "dma"]
+    with pytest.raises(ValueError, match="path = 'DMA' must be one of 'auto', 'kernel', 'dma'"):
+        transfer_path("DMA")
 
 
 # ---------------------------------------------------------------------------------------------------------------

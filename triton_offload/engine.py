@@ -16,13 +16,13 @@ from numbers import Integral
 
 import torch
 
-from triton_offload._checks import int_in_range
+from triton_offload._checks import int_in_range, transfer_path
 from triton_offload.cuda_driver import CudaError
 from triton_offload.dma import DmaCopier
 from triton_offload.fast_launch import DIRECT, enable_fast_launch, fast_launch_default
 from triton_offload.kernels.copy_blocks import CopyLauncher, TransferPlan
 from triton_offload.layouts import KVCacheSpec
-from triton_offload.path_choice import AUTO, DMA, KERNEL, Calibration, calibrate, check_path
+from triton_offload.path_choice import AUTO, DMA, KERNEL, Calibration, calibrate
 from triton_offload.staging import IdSlot, IdStager
 from triton_offload.transfer import BlockIds, TransferPlanner, check_host_buffer
 
@@ -130,7 +130,7 @@ class TransferEngine:
             "triton-offload engine: store launches %s, load launches %s",
             *(("direct" if v == DIRECT else f"through Triton's dispatch ({v})") for v in self.launch_paths.values()),
         )
-        self.path = check_path(path if path is not None else AUTO if self.cuda else KERNEL)
+        self.path = transfer_path(path if path is not None else AUTO if self.cuda else KERNEL)
         self._dma = self._copy_engines() if self.path != KERNEL else None
         self.calibration = None
         if self.path == AUTO:

@@ -28,25 +28,19 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from triton_offload._checks import TRANSFER_PATHS, transfer_path
+from triton_offload._checks import TRANSFER_PATHS
 
-__all__ = ["PATHS", "AUTO", "KERNEL", "DMA", "PathModel", "Calibration", "calibrate", "check_path"]
+__all__ = ["AUTO", "KERNEL", "DMA", "PathModel", "Calibration", "calibrate"]
 
 logger = logging.getLogger(__name__)
 
-PATHS = TRANSFER_PATHS
-AUTO, KERNEL, DMA = PATHS
+AUTO, KERNEL, DMA = TRANSFER_PATHS
 # Canary bytes (GPU, and as much pinned host memory) a calibration may allocate: the live KV cache already holds
 # most of the device's memory when a worker starts.
 CANARY_BYTES = 64 << 20
 # Most blocks per calibration transfer; the fewest is an eighth of that (at least 1, at most 16).
 MAX_BLOCKS = 128
 REPS = 3
-
-
-def check_path(path) -> str:
-    """``path`` if it is one of :data:`PATHS`; else a ValueError listing them."""
-    return transfer_path(path)
 
 
 @dataclass(frozen=True)
