@@ -22,6 +22,16 @@ logger = logging.getLogger(__name__)
 PRIVATE_MODE = 0o700
 
 
+def _split_existing(path: str) -> tuple[str, list[str]]:
+    """(the longest part of ``path`` that exists, the parts below it that do not, innermost first), on the absolute
+    path with ``..`` taken lexically."""
+    existing, missing = os.path.abspath(path), []
+    while not os.path.lexists(existing):
+        missing.append(existing)
+        existing = os.path.dirname(existing)
+    return existing, missing
+
+
 def check_root_dir(value: Any, where: str) -> str:
     """``value`` as a path that is, or can become, a directory: every part of it that exists is a directory.
 
@@ -38,32 +48,23 @@ def check_root_dir(value: Any, where: str) -> str:
         path = None
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where} = {value!r} must be a directory path (a non-empty string)")
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    existing, missing = _split_existing(path)
     if not os.path.isdir(existing):
-        part = "is" if existing == os.path.abspath(path) else f"passes through {existing!r}, which is"
+        part = f"passes through {existing!r}, which is" if missing else "is"
         raise ValueError(f"{where} = {value!r} {part} not a directory: the fs tier needs a directory for its files")
     return path
 
 
-def make_private_root_dir(path: str, where: str) -> list[str]:
+def make_private_root_dir(path: str, where: str) -> None:
     """Creates the missing directories of ``path``, outermost first, each with mode 0700 (set explicitly: ``mkdir``'s
-    mode is masked by the umask). Another process of the same instance may create them at the same time.
-
-    Returns:
-        The directories this call created.
+    mode is masked by the umask), and logs those it created. Another process of the same instance may create them at
+    the same time.
 
     Raises:
         ValueError: a directory could not be created (``path`` under ``/proc``, on a read-only filesystem, ...) or
             ``path`` is not a directory; the message names ``where``, the value and the system's reason.
     """
-    target = os.path.abspath(path)  # as check_root_dir saw it: ".." taken lexically
-    missing = []
-    part = target
-    while not os.path.lexists(part):
-        missing.append(part)
-        part = os.path.dirname(part)
+    _, missing = _split_existing(path)
     created = []
     for part in reversed(missing):
         try:
@@ -74,19 +75,17 @@ def make_private_root_dir(path: str, where: str) -> list[str]:
             raise ValueError(f"{where} = {path!r} cannot be created: mkdir {part!r} failed: {e.strerror}") from e
         os.chmod(part, PRIVATE_MODE)
         created.append(part)
-    if not os.path.isdir(target):
+    if not os.path.isdir(os.path.abspath(path)):
         raise ValueError(f"{where} = {path!r} is not a directory: the fs tier needs a directory for its files")
     if created:
         logger.info("created %s = %r with mode 0700 (%s)", where, path, ", ".join(created))
-    return created
 
 
-def warn_if_shared(path: str, where: str) -> bool:
-    """Logs a warning when the existing directory ``path`` grants its group or others any access; returns whether it
-    did."""
+def warn_if_shared(path: str, where: str) -> None:
+    """Logs a warning when the existing directory ``path`` grants its group or others any access."""
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if not mode & 0o077:
-        return False
+        return
     who = " and ".join(name for name, bits in (("its group", 0o070), ("other users", 0o007)) if mode & bits)
     logger.warning(
         "%s = %r has mode %04o: %s may reach the KV files below it. Whoever can read them can read the prompts they "
@@ -98,4 +97,3 @@ def warn_if_shared(path: str, where: str) -> bool:
         mode,
         who,
     )
-    return True

@@ -395,7 +395,6 @@ class CopyLauncher:
         state = _STATE.get(spec)
         if state is None:
             state = _STATE[spec] = _SpecKernelState()
-        self._state = state
         width = access_width(spec, host_buffer)
         self.directions = (True, False) if store is None else (store,)
         self._launch_args = {}
