@@ -239,24 +239,24 @@ class Auto:
     faster of the kernel (the public call, as ``triton``) and one ``cuMemcpyBatchAsync`` of the library's coalesced
     descriptors, planned and built per call as the engine does."""
 
-    # (spec, f) -> Calibration; the spec is held so its id is not reused while the entry lives.
-    _calibrated: dict = {}
+    # spec -> {f: Calibration}: held weakly, so a workload's caches are freed when the sweep moves on.
+    _calibrated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # What every calibration of this run measured, for the results file (outlives the specs).
+    _records: list[dict] = []
 
     @classmethod
     def calibrations(cls) -> list[dict]:
         """What each calibration of this run measured and how long it took, for the results file."""
-        return [
-            {"spec": repr(spec), "blocks_per_host_block": f, **cal.to_dict()}
-            for (_, spec, f), cal in cls._calibrated.items()
-        ]
+        return list(cls._records)
 
     def _calibration(self, case: TransferCase) -> Calibration:
-        key = (id(case.spec), case.spec, case.f)
-        cal = self._calibrated.get(key)
+        by_f = self._calibrated.setdefault(case.spec, {})
+        cal = by_f.get(case.f)
         if cal is None:
             launcher = CopyLauncher(case.spec, case.host, case.f)
             enable_fast_launch(launcher)  # the calibration times the launch the engine would make
-            cal = self._calibrated[key] = calibrate(launcher, case.f)
+            cal = by_f[case.f] = calibrate(launcher, case.f)
+            self._records.append({"spec": repr(case.spec), "blocks_per_host_block": case.f, **cal.to_dict()})
         return cal
 
     def prepare(self, case: TransferCase, env: Env) -> Prepared:

@@ -8,17 +8,13 @@ import shutil
 import subprocess
 
 from triton_offload.cuda_driver import (  # noqa: F401  (re-exported for the baselines)
-    BATCH_ABIS,
     FLAG_DEFAULT,
     FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-    LOCATION_DEVICE,
-    LOCATION_HOST,
     SRC_ACCESS_ORDER_ANY,
     SRC_ACCESS_ORDER_STREAM,
     CudaDriver,
     CudaError,
     CUmemcpyAttributes,
-    CUmemLocation,
     HostBatchStandIn,
     MemcpyBatchCall,
     batch_attributes,

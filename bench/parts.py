@@ -170,7 +170,7 @@ def _serving_s() -> float:
         m, block_bytes = w.model, w.num_layers * w.page_bytes
         sizes = ring_sizes(shape, w.block_size)
         weights = 2 * w.num_layers * sum(k * n for k, n in m.matmuls().values())
-        setup = 2.0 + weights / 100e9 + sizes.host_blocks * block_bytes / 5e9  # allocation, normal_, pinning
+        setup = 2.0 + weights / 100e9 + sizes.host_blocks * block_bytes / PIN_BPS  # allocation, normal_, pinning
         step = max(shape.tokens * m.flops_per_token() * w.num_layers / MATMUL_FLOPS,
                    w.num_layers * KERNELS_PER_LAYER * LAUNCH_S)  # fmt: skip
         load = sizes.prefix_blocks * block_bytes / LINK_BPS
@@ -188,7 +188,7 @@ def _serving_s() -> float:
 def _call_cost_s() -> float:
     w = WORKLOADS["llama3-70b-tp8"]
     transfer = 1024 * w.num_layers * w.page_bytes / LINK_BPS
-    allocate = 2100 * w.num_layers * w.page_bytes / 5e9  # the caches' random fill and the pinned host cache
+    allocate = 2100 * w.num_layers * w.page_bytes / PIN_BPS  # the caches' random fill and the pinned host cache
     return allocate + CALL_COST_ROWS * CALL_COST_CALLS * transfer
 
 

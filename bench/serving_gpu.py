@@ -8,13 +8,15 @@ import time
 
 import torch
 
+from triton_offload.path_choice import sleep_cycles_per_us
+
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from serving_blocks import Blocks
 from serving_config import GATE_US
 from serving_loop import Setup, compare_blocks
 from serving_methods import MethodPoint, build_engine
-from timing import GpuTimer, gbps, quantiles
+from timing import gbps, quantiles
 
 __all__ = ["contiguous_load", "duplex"]
 
@@ -60,7 +62,7 @@ def duplex(setup: Setup, point: MethodPoint, repeats: int) -> dict:
     store_g, store_h = blocks.ring[:n], blocks.host_ring[:n]
     load_g, load_h = blocks.load_gpu[0], blocks.prefix_host[0]
     nbytes = n * setup.spec.bytes_per_block
-    sleep = GpuTimer(setup.compute, device, GATE_US).sleep_cycles
+    sleep = int(GATE_US * sleep_cycles_per_us(setup.compute))
     engine = build_engine(point, setup.target)
     ids = itertools.count(1)
 

@@ -159,8 +159,9 @@ class LoopRun:
     paths: collections.Counter = field(default_factory=collections.Counter)  # (direction, path) -> jobs
 
 
-def _finished(engine, unfinished: set[int], load_device_s: dict[int, float], paths: collections.Counter) -> None:
-    for r in engine.get_finished():
+def _finished(results, unfinished: set[int], load_device_s: dict[int, float], paths: collections.Counter) -> None:
+    """Books an engine's reported results (from ``get_finished`` or ``shutdown``); a failed job raises."""
+    for r in results:
         if not r.ok:
             # vLLM asserts that a job succeeded; going on would hand the model garbage KV.
             raise RuntimeError(f"{r.direction} job {r.job_id} failed: {r.error}")
@@ -229,7 +230,7 @@ def run_loop(setup: Setup, engine, defer_stores: bool = False) -> LoopRun:
                 rec.compute_events[1].synchronize()  # the step's output goes back to the scheduler
         if engine is not None:
             t0 = time.perf_counter()
-            _finished(engine, unfinished, load_device_s, paths)
+            _finished(engine.get_finished(), unfinished, load_device_s, paths)
             rec.poll_s = time.perf_counter() - t0
         rec.step_s = time.perf_counter() - t_step
         if s >= shape.warmup:
@@ -238,11 +239,7 @@ def run_loop(setup: Setup, engine, defer_stores: bool = False) -> LoopRun:
         with setup.stream():
             if deferred is not None:  # the last step's stores, so the host ring ends complete
                 submit_store(StepRecord(), *deferred)
-        _finished(engine, unfinished, load_device_s, paths)
-        for r in engine.shutdown() or []:
-            paths[r.direction, getattr(r, "path", None)] += 1
-            if r.direction == "load":
-                load_device_s[r.job_id] = r.seconds
+        _finished(engine.shutdown(), unfinished, load_device_s, paths)  # every result not yet reported
     setup.sync()
     run = LoopRun(records, load_device_s, blocks, engine is not None, getattr(engine, "impl", None), paths=paths)
     if setup.cuda:

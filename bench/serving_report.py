@@ -12,6 +12,7 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 from report import print_table
 from results import keyed_row
 from serving_loop import LoopRun
+from serving_methods import MethodPoint
 from summary import target_result
 
 __all__ = ["ROW_KEYS", "TIMING_KEYS", "new_row", "timing_fields", "count_fields", "fill_relative", "evaluate_targets",
@@ -166,7 +167,7 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 
 def _label(r: dict) -> str:
-    return r["method"] if r["num_ctas"] is None else f"{r['method']}@{r['num_ctas']}"
+    return MethodPoint(r["method"], r["num_ctas"]).label
 
 
 def print_rows(rows: list[dict], timed: bool) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from triton_offload.path_choice import sleep_cycles_per_us
+
 __all__ = ["quantiles", "stats_us", "gbps", "Timing", "GpuTimer", "FLUSH_BYTES", "HIDE_US"]
 
 FLUSH_BYTES = 256 << 20
@@ -72,19 +74,7 @@ class GpuTimer:
     def __init__(self, stream: torch.cuda.Stream, device: torch.device, hide_us: float = HIDE_US):
         self.stream = stream
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
-        self.sleep_cycles = self._cycles(hide_us) if hide_us > 0 else 0
-
-    def _cycles(self, us: float) -> int:
-        """GPU clock cycles that ``torch.cuda._sleep`` spins for ``us`` microseconds, measured here."""
-        probe = 1_000_000
-        with torch.cuda.stream(self.stream):
-            torch.cuda._sleep(probe)  # first call: module load
-            start, end = self._events(2)
-            start.record(self.stream)
-            torch.cuda._sleep(probe)
-            end.record(self.stream)
-            end.synchronize()
-        return int(us * probe / (start.elapsed_time(end) * 1e3))
+        self.sleep_cycles = int(hide_us * sleep_cycles_per_us(stream)) if hide_us > 0 else 0
 
     def _events(self, k: int) -> list[torch.cuda.Event]:
         return [torch.cuda.Event(enable_timing=True) for _ in range(k)]

@@ -57,6 +57,7 @@ from cuda_driver import (
     HostBatchStandIn,
     batch_prototype,
 )
+from vllm_bundle import VLLM_VERSION  # the release the bundle packs is the one this runs
 
 __all__ = [
     "VLLM_VERSION",
@@ -68,7 +69,6 @@ __all__ = [
     "PackedHostView",
 ]
 
-VLLM_VERSION = "0.33.0"
 # The ABI vLLM 0.33's compiled op asks cuGetProcAddress for (cuda_driver.BATCH_ABIS).
 VLLM_BATCH_ABI = 12080
 MAX_DESCRIPTORS_ENV = "VLLM_KV_OFFLOAD_MAX_BATCH_DESCRIPTORS"

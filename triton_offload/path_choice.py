@@ -30,7 +30,7 @@ import torch
 
 from triton_offload._checks import TRANSFER_PATHS
 
-__all__ = ["AUTO", "KERNEL", "DMA", "PathModel", "Calibration", "calibrate"]
+__all__ = ["AUTO", "KERNEL", "DMA", "PathModel", "Calibration", "calibrate", "sleep_cycles_per_us"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def fit(points: list[dict]) -> dict[str, PathModel]:
     return models
 
 
-def _sleep_cycles_per_us(stream: torch.cuda.Stream) -> float:
+def sleep_cycles_per_us(stream: torch.cuda.Stream) -> float:
     """GPU clock cycles ``torch.cuda._sleep`` spins per microsecond, measured on ``stream``."""
     probe = 1_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -222,7 +222,7 @@ def calibrate(launcher, blocks_per_host_block: int, num_ctas: int | None = None)
     except CudaError as e:
         dma, note = None, f"no copy-engine path: {e}"
     stream = torch.cuda.Stream(spec.device)
-    cycles = _sleep_cycles_per_us(stream)
+    cycles = sleep_cycles_per_us(stream)
     rng = np.random.default_rng(0)
     points = []
     with torch.cuda.stream(stream):
