@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Where the KV caches live: CPU (the kernels under the interpreter) or CUDA (compiled, pinned host cache)."""
+    return request.param
+
+
 @pytest.fixture
 def make_host_cache():
     """Builds HostCaches and closes every one at teardown, also when the test fails: a pinned cache left registered

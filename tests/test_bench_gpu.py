@@ -5,7 +5,6 @@ in `./dev gpu tests`, before the benchmark parts, so a broken baseline shows bef
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -13,15 +12,9 @@ import subprocess
 import sys
 
 import pytest
+from vllm_harness import vllm_version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _has_vllm033() -> bool:
-    try:
-        return importlib.metadata.version("vllm") == "0.33.0"
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 @pytest.mark.gpu
@@ -41,7 +34,7 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     # 2 layouts x 2 sizes x 2 host formats x 2 directions, each method checked on each before it was timed.
     assert len({(r["layout"], r["blocks"], r["skip"], r["direction"]) for r in rows}) == 16
     native = [r for r in rows if r["method"] == "vllm_native"]
-    if not (_has_vllm033() or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
+    if not (vllm_version() == "0.33.0" or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
         assert all(r["status"] == "n/a" for r in native), native
         rows = [r for r in rows if r["method"] != "vllm_native"]
     else:

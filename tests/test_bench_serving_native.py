@@ -4,21 +4,18 @@ Python code imports (``./dev test`` runs it in the vLLM 0.33 environment); skipp
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from vllm_harness import vllm_version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVING = ROOT / "bench" / "serving.py"
 
-try:
-    _VLLM = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:
-    _VLLM = None
+_VLLM = vllm_version()
 pytestmark = pytest.mark.skipif(_VLLM != "0.33.0", reason=f"needs vLLM 0.33.0's Python code, found {_VLLM}")
 
 _RUN = """

@@ -8,22 +8,13 @@ vLLM. Tests that run vLLM's worker need vLLM 0.33.0's Python code (``.venv-vllm3
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import numpy as np
 import pytest
 import torch
 from bench_modules import bench_modules
+from vllm_harness import vllm_version
 
-
-def _has_vllm033() -> bool:
-    try:
-        return importlib.metadata.version("vllm") == "0.33.0"
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-needs_vllm033 = pytest.mark.skipif(not _has_vllm033(), reason="needs vLLM 0.33.0's Python code (.venv-vllm33)")
+needs_vllm033 = pytest.mark.skipif(vllm_version() != "0.33.0", reason="needs vLLM 0.33.0's Python code (.venv-vllm33)")
 STREAM, ANY = 0x1, 0x3  # CUmemcpySrcAccessOrder
 NO_HINT = (0, 0)  # CUmemLocation {CU_MEM_LOCATION_TYPE_INVALID, 0}: vLLM's op zero-initialises its attributes
 

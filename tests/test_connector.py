@@ -240,12 +240,6 @@ def test_host_spec_survives_pickling():
 # -- worker side: canonical KV caches through the spec's worker ------------------------------------------------------
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request) -> str:
-    """Where the KV caches live: CPU (the kernels under the interpreter) or CUDA (compiled, pinned host cache)."""
-    return request.param
-
-
 def canonical(num_blocks: int, pages: list[int], pad: int = 0, seed: int = 0, device: str = "cpu"):
     """vLLM's layout: one backing allocation, layer-major, one (num_blocks, page + pad) int8 view per layer; pages
     that differ (hybrid models) get a backing allocation each."""

@@ -59,11 +59,6 @@ SPECS = {
 }
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request) -> str:
-    return request.param
-
-
 class VllmKV:
     """One KV cache tensor shared by every layer, allocated and viewed as vLLM 0.33's model runner does it."""
 

@@ -13,15 +13,10 @@ import numpy as np
 import pytest
 from bench_modules import bench_modules
 
-from triton_offload import cuda_driver
+from triton_offload import cuda_driver as cd
 
 
-@pytest.fixture(scope="module")
-def cd():
-    return cuda_driver
-
-
-def test_attributes_struct_is_24_bytes_with_cuda_h_offsets(cd):
+def test_attributes_struct_is_24_bytes_with_cuda_h_offsets():
     a = cd.CUmemcpyAttributes
     assert ctypes.sizeof(a) == 24 and ctypes.alignment(a) == 4
     offsets = {name: getattr(a, name).offset for name in ("srcAccessOrder", "srcLocHint", "dstLocHint", "flags")}
@@ -43,7 +38,7 @@ int main(void) {
 """
 
 
-def test_attributes_layout_and_enums_match_the_installed_cuda_h(cd, tmp_path):
+def test_attributes_layout_and_enums_match_the_installed_cuda_h(tmp_path):
     with bench_modules("copy_loop") as (copy_loop,):
         home = copy_loop.cuda_home()
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -75,7 +70,7 @@ def _host_plan(count: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("with_fail_idx", [False, True], ids=["cuda13-v2", "cuda12.8-failIdx"])
-def test_batch_call_hands_the_driver_the_prebuilt_arrays(cd, with_fail_idx):
+def test_batch_call_hands_the_driver_the_prebuilt_arrays(with_fail_idx):
     src, dst, srcs, dsts, sizes = _host_plan(37)
     stand_in = cd.HostBatchStandIn(with_fail_idx)
     attrs = cd.batch_attributes(gpu_to_host=True, device_index=3, flags=cd.FLAG_PREFER_OVERLAP_WITH_COMPUTE)
@@ -97,7 +92,7 @@ def test_batch_call_hands_the_driver_the_prebuilt_arrays(cd, with_fail_idx):
 
 
 @pytest.mark.parametrize("with_fail_idx", [False, True], ids=["cuda13-v2", "cuda12.8-failIdx"])
-def test_a_driver_error_raises_and_names_the_copy(cd, with_fail_idx):
+def test_a_driver_error_raises_and_names_the_copy(with_fail_idx):
     def failing(*args):
         if with_fail_idx:
             args[7][0] = 5  # failIdx
@@ -112,7 +107,7 @@ def test_a_driver_error_raises_and_names_the_copy(cd, with_fail_idx):
         call()
 
 
-def test_mismatched_descriptor_arrays_are_refused(cd):
+def test_mismatched_descriptor_arrays_are_refused():
     _, _, srcs, dsts, sizes = _host_plan(4)
     with pytest.raises(ValueError, match="4 srcs, 3 dsts, 4 sizes"):
         cd.MemcpyBatchCall(1, False, srcs, dsts[:3], sizes, cd.batch_attributes(True, 0, 0), 1)
@@ -132,7 +127,7 @@ class _FakeLib:
         return 0
 
 
-def _driver(cd, version: int, lib) -> object:
+def _driver(version: int, lib) -> object:
     driver = object.__new__(cd.CudaDriver)  # no libcuda here: only the ABI selection runs
     driver.lib, driver.version, driver.device_index = lib, version, 0
     return driver
@@ -143,18 +138,18 @@ def _driver(cd, version: int, lib) -> object:
     [(13000, (0x1300, False)), (13020, (0x1300, False)), (12080, (0x1280, True)), (12090, (0x1280, True))],
     ids=["13.0", "13.2", "12.8", "12.9"],
 )
-def test_the_driver_version_picks_the_batch_abi(cd, version, want):
+def test_the_driver_version_picks_the_batch_abi(version, want):
     lib = _FakeLib({("cuMemcpyBatchAsync", 13000): 0x1300, ("cuMemcpyBatchAsync", 12080): 0x1280}, {})
-    assert _driver(cd, version, lib).batch_entry() == want
+    assert _driver(version, lib).batch_entry() == want
     assert lib.requests == [("cuMemcpyBatchAsync", 13000 if version >= 13000 else 12080, 0)]
 
 
-def test_without_get_proc_address_the_exported_symbol_of_that_abi_is_used(cd):
+def test_without_get_proc_address_the_exported_symbol_of_that_abi_is_used():
     lib = _FakeLib({}, {"cuMemcpyBatchAsync_v2": 0x2222, "cuMemcpyBatchAsync": 0x1111})
-    assert _driver(cd, 13000, lib).batch_entry() == (0x2222, False)
-    assert _driver(cd, 12080, lib).batch_entry() == (0x1111, True)
+    assert _driver(13000, lib).batch_entry() == (0x2222, False)
+    assert _driver(12080, lib).batch_entry() == (0x1111, True)
 
 
-def test_a_driver_before_12_8_has_no_batch(cd):
+def test_a_driver_before_12_8_has_no_batch():
     with pytest.raises(cd.CudaError, match="needs 12.8"):
-        _driver(cd, 12060, _FakeLib({}, {})).batch_entry()
+        _driver(12060, _FakeLib({}, {})).batch_entry()

@@ -19,7 +19,7 @@ from triton_offload.layouts import HostSlots
 from triton_offload.path_choice import Calibration, PathModel
 from triton_offload.transfer import TransferPlanner
 
-from kv_factory import SENTINEL, make_caches
+from kv_factory import SENTINEL, host_buffer, make_caches
 
 PAGES = {
     "kv_first": dict(block_size=2, heads=2, head_dim=4),
@@ -60,7 +60,7 @@ def _round_trip(kind, f, skip, ids_kind):
     h = np.arange(1, 1 + m, dtype=np.int64) if ids_kind != "random" else rng.permutation(rows)[:m]
     kw = dict(skip=skips, group_sizes=sizes if grouped else None)
     ref = dict(blocks_per_host_block=f, skip=skips, group_sizes=sizes if grouped else None, **ref_kw)
-    host = torch.full((rows, spec.host_block_bytes(f)), SENTINEL, dtype=torch.uint8)
+    host = host_buffer(spec, rows, f)
     planner = TransferPlanner(spec, rows, f)
     copier = DmaCopier(spec, host, f)
     plan = planner.plan(g, h, store=True, **kw)
@@ -164,16 +164,13 @@ def _calibration(dma_per_byte: float) -> Calibration:
 
 
 def test_engine_auto_takes_the_path_the_calibration_predicts_faster(make_host_cache):
-    # Copy engines at half the kernel's time per byte: they win once their descriptors' host time is covered.
+    # The copy engines: half the kernel's fixed GPU time, but 1 us of host time per descriptor (3 layers x 2 runs: 6
+    # per block). One block (192 B): kernel 10.2 us, copy engines 8 us (host-bound); eight blocks (48 descriptors):
+    # kernel 11.5 us, copy engines 50 us.
     caches, spec, cache, eng = _engine(make_host_cache, f=1, path="auto", calibration=_calibration(0.5e-9))
-    bpb = spec.bytes_per_block  # 3 layers x 2 runs: 6 descriptors per block
     eng.submit_store(1, [4], [0])
     eng.submit_store(2, list(range(8)), list(range(8)))
-    results = {r.job_id: r for r in eng.get_finished()}
-    cal = eng.calibration
-    for job, n in ((1, 1), (2, 8)):
-        want = cal.choose(True, n * bpb, 6 * n)
-        assert results[job].path == want
+    assert {r.job_id: r.path for r in eng.get_finished()} == {1: "dma", 2: "kernel"}
     want = torch.full_like(cache.buffer, SENTINEL)
     gather_blocks_ref(caches, "kv_first", list(range(8)), want, list(range(8)))
     assert torch.equal(cache.buffer, want)

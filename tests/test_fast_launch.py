@@ -19,7 +19,7 @@ from triton_offload.engine import TransferEngine
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import gather_blocks_ref
 
-from kv_factory import SENTINEL, make_caches
+from kv_factory import SENTINEL, host_buffer, make_caches
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
 
@@ -52,7 +52,7 @@ def interpreter_runner(corrupt: bool = False):
 def setup(layout="block_first", f=2, num_blocks=12, host_blocks=10, groups=None, slots=None):
     caches = make_caches(layout, 3, num_blocks, PAGE, torch.bfloat16, seed=5)
     spec = to.KVCacheSpec(caches, layout, groups=groups, host_slots=slots)
-    host = torch.full((host_blocks, spec.host_block_bytes(f)), SENTINEL, dtype=torch.uint8)
+    host = host_buffer(spec, host_blocks, f)
     return caches, spec, host
 
 

@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_configs import finished, offloading_config, submit_load  # noqa: E402
+from vllm_harness import free_port  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
 from triton_offload.connector.tiering import TritonTieringConfig, TritonTieringOffloadingSpec  # noqa: E402
@@ -585,11 +586,7 @@ def test_vllm_obj_tier_is_refused_before_0_33_naming_ours(nixl_installed):
 def test_unreachable_object_store_stops_startup_naming_the_endpoint(nixl_installed):
     """Nothing listens at the endpoint: the scheduler refuses at once, naming it (vLLM's own probe retries for about
     25 s and names no endpoint), before any NIXL agent exists; the region file goes too."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again below: nobody listens
+    port = free_port()  # nobody listens there
     store = {**STORE, "endpoint_override": f"127.0.0.1:{port}"}
     extra = {"cpu_bytes_to_use": 4 * sum(PAGES), "secondary_tiers": [{**OBJ, "store_config": store}]}
     config = make_config(extra, num_groups=2, worker_bytes=sum(PAGES), f=1)

@@ -21,11 +21,9 @@ import tarfile
 
 import pytest
 from bench_modules import BENCH, bench_modules
+from vllm_harness import vllm_version
 
-try:
-    _VLLM = importlib.metadata.version("vllm")
-except importlib.metadata.PackageNotFoundError:
-    _VLLM = None
+_VLLM = vllm_version()
 if _VLLM != "0.33.0":
     pytest.skip(f"builds from an installed vLLM 0.33.0 (.venv-vllm33); found {_VLLM}", allow_module_level=True)
 

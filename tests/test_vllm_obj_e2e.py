@@ -21,7 +21,15 @@ import time
 
 import pytest
 import vllm_harness
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, free_port, kill_group, region_files, require_engine
+from vllm_harness import (
+    GPU_BLOCK,
+    GPU_BLOCK_BYTES,
+    assert_shm_released,
+    free_port,
+    kill_group,
+    region_files,
+    require_engine,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.obj.manager")]
 pytest.importorskip("nixl._api", reason="the obj tier needs NIXL: pip install nixl==1.5.1 nixl-cu12==1.5.1")
@@ -131,9 +139,8 @@ def test_objects_are_named_and_filled_like_the_fs_tier_files(pair, s3):
 
 def test_no_region_file_is_left_after_the_engines_exit(pair):
     a, b, _ = pair
-    for result in (a, b):
-        assert len(result["regions"]) == 1
-        assert not [p for p in result["shm"] if os.path.exists(p)], "a /dev/shm file outlived its engine"
+    for name, result in (("A", a), ("B", b)):
+        assert_shm_released(result, name)
 
 
 def test_unreachable_object_store_stops_the_engine_at_startup_naming_it(tiny_model):

@@ -25,19 +25,25 @@ gone once it has exited or been killed.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import threading
 import time
 
 import pytest
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, Background, free_port, region_files, require_engine
+from vllm_harness import (
+    GPU_BLOCK,
+    GPU_BLOCK_BYTES,
+    TIERING_DRIVER,
+    TIERING_RESULT,
+    Background,
+    assert_shm_released,
+    free_port,
+    require_engine,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.p2p.manager")]
 pytest.importorskip("nixl._api", reason="the p2p tier needs NIXL: pip install nixl==1.5.1 nixl-cu12==1.5.1")
 
-DRIVER = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
-RESULT = "TIERING_RESULT"
 # UCX's TCP transport on loopback only: nothing leaves this machine, and no shared-memory transport files.
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 # vLLM's in-process engine. With a p2p tier, vLLM's multiprocess engine core steps back to back for as long as it
@@ -83,9 +89,9 @@ def start(
         args += ["--requests", json.dumps(requests)]
         if serve:
             args += ["--serve-until", str(tmp / f"{name}.stop")]
-        engine = Background(DRIVER, args, tmp / f"{name}-{attempt}.log", env={**UCX_ENV, **env})
+        engine = Background(TIERING_DRIVER, args, tmp / f"{name}-{attempt}.log", env={**UCX_ENV, **env})
         try:
-            return engine, engine.result(RESULT, STARTUP_S), port
+            return engine, engine.result(TIERING_RESULT, STARTUP_S), port
         except AssertionError:
             engine.stop()
             if "Address already in use" not in engine.log() or attempt == 2:
@@ -207,10 +213,5 @@ def test_a_producer_killed_mid_fetch_leaves_the_consumer_computing_the_prompt(ru
 
 def test_no_shm_file_outlives_its_engine(run):
     for name, result in run.items():
-        (region,) = region_files(result["log"])
-        assert region in result["shm"], f"{name}: its region should be among the files it reported"
         # A3 was SIGKILLed: its region's guard process removes the name, asynchronously.
-        deadline = time.monotonic() + 10
-        while any(map(os.path.exists, result["shm"])) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in result["shm"] if os.path.exists(p)], f"{name} left files in /dev/shm"
+        assert_shm_released(result, name, wait_s=10)

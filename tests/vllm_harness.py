@@ -5,7 +5,9 @@ process, one engine each; the test modules start them and read their JSON."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
+import pathlib
 import re
 import signal
 import time
@@ -24,12 +26,35 @@ METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cach
 # takes ~0.4 s).
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
 # How our tiering worker logs its region at startup.
+# The tiering test engine (one process per engine) and the marker of the result line it prints.
+TIERING_DRIVER = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
+TIERING_RESULT = "TIERING_RESULT"
 REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (``"0.33.0"`` in .venv-vllm33), or None where none is installed (the GPU image)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def region_files(log: str) -> list[str]:
     """The ``/dev/shm`` region files our tiering workers logged, each once."""
     return sorted(set(REGION.findall(log)))
+
+
+def assert_shm_released(result: dict, name: str, wait_s: float = 0.0) -> None:
+    """A tiering driver's ``result``: its engine logged one region file, reported it among the ``/dev/shm`` files its
+    processes held, and none of those exists any more. ``wait_s``: how long to wait for them to go (a SIGKILLed
+    engine's guard process removes its names asynchronously)."""
+    (region,) = region_files(result["log"])
+    assert region in result["shm"], f"{name}: its region should be among the files it reported"
+    deadline = time.monotonic() + wait_s
+    while any(map(os.path.exists, result["shm"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in result["shm"] if os.path.exists(p)], f"{name} left files in /dev/shm"
 
 
 def shm_files(pgid: int) -> list[str]:
@@ -154,7 +179,6 @@ def _driver_env(env: dict | None) -> dict:
     tensors themselves) and VLLM_CPU_KVCACHE_SPACE (it would override the driver's KV-cache size), with INFO logging
     (the tests read startup and shutdown lines) and this directory on PYTHONPATH (vLLM imports test plugins by module
     name in every process it starts); ``env`` adds to that (a None value removes the variable)."""
-    import pathlib
 
     child = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE")}
     child["VLLM_LOGGING_LEVEL"] = "INFO"
@@ -170,7 +194,6 @@ def _driver_env(env: dict | None) -> dict:
 def _start(driver, args: list[str], env: dict | None, stdout, stderr):
     """The driver in its own session, so that a timeout or a test can end it with every process vLLM started under
     it (``os.killpg``)."""
-    import pathlib
     import subprocess
     import sys
 
@@ -185,12 +208,12 @@ def _start(driver, args: list[str], env: dict | None, stdout, stderr):
     )
 
 
-def kill_group(proc, sig: int = signal.SIGKILL) -> None:
-    """Sends ``sig`` to the process group a driver leads (the driver, vLLM's engine core and workers), while the
+def kill_group(proc) -> None:
+    """Sends SIGKILL to the process group a driver leads (the driver, vLLM's engine core and workers), while the
     driver has not been reaped (a zombie still holds the group's id; once reaped, the id may be someone else's)."""
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def parse_result(log: str, marker: str) -> dict | None:
@@ -209,7 +232,6 @@ def run_driver(
     ``check``). Past ``timeout`` seconds its whole process group is killed and the test fails. The environment:
     ``_driver_env``.
     """
-    import pathlib
     import subprocess
 
     proc = _start(driver, args, env, subprocess.PIPE, subprocess.PIPE)
@@ -235,10 +257,10 @@ def run_driver(
 def run_tiering(model, *args: str, check: bool = True, env: dict | None = None, timeout: int = 400) -> dict:
     """One engine of tests/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end; its
     result (:func:`run_driver`) with the region files its workers logged under ``"regions"``."""
-    import pathlib
 
-    driver = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
-    result = run_driver(driver, ["--model", str(model), *args], "TIERING_RESULT", timeout=timeout, check=check, env=env)
+    result = run_driver(
+        TIERING_DRIVER, ["--model", str(model), *args], TIERING_RESULT, timeout=timeout, check=check, env=env
+    )
     if check:
         result["regions"] = region_files(result["log"])
     return result
@@ -254,7 +276,6 @@ class Background:
     """
 
     def __init__(self, driver, args: list[str], log_path, *, env: dict | None = None):
-        import pathlib
         import subprocess
 
         self.name = f"{pathlib.Path(driver).name} {args}"
@@ -291,15 +312,9 @@ class Background:
             self.stop()
             raise AssertionError(f"{self.name} ran past {timeout} s:\n{self.log()[-6000:]}") from None
 
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        kill_group(self.proc, sig)
+    def stop(self) -> None:
+        kill_group(self.proc)
         self.proc.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -29,14 +29,13 @@ import os
 import sys
 import time
 
-from vllm_harness import GPU_BLOCK, shm_files, tiny_llm
+from vllm_harness import GPU_BLOCK, TIERING_RESULT, shm_files, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 SPECS = {
     "ours": {"spec_name": "TritonTieringOffloadingSpec"},
     "native": {"spec_name": "NativeLayoutTestSpec", "spec_module_path": "vllm_native_tiering"},
 }
-RESULT = "TIERING_RESULT"
 STEP_PAUSE_S = 0.01  # a serving producer's pause between engine steps (see --serve-until)
 
 
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
         "shm": shm_files(os.getpgid(0)),  # the /dev/shm files this engine's processes map or hold open now
         "seconds": {"startup": round(t_start - t0, 1), "serve": round(time.perf_counter() - t_start, 1)},
     }
-    print(f"{RESULT} " + json.dumps(result), flush=True)
+    print(f"{TIERING_RESULT} " + json.dumps(result), flush=True)
     if args.serve_until:
         # Serving peers (a p2p producer): the tiers answer them once per engine step. vLLM's multiprocess engine core
         # steps back to back for as long as a p2p tier lives, and its worker spins on the step queue, about two cores
