@@ -245,10 +245,9 @@ class TransferEngine:
         trace = self.trace
         stream = self._streams[job.direction]
         fence = self._fences[job.direction]
-        if job.path == DMA:  # the copy engines read the descriptors from host memory: no ids to upload
-            self._stagers[job.direction].give_back(slot)
-            slot = None
-        job.ids, job.start, job.end = slot, self._take_event(), self._take_event()
+        # The copy engines read descriptors built from the ids on the host: no ids to upload, no slot to hold.
+        job.ids = None if job.path == DMA else slot
+        job.start, job.end = self._take_event(), self._take_event()
         try:
             # Both directions wait for the compute stream as it is at submission: a store reads KV the model may
             # still be writing; a load overwrites blocks the model (or the allocator's previous owner) last wrote
@@ -264,6 +263,8 @@ class TransferEngine:
                 job.start.record(stream)
                 job.keep = self._dma.issue(plan, stream.cuda_stream)
                 job.end.record(stream)
+                # The plan's ids live in the slot: it goes back only once the descriptors have been built from them.
+                self._stagers[job.direction].give_back(slot)
                 return
             with torch.cuda.stream(stream):
                 # The slot is pinned, so this copy is truly asynchronous; it is not reused until the job's end event

@@ -35,7 +35,6 @@ class IdSlot:
         self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
         self.host_np: np.ndarray = self.host.numpy()
         self.device = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.device_ptr = self.device.data_ptr()
         self.event = torch.cuda.Event()  # no timing: only queried
         self.guard: torch.cuda.Event | None = None
 
