@@ -3,6 +3,7 @@ per call, and on a GPU (-m gpu) the calibration itself and the three paths movin
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -11,9 +12,12 @@ import torch
 
 import triton_offload as to
 from triton_offload._checks import transfer_path
+from triton_offload.dma import DmaCopier
 from triton_offload.engine import TransferEngine
+from triton_offload.fast_launch import canary_spec
 from triton_offload.kernels.reference import gather_blocks_ref
-from triton_offload.path_choice import Calibration, PathModel, fit
+from triton_offload.path_choice import Calibration, PathModel, calibration_transfers, fit
+from triton_offload.transfer import TransferPlanner
 
 from kv_factory import SENTINEL, make_caches
 
@@ -82,8 +86,37 @@ def test_transfer_path_names_the_accepted_paths():
 # On a GPU
 # ---------------------------------------------------------------------------------------------------------------
 
+
 # Calibration's wall-time bound, with room over the < 1 s it aims at (a cold Triton compile is excluded: the engine
 # compiles its launches before it calibrates).
+@pytest.mark.parametrize("groups, f", [(None, 1), (None, 2), ([[0, 1], [2]], 1), ([[0], [1], [2]], 2)])
+def test_calibration_transfers_are_valid_and_move_every_group(groups, f):
+    """What calibrate() plans is valid for the spec, hybrid (several groups) included: at CUDA engine creation a
+    transfer the planner refuses would fail the worker."""
+    caches = make_caches("block_first", 3, 8, dict(block_size=2, heads=2, head_dim=4), torch.bfloat16)
+    spec = to.KVCacheSpec(caches, "block_first", groups=groups)
+    n_max = 20
+    canary = canary_spec(spec, 2 * n_max)
+    rows = math.ceil(n_max / f) + spec.num_groups
+    host = torch.zeros(rows, canary.host_block_bytes(f), dtype=torch.uint8)
+    planner, dma = TransferPlanner(canary, rows, f), DmaCopier(canary, host, f)
+    seen = []
+    for n, contiguous, g, h, sizes in calibration_transfers(spec.num_groups, f, n_max, rows, np.random.default_rng(0)):
+        seen.append((n, contiguous))
+        if spec.num_groups == 1:
+            assert sizes is None
+        else:
+            assert len(sizes) == spec.num_groups and sum(sizes) == n
+            if n == n_max:  # every group moves, as a hybrid model's transfers do
+                assert min(sizes) > 0, sizes
+        per_group = [n] if sizes is None else sizes
+        for store in (True, False):
+            plan = planner.plan(g, h, store=store, group_sizes=sizes)
+            assert plan.n_blocks == n and plan.n_host == h.size and dma.count(plan) > 0
+            assert plan.num_bytes == sum(k * b for k, b in zip(per_group, canary.group_bytes))
+    assert seen == [(2, False), (2, True), (n_max, False), (n_max, True)]
+
+
 CALIBRATION_BOUND_S = 3.0
 
 

@@ -30,7 +30,16 @@ import torch
 
 from triton_offload._checks import TRANSFER_PATHS
 
-__all__ = ["AUTO", "KERNEL", "DMA", "PathModel", "Calibration", "calibrate", "sleep_cycles_per_us"]
+__all__ = [
+    "AUTO",
+    "KERNEL",
+    "DMA",
+    "PathModel",
+    "Calibration",
+    "calibrate",
+    "calibration_transfers",
+    "sleep_cycles_per_us",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +197,23 @@ def _measure(issue: Callable[[], object], stream: torch.cuda.Stream, cycles_per_
     return float(np.median(gpu)), float(np.median(host[1:]))
 
 
+def calibration_transfers(num_groups: int, blocks_per_host_block: int, n_max: int, rows: int, rng: np.random.Generator):
+    """The transfers :func:`calibrate` measures, as ``(blocks, contiguous, gpu ids, host ids, group sizes)``: at
+    ``n_max`` blocks and an eighth of that, each with random ids (one descriptor per block and run) and consecutive
+    ones (as few as coalescing allows). The blocks are shared out over the groups, as a hybrid model's transfers move
+    every group (``group_sizes`` None for one group); GPU ids are drawn from ``2 * n_max`` canary blocks, host ids from
+    ``rows`` host blocks, which must hold ``ceil(n_max / f) + num_groups - 1`` of them."""
+    f = blocks_per_host_block
+    n_min = max(1, min(16, n_max // 8))
+    for n in sorted({n_min, n_max}):
+        sizes = [n // num_groups + (gi < n % num_groups) for gi in range(num_groups)]
+        m = sum(-(-k // f) for k in sizes)  # host ids, group by group
+        for contiguous in (False, True):
+            g = np.arange(n, dtype=np.int64) if contiguous else rng.permutation(2 * n_max)[:n].astype(np.int64)
+            h = np.arange(m, dtype=np.int64) if contiguous else rng.permutation(rows)[:m].astype(np.int64)
+            yield n, contiguous, g, h, (None if num_groups == 1 else sizes)
+
+
 def calibrate(launcher, blocks_per_host_block: int, num_ctas: int | None = None) -> Calibration:
     """Measures both paths on canary blocks shaped like ``launcher``'s spec (CUDA) and fits :class:`PathModel` s.
 
@@ -206,9 +232,8 @@ def calibrate(launcher, blocks_per_host_block: int, num_ctas: int | None = None)
     t_start = time.perf_counter()
     spec, f = launcher.spec, blocks_per_host_block
     n_max = max(1, min(MAX_BLOCKS, CANARY_BYTES // (2 * spec.host_block_bytes(1))))
-    n_min = max(1, min(16, n_max // 8))
     canary = canary_spec(spec, 2 * n_max)
-    rows = math.ceil(n_max / f) + 1
+    rows = math.ceil(n_max / f) + spec.num_groups  # a group's last host block may be partly filled
     host = torch.empty(rows, canary.host_block_bytes(f), dtype=torch.uint8, pin_memory=True)
     host.random_(0, 256)  # loads read it
     configs = {store: launcher.config(store) for store in (True, False)}
@@ -226,24 +251,20 @@ def calibrate(launcher, blocks_per_host_block: int, num_ctas: int | None = None)
     rng = np.random.default_rng(0)
     points = []
     with torch.cuda.stream(stream):
-        for n in sorted({n_min, n_max}):
-            m = math.ceil(n / f)
-            for contiguous in (False, True):
-                g = np.arange(n, dtype=np.int64) if contiguous else rng.permutation(2 * n_max)[:n].astype(np.int64)
-                h = np.arange(m, dtype=np.int64) if contiguous else rng.permutation(rows)[:m].astype(np.int64)
-                for store in (True, False):
-                    plan = planner.plan(g, h, store=store)
-                    ids = torch.from_numpy(plan.ids).to(spec.device)
-                    runs = []
-                    if not contiguous:  # the kernel's cost does not depend on where the blocks are
-                        runs.append((KERNEL, lambda p=plan, i=ids: kernel.launch(p, i, num_ctas), 0))
-                    if dma is not None:
-                        runs.append((DMA, lambda p=plan: dma.issue(p, stream.cuda_stream), dma.count(plan)))
-                    for path, issue, descriptors in runs:
-                        gpu_s, host_s = _measure(issue, stream, cycles)
-                        points.append(
-                            dict(path=path, store=store, blocks=n, contiguous=contiguous, bytes=plan.num_bytes,
-                                 descriptors=descriptors, gpu_s=gpu_s, host_s=host_s)
-                        )  # fmt: skip
+        for n, contiguous, g, h, sizes in calibration_transfers(spec.num_groups, f, n_max, rows, rng):
+            for store in (True, False):
+                plan = planner.plan(g, h, store=store, group_sizes=sizes)
+                ids = torch.from_numpy(plan.ids).to(spec.device)
+                runs = []
+                if not contiguous:  # the kernel's cost does not depend on where the blocks are
+                    runs.append((KERNEL, lambda p=plan, i=ids: kernel.launch(p, i, num_ctas), 0))
+                if dma is not None:
+                    runs.append((DMA, lambda p=plan: dma.issue(p, stream.cuda_stream), dma.count(plan)))
+                for path, issue, descriptors in runs:
+                    gpu_s, host_s = _measure(issue, stream, cycles)
+                    points.append(
+                        dict(path=path, store=store, blocks=n, contiguous=contiguous, bytes=plan.num_bytes,
+                             descriptors=descriptors, gpu_s=gpu_s, host_s=host_s)
+                    )  # fmt: skip
     stream.synchronize()
     return Calibration(fit(points), time.perf_counter() - t_start, tuple(points), note)
