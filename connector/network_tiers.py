@@ -32,8 +32,6 @@ NIXL_INSTALL = "pip install nixl==1.5.1 nixl-cu12==1.5.1"
 REACH_TIMEOUT_S = 5.0
 _P2P = ("vllm.v1.kv_offload.tiering.p2p.manager", "P2PSecondaryTierManager")
 _OBJ = ("vllm.v1.kv_offload.tiering.obj.manager", "ObjectStoreSecondaryTierManager")
-# The keys vLLM's p2p tier reads (its constructor's named parameters; it takes **kwargs besides and ignores them).
-P2P_KEYS = ("host", "port", "backends", "num_threads", "unbound_store_timeout_s")
 _SCHEMES = ("http", "https")
 
 
@@ -66,7 +64,14 @@ def _subclass_of(tier_cls: type, base: tuple[str, str]) -> bool:
 
 
 def check_network_tier(
-    i: int, tier_type: str, tier_cls: type, tier: Mapping[str, Any], *, backpressure: dict, ignored: list[str]
+    i: int,
+    tier_type: str,
+    tier_cls: type,
+    tier: Mapping[str, Any],
+    *,
+    backpressure: dict,
+    ignored: list[str],
+    accepted: tuple[str, ...],
 ) -> ObjectStore | None:
     """Checks a ``p2p`` or ``obj`` tier's own keys (any other tier: nothing to do).
 
@@ -75,6 +80,8 @@ def check_network_tier(
         tier_type, tier_cls, tier: its ``type``, the class vLLM resolves it to, its configuration.
         backpressure: its backpressure settings merged with the top-level ones, as vLLM merges them.
         ignored: its keys that no named parameter of the tier's constructor takes.
+        accepted: the keys those named parameters take, in the constructor's order (the p2p tier takes
+            ``**kwargs`` besides and ignores anything else).
 
     Returns:
         For an object-store tier, the store its startup check connects to; else None.
@@ -88,7 +95,7 @@ def check_network_tier(
     """
     if _subclass_of(tier_cls, _P2P):
         _require_nixl(i, tier_type)
-        _check_p2p(i, tier_type, tier, backpressure, ignored)
+        _check_p2p(i, tier_type, tier, backpressure, ignored, accepted)
     elif _subclass_of(tier_cls, _OBJ):
         _require_nixl(i, tier_type)
         return _check_obj(i, tier_type, tier_cls, tier)
@@ -110,11 +117,13 @@ def _positive_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and value > 0
 
 
-def _check_p2p(i: int, tier_type: str, tier: Mapping[str, Any], backpressure: dict, ignored: list[str]) -> None:
+def _check_p2p(
+    i: int, tier_type: str, tier: Mapping[str, Any], backpressure: dict, ignored: list[str], accepted: tuple[str, ...]
+) -> None:
     if ignored:
         raise ValueError(
             f"{where(i)} (type {tier_type!r}) has unknown key(s) {ignored} (vLLM's p2p tier would ignore them "
-            f"silently); it accepts {list(P2P_KEYS)}"
+            f"silently); it accepts {list(accepted)}"
         )
     if backpressure or "backpressure" in tier:
         raise ValueError(

@@ -89,7 +89,10 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
         raise ValueError(f"{where(i, 'type')} = {tier_type!r} is not a usable secondary tier: {e}") from e
     params = inspect.signature(tier_cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - _FACTORY_ARGS
+    # In the constructor's order: the p2p check lists them as vLLM's signature does.
+    named = tuple(
+        n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n not in _FACTORY_ARGS
+    )
     required = sorted(n for n in named if params[n].default is inspect.Parameter.empty)
     given = set(tier) - _TIER_META_KEYS
     missing = [n for n in required if n not in given]
@@ -98,7 +101,7 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
             f"{where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
             + (": the directory shared by every instance that reads these blocks" if missing == ["root_dir"] else "")
         )
-    unknown = sorted(given - named)
+    unknown = sorted(given.difference(named))
     if unknown and not takes_any:
         raise ValueError(
             f"{where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
@@ -107,7 +110,7 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
     # vLLM merges the top-level default under the tier's own settings, then requires a detector class.
     own = _check_backpressure(tier.get("backpressure"), where(i, "backpressure"))
     merged = {**(default_backpressure or {}), **own}
-    store = check_network_tier(i, tier_type, tier_cls, tier, backpressure=merged, ignored=unknown)
+    store = check_network_tier(i, tier_type, tier_cls, tier, backpressure=merged, ignored=unknown, accepted=named)
     if (merged or "backpressure" in tier) and "backpressure_cls" not in merged:
         raise ValueError(
             f"{where(i, 'backpressure')} (merged with the top-level 'backpressure') needs 'backpressure_cls', "
