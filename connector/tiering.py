@@ -215,7 +215,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
 
     ``kv_connector_extra_config``: every key of vLLM's ``TieringOffloadingSpec`` (``cpu_bytes_to_use``,
     ``eviction_policy``, ``cache_policy_module_path``, ``secondary_tiers``, ``backpressure``, ...; see
-    :data:`TIERING_KEYS` and docs/tiering.md) plus ``num_ctas``.
+    :data:`TIERING_KEYS` and docs/tiering.md) plus ``num_ctas`` and ``transfer_path`` (:data:`OUR_TIERING_KEYS`).
     """
 
     @classmethod
