@@ -88,13 +88,13 @@ def test_pooled_events_and_id_buffers_are_reused(make):
         eng.submit_store(job, [job % 64], [job % 64])
         eng.wait([job])
         eng.get_finished()
-    assert [len(eng._id_pool[d]) for d in (STORE, LOAD)] == [1, 1] and len(eng._events) == 4
-    pooled = eng._id_pool[LOAD][0]
+    assert [len(eng._stagers[d]._free) for d in (STORE, LOAD)] == [1, 1] and len(eng._events) == 4
+    pooled = eng._stagers[LOAD]._free[0]
     eng.submit_load(99, [1, 2, 3], [1, 2, 3])
     eng.wait([99])
     (res,) = eng.get_finished()
     assert res.ok and res.num_bytes == 3 * spec.bytes_per_block and res.seconds > 0
-    assert eng._id_pool[LOAD] == [pooled]
+    assert list(eng._stagers[LOAD]._free) == [pooled]
 
 
 def test_public_calls_do_not_block_on_a_busy_stream():
@@ -103,10 +103,15 @@ def test_public_calls_do_not_block_on_a_busy_stream():
     caches = make_caches("block_first", 4, 64, PAGE, torch.bfloat16, device="cuda")
     spec = to.KVCacheSpec(caches, "block_first")
     host = torch.empty((8, spec.host_block_bytes(1)), dtype=torch.uint8, pin_memory=True)
-    # The same calls once first: compiles both variants and caches pinned staging blocks of these sizes.
-    to.gather_blocks(spec, [3, 4], host, [1, 2])
-    to.scatter_blocks(host, [1, 2], spec, [5, 6])
-    torch.cuda.synchronize()
+    # The same calls first: once to compile both variants, then again behind a short sleep, so that the second
+    # call finds the first one's pinned staging slot still in use and takes a slot of its own. The timed calls then
+    # reuse those two slots and allocate nothing.
+    for busy in (False, True):
+        if busy:
+            torch.cuda._sleep(SLEEP_CYCLES // 10)
+        to.gather_blocks(spec, [3, 4], host, [1, 2])
+        to.scatter_blocks(host, [1, 2], spec, [5, 6])
+        torch.cuda.synchronize()
     done = torch.cuda.Event()
     torch.cuda._sleep(SLEEP_CYCLES * 5)
     to.gather_blocks(spec, [3, 4], host, [1, 2])
@@ -128,7 +133,7 @@ def test_kernel_reaches_every_registration_chunk(monkeypatch, make_host_cache):
     spec = to.KVCacheSpec(caches, "block_first")
     cache = make_host_cache(spec.host_block_bytes(1), num_blocks=32)  # 8 MiB: 8 chunks of 4 blocks
     assert len(cache._registered) == 8
-    eng = TransferEngine(spec, cache.buffer)
+    eng = TransferEngine(spec, cache.buffer, path="kernel")  # the kernel's addressing is what is tested
     hosts = list(range(31, -1, -1))
     eng.submit_store(1, list(range(32)), hosts)
     eng.wait([1])
