@@ -15,14 +15,13 @@ tests/vllm_tiering_driver.py.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import stat
 
 import pytest
 import vllm_harness
 from permissions import exposed_below
-from vllm_harness import GPU_BLOCK_BYTES, region_files, require_engine
+from vllm_harness import GPU_BLOCK_BYTES, assert_shm_released, region_files, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.spec")]
 
@@ -75,10 +74,9 @@ def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
 
 def test_no_region_file_is_left_after_the_engines_exit(pair):
     name, a, b, _ = pair
-    ours = [a, b] if name.startswith("ours") else [b]
-    for result in ours:
-        assert len(result["regions"]) == 1, "our worker logs its shared region once"
-        assert not os.path.exists(result["regions"][0]), f"{result['regions'][0]} outlived its engine"
+    ours = {"A": a, "B": b} if name.startswith("ours") else {"B": b}
+    for engine, result in ours.items():
+        assert_shm_released(result, f"{name}: {engine}")
 
 
 def test_no_kv_file_is_readable_by_other_users(pair):
