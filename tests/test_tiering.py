@@ -466,23 +466,20 @@ def test_a_missing_root_dir_is_created_private_before_the_tier_writes(tmp_path):
 
 
 @pytest.mark.parametrize("mode, warned", [(0o755, True), (0o770, True), (0o700, False)])
-def test_an_existing_root_dir_open_to_others_is_warned_of(tmp_path, mode, warned):
+def test_an_existing_root_dir_open_to_others_is_warned_of(tmp_path, caplog, mode, warned):
     """An existing root_dir is left as the operator made it (instances may share it on purpose); one that its group or
     others may enter is named at startup, with its mode and the risk."""
     tmp_path.chmod(mode)
     config = fs_config(str(tmp_path), n_read_threads=1, n_write_threads=1)
     spec = OffloadingSpecFactory.create_spec(config)
     worker = spec.get_worker(kv_caches())
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("triton_offload.connector.fs_root").addHandler(handler)
-    try:
-        spec.get_manager().shutdown()
-    finally:
-        logging.getLogger("triton_offload.connector.fs_root").removeHandler(handler)
-        worker.shutdown()
-    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    fs_root = "triton_offload.connector.fs_root"
+    with caplog.at_level(logging.WARNING, logger=fs_root):
+        try:
+            spec.get_manager().shutdown()
+        finally:
+            worker.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.name == fs_root and r.levelno == logging.WARNING]
     assert stat.S_IMODE(tmp_path.stat().st_mode) == mode, "an existing root_dir is not changed"
     if warned:
         (text,) = warnings
