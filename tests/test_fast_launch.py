@@ -19,7 +19,7 @@ from triton_offload.engine import TransferEngine
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import gather_blocks_ref
 
-from kv_factory import SENTINEL, host_buffer, make_caches
+from kv_factory import SENTINEL, host_buffer, make_caches, random_transfer
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
 
@@ -187,8 +187,7 @@ def test_gpu_engine_launches_direct_and_moves_the_same_bytes(make_host_cache):
     rng = np.random.default_rng(0)
     job = 0
     for n, skip in [(1, 0), (1, 1), (2, 1), (333, 1), (600, 0)]:
-        g = rng.permutation(spec.num_blocks)[:n]
-        h = rng.permutation(400)[: -(-(skip + n) // 2)]
+        g, h = random_transfer(rng, spec.num_blocks, 400, n, 2, skip)
         for eng in (fast, slow):
             job += 1
             eng.submit_store(job, g, h, skip=skip)

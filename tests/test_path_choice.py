@@ -19,7 +19,7 @@ from triton_offload.kernels.reference import gather_blocks_ref
 from triton_offload.path_choice import Calibration, PathModel, calibration_transfers, fit
 from triton_offload.transfer import TransferPlanner
 
-from kv_factory import SENTINEL, make_caches
+from kv_factory import SENTINEL, make_caches, random_transfer
 
 
 def _points(model: PathModel, path: str, store: bool, shapes) -> list[dict]:
@@ -144,8 +144,7 @@ def test_gpu_paths_move_identical_bytes_and_auto_calibrates_in_bound(layout, pag
             print(f"auto ({layout}): engine built in {time.perf_counter() - t0:.3f} s; {eng.calibration.describe()}")
         hosts[path] = (cache, eng)
     for job, n in enumerate((1, 17, 250)):
-        g = rng.permutation(300)[:n]
-        h = rng.permutation(160)[: -(-(1 + n) // f)]
+        g, h = random_transfer(rng, 300, 160, n, f, 1)
         for path, (_, eng) in hosts.items():
             eng.submit_store(job, g, h, skip=1)
             eng.wait([job])
