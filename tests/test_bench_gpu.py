@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from vllm_harness import vllm_version
+from vllm_harness import VLLM_033
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     # 2 layouts x 2 sizes x 2 host formats x 2 directions, each method checked on each before it was timed.
     assert len({(r["layout"], r["blocks"], r["skip"], r["direction"]) for r in rows}) == 16
     native = [r for r in rows if r["method"] == "vllm_native"]
-    if not (vllm_version() == "0.33.0" or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
+    if not (VLLM_033 or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
         assert all(r["status"] == "n/a" for r in native), native
         rows = [r for r in rows if r["method"] != "vllm_native"]
     else:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from bench_modules import bench_modules
-from vllm_harness import vllm_version
+from vllm_harness import VLLM_033
 
-needs_vllm033 = pytest.mark.skipif(vllm_version() != "0.33.0", reason="needs vLLM 0.33.0's Python code (.venv-vllm33)")
+needs_vllm033 = pytest.mark.skipif(not VLLM_033, reason="needs vLLM 0.33.0's Python code (.venv-vllm33)")
 STREAM, ANY = 0x1, 0x3  # CUmemcpySrcAccessOrder
 NO_HINT = (0, 0)  # CUmemLocation {CU_MEM_LOCATION_TYPE_INVALID, 0}: vLLM's op zero-initialises its attributes
 

@@ -40,6 +40,11 @@ def vllm_version() -> str | None:
         return None
 
 
+# vLLM 0.33.0's Python code is importable (.venv-vllm33, or the GPU bundle on the path): the release that
+# bench/vllm_bundle.py bundles and vllm_native runs. Reads package metadata only: vLLM is not imported.
+VLLM_033 = vllm_version() == "0.33.0"
+
+
 def region_files(log: str) -> list[str]:
     """The ``/dev/shm`` region files our tiering workers logged, each once."""
     return sorted(set(REGION.findall(log)))
