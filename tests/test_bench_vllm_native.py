@@ -134,11 +134,11 @@ def test_ids_that_do_not_fit_are_refused_before_vllm_sees_them(mods):
     worker.shutdown()
 
 
-def _check_all_cases(mods, w, layout, method):
-    """(status, note, impl) of ``method`` on every host format and direction of a tiny workload (the CPU check)."""
+def _check_all_cases(mods, w, layout):
+    """(status, note, impl) of ``vllm_native`` on every host format and direction of a tiny workload (the CPU check)."""
     session = mods["session"]
     env = mods["case"].Env(torch.device("cpu"), None, "no CUDA")
-    run = session.Session({}, env, [session.MethodSpec("vllm_native", None, method)])
+    run = session.Session({}, env, [session.MethodSpec("vllm_native", None, mods["baselines"].VllmNative)])
     group = session.allocate(w.tiny(), layout, 8, ((1, 0), (4, 1)), env.device, 0)
     out = []
     for f, skip in ((1, 0), (4, 1)):
@@ -155,7 +155,7 @@ def test_the_benchmarks_byte_check_passes_in_host_replay(mods, name):
     the bytes are right (n/a: the copies ran on host memory, nothing can be timed)."""
     w = mods["workloads"].WORKLOADS[name]
     for layout in w.layouts:
-        for status, note, impl in _check_all_cases(mods, w, layout, mods["baselines"].VllmNative):
+        for status, note, impl in _check_all_cases(mods, w, layout):
             assert (
                 status == "n/a" and note == "needs CUDA; its copy plan was replayed with memmove on CPU: bytes correct"
             )
@@ -165,7 +165,6 @@ def test_the_benchmarks_byte_check_passes_in_host_replay(mods, name):
 @needs_vllm033
 def test_the_byte_check_catches_a_wrong_position(mods, monkeypatch):
     """A worker that addresses the host chunks in the wrong order moves every page, to the wrong place: FAIL."""
-    baselines = mods["baselines"]
     original = mods["vllm_native"].NativeWorker.transfer_specs
 
     def rotated(self, gpu_ids, host_ids, skip=0):
@@ -173,7 +172,7 @@ def test_the_byte_check_catches_a_wrong_position(mods, monkeypatch):
 
     monkeypatch.setattr(mods["vllm_native"].NativeWorker, "transfer_specs", rotated)
     w = mods["workloads"].WORKLOADS["small-page"]
-    results = _check_all_cases(mods, w, "kv_first", baselines.VllmNative)
+    results = _check_all_cases(mods, w, "kv_first")
     assert [s for s, _, _ in results] == ["FAIL"] * 4, results
     assert all("blocks differ" in note for _, note, _ in results)
 
