@@ -25,10 +25,10 @@ METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cach
 # SIGTERM; a loaded 2-core CI machine reached that deadline before the teardown got to our code (our shutdown itself
 # takes ~0.4 s).
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
-# How our tiering worker logs its region at startup.
 # The tiering test engine (one process per engine) and the marker of the result line it prints.
 TIERING_DRIVER = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
 TIERING_RESULT = "TIERING_RESULT"
+# How our tiering worker logs its region at startup.
 REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
 
 
@@ -269,7 +269,8 @@ def run_tiering(model, *args: str, check: bool = True, env: dict | None = None, 
 
 class Background:
     """A driver running beside the test (an engine other engines talk to), output to ``log_path``; every wait is
-    bounded and :meth:`stop` (also on ``with`` exit) kills its process group if it still runs.
+    bounded. :meth:`stop` kills its process group if it still runs: a wait that times out calls it, and so must the
+    caller once done with it (in a ``finally``).
 
     Args:
         driver: the script; args, env: as for :func:`run_driver`.
