@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from bench_modules import bench_modules
-from vllm_harness import vllm_version
+from vllm_harness import VLLM_033
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVING = ROOT / "bench" / "serving.py"
@@ -415,7 +415,7 @@ def test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers(tmp_path)
     w = "llama3-70b-tp8"
     # none, triton at 4, 2 and 8 CTAs, auto, vllm033, vllm_native, dma.
     assert len(rows) == 8, sorted(rows)
-    if not (vllm_version() == "0.33.0" or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
+    if not (VLLM_033 or os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE")):
         native = rows.pop((w, "vllm_native", None))  # vLLM 0.33's code is not importable: an n/a row, not a failure
         assert native["byte_check"] == "n/a" and "vllm_native runs vLLM 0.33.0's own worker" in native["impl"], native
     assert all(r["byte_check"] == "pass" for r in rows.values()), rows

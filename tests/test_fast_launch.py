@@ -170,11 +170,13 @@ GPU_PAGE = dict(block_size=16, heads=1, head_dim=128)  # 8 KiB pages, as Llama-3
 
 
 def gpu_engine(make_host_cache, f=2, fast=True, num_blocks=700, host_blocks=400, layers=6):
+    """An engine on the kernel path (the one these tests launch; auto, the CUDA default, may take the copy engines)."""
     caches = make_caches("kv_first", layers, num_blocks, GPU_PAGE, torch.bfloat16, device="cuda", seed=7)
     spec = to.KVCacheSpec(caches, "kv_first")
     cache = make_host_cache(spec.host_block_bytes(f), host_blocks * spec.host_block_bytes(f))
     cache.buffer.fill_(SENTINEL)
-    return caches, spec, cache, TransferEngine(spec, cache.buffer, blocks_per_host_block=f, fast_launch=fast)
+    eng = TransferEngine(spec, cache.buffer, blocks_per_host_block=f, fast_launch=fast, path="kernel")
+    return caches, spec, cache, eng
 
 
 @pytest.mark.gpu
@@ -219,7 +221,7 @@ def test_gpu_a_wrong_variant_is_refused(make_host_cache):
     """The canary catches a runner of the wrong compiled variant (the load kernel offered for stores)."""
     _, spec, cache, eng = gpu_engine(make_host_cache, fast=False)
     launcher = copy_blocks.CopyLauncher(spec, cache.buffer, 2, store=True)
-    launcher._state.direct.clear()
+    copy_blocks._STATE[spec].direct.clear()  # the engine's verdicts: this launcher proves its own
 
     def wrong(launcher, store):
         other = copy_blocks.CopyLauncher(launcher.spec, launcher.host_buffer, 2)
