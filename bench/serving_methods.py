@@ -262,7 +262,7 @@ class NativeEngine:
         self.wait([ours for ours, _, _ in self._jobs.values()])
         out += self.get_finished()
         if self._mirrored:  # vLLM's region back into the host cache, for the byte check
-            self.host.copy_(self.region.to("cpu"))
+            self.region.copy_to(self.host)
         self.worker.shutdown()
         return out
 

@@ -447,7 +447,7 @@ class NativeWorker:
 
 class PackedHostView:
     """vLLM's host region seen as the packed format's sub-blocks, for the benchmark's byte checks: a
-    ``(num_chunks * f, bytes_per_block)`` uint8 table (``shape``, ``fill_``, ``copy_``, ``to``) whose row
+    ``(num_chunks * f, bytes_per_block)`` uint8 table (``shape``, ``fill_``, ``copy_``, ``copy_to``, ``to``) whose row
     ``c * f + j`` is sub-block ``j`` of chunk ``c`` of every canonical tensor, in order. For pages that are the
     packed format's runs (:class:`NativeWorker`'s ``pages``), that row is the packed sub-block."""
 
@@ -455,15 +455,27 @@ class PackedHostView:
         self.parts = [v.view(torch.uint8).view(v.shape[0] * f, v.shape[1] // f) for v in host_views]
         self.shape = (self.parts[0].shape[0], sum(p.shape[1] for p in self.parts))
 
+    def _columns(self, table: torch.Tensor):
+        """(part, the columns of ``table`` it is) for each part, in order."""
+        col = 0
+        for p in self.parts:
+            yield p, table[:, col : col + p.shape[1]]
+            col += p.shape[1]
+
     def fill_(self, value: int) -> None:
         for p in self.parts:
             p.fill_(value)
 
     def copy_(self, src: torch.Tensor) -> None:
-        col = 0
-        for p in self.parts:
-            p.copy_(src[:, col : col + p.shape[1]])
-            col += p.shape[1]
+        """The table's bytes from ``src``, a ``shape`` table."""
+        for p, cols in self._columns(src):
+            p.copy_(cols)
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        """The table's bytes into ``dst``, a ``shape`` table, part by part: :meth:`copy_`'s inverse, without the
+        whole-table copy :meth:`to` builds (gigabytes at a serving host cache's size)."""
+        for p, cols in self._columns(dst):
+            cols.copy_(p)
 
     def to(self, device) -> torch.Tensor:
         return torch.cat([p.to(device) for p in self.parts], dim=1)

@@ -80,6 +80,25 @@ def _pages(num_blocks: int, widths: list[int], seed: int = 0) -> list[torch.Tens
     return [torch.randint(0, 256, (num_blocks, w), dtype=torch.uint8, generator=gen) for w in widths]
 
 
+def test_the_packed_view_copies_out_the_bytes_it_shows(mods):
+    """copy_to writes the table ``to`` builds, part by part, into every column of a sentinel-filled destination, and
+    leaves vLLM's region alone; copy_ then copy_to round-trips a table of distinct bytes per column."""
+    gen = torch.Generator().manual_seed(1)
+    views = [torch.randint(-128, 128, (3, 2 * w), dtype=torch.int8, generator=gen) for w in (16, 40, 8)]
+    before = [v.clone() for v in views]
+    view = mods["vllm_native"].PackedHostView(views, 2)
+    assert view.shape == (6, 64)
+    dst = torch.full(view.shape, 0xA5, dtype=torch.uint8)
+    view.copy_to(dst)
+    assert torch.equal(dst, view.to("cpu"))
+    assert all(torch.equal(v, b) for v, b in zip(views, before))
+    table = torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=gen)
+    view.copy_(table)
+    out = torch.full(view.shape, 0xA5, dtype=torch.uint8)
+    view.copy_to(out)
+    assert torch.equal(out, table)
+
+
 @needs_vllm033
 def test_vllms_worker_builds_the_descriptors_the_op_replays(mods):
     """vLLM's CPUOffloadingWorker, unchanged, over three canonical tensors: a store with f=2 and a skip lands each
