@@ -27,14 +27,7 @@ from triton_offload.transfer import TransferPlanner
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from case import Env, Prepared, TransferCase, Unavailable, memmove_replay
 from copy_loop import PYTHON_ISSUED, BuildFailed, CompiledCopyLoop, build_copy_loop
-from cuda_driver import (
-    FLAG_DEFAULT,
-    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-    CudaError,
-    HostBatchStandIn,
-    MemcpyBatchCall,
-    batch_attributes,
-)
+from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, CudaError
 from sm_copy import SmCopy, uses_sm_copy
 from vllm_native import VLLM_VERSION, NativeWorker, PackedHostView, VllmUnavailable
 
@@ -117,10 +110,9 @@ def _batch(case: TransferCase, env: Env, plan, flags: int) -> Prepared:
     """One cuMemcpyBatchAsync of every descriptor in ``plan``, srcAccessOrder=STREAM, with ``flags``."""
     src, dst, sizes = plan
     if not env.cuda:
-        stand_in = HostBatchStandIn()
-        attrs = batch_attributes(case.store, 0, flags)
-        call = MemcpyBatchCall(stand_in.address, False, src, dst, sizes, attrs, 0)
-        run = lambda stand_in=stand_in: call()  # the default argument keeps the stand-in's callback alive
+        batch = BatchIssuer(case.device, flags)
+        call = batch.call(src, dst, sizes, case.store, 0)
+        run = lambda batch=batch: call()  # the default argument keeps the stand-in's callback alive
         return Prepared(run, case.host_ids, "cuMemcpyBatchAsync call, run by a memmove stand-in (no CUDA)", True)
     if env.driver is None:
         raise Unavailable(f"needs the CUDA driver: {env.driver_note}")

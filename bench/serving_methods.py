@@ -31,13 +31,7 @@ from triton_offload.layouts import KVCacheSpec
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from case import Env, Unavailable, copy_plan, runs_of
-from cuda_driver import (
-    FLAG_DEFAULT,
-    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-    HostBatchStandIn,
-    MemcpyBatchCall,
-    batch_attributes,
-)
+from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer
 from sm_copy import SmCopy, uses_sm_copy
 
 __all__ = [
@@ -100,16 +94,11 @@ class BatchEngine:
         self.sm_copy_loads, self.name = sm_copy_loads, name
         self.runs = runs_of(self.kv)
         self.cuda = self.kv.device.type == "cuda"
-        index = self.kv.device.index or 0
-        self._attrs = {store: batch_attributes(store, index, flags) for store in (True, False)}
         if self.cuda:
             if self.env.driver is None:
                 raise RuntimeError(f"{name} needs the CUDA driver: {self.env.driver_note}")
-            self._address, self._fail_idx = self.env.driver.batch_entry()
             self._streams = {STORE: torch.cuda.Stream(self.kv.device), LOAD: torch.cuda.Stream(self.kv.device)}
-        else:
-            self._stand_in = HostBatchStandIn()
-            self._address, self._fail_idx = self._stand_in.address, False
+        self._batch = BatchIssuer(self.kv.device, flags, self.env.driver)  # the entry point resolved once
         self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
         self.paths: set[str] = set()  # what it issued: "batch store", "SM copy load", ...
 
@@ -131,7 +120,7 @@ class BatchEngine:
             self.paths.add("SM copy load")
             return SmCopy(src, dst, sizes, self.kv.device)
         self.paths.add(f"cuMemcpyBatchAsync {'store' if store else 'load'}")
-        return MemcpyBatchCall(self._address, self._fail_idx, src, dst, sizes, self._attrs[store], stream)
+        return self._batch.call(src, dst, sizes, store, stream)
 
     def _submit(self, job_id: int, store: bool, gpu_block_ids, host_block_ids) -> None:
         g = np.asarray(gpu_block_ids, dtype=np.int64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -85,7 +86,11 @@ def test_batch_call_hands_the_driver_the_prebuilt_arrays(with_fail_idx):
     assert got["count"] == 37 and got["attr_idxs"] == [0] and got["stream"] == 0x7F00
     assert got["attrs"] == (cd.SRC_ACCESS_ORDER_STREAM, (cd.LOCATION_DEVICE, 3), (cd.LOCATION_HOST, 0), 1)
     assert got["fail_idx"] is with_fail_idx
-    # And the copies those arrays describe are the right ones.
+    _assert_copied(src, dst, srcs, dsts, sizes)
+
+
+def _assert_copied(src, dst, srcs, dsts, sizes) -> None:
+    """The copies a :func:`_host_plan` describes are the right ones, and nothing around them changed."""
     for s, d, n in zip(srcs - np.uint64(src.ctypes.data), dsts - np.uint64(dst.ctypes.data), sizes):
         assert np.array_equal(dst[int(d) : int(d + n)], src[int(s) : int(s + n)])
     assert (dst[:32] == 0xA5).all() and (dst[32 + int(sizes.sum()) :] == 0xA5).all()
@@ -105,6 +110,46 @@ def test_a_driver_error_raises_and_names_the_copy(with_fail_idx):
     want = "of 9 copies failed: CUresult 1" + (", failIdx=5" if with_fail_idx else "$")
     with pytest.raises(cd.CudaError, match=want):
         call()
+
+
+class _StandInDriver:
+    """A driver whose cuMemcpyBatchAsync is a host stand-in of the 12.8 ABI; counts the entry-point lookups."""
+
+    def __init__(self):
+        self.stand_in, self.lookups = cd.HostBatchStandIn(with_fail_idx=True), 0
+
+    def batch_entry(self) -> tuple[int, bool]:
+        self.lookups += 1
+        return self.stand_in.address, True
+
+
+def test_a_batch_issuer_resolves_the_entry_once_and_builds_unissued_batches():
+    """On CUDA the driver given is asked for the entry point once, for every batch after; each batch carries its
+    direction's attributes (the device's index, the flags) and is issued only when called. Without CUDA a memmove
+    stand-in is the driver."""
+    driver = _StandInDriver()
+    issuer = cd.BatchIssuer(SimpleNamespace(type="cuda", index=2), cd.FLAG_PREFER_OVERLAP_WITH_COMPUTE, driver)
+    device, host = (cd.LOCATION_DEVICE, 2), (cd.LOCATION_HOST, 0)
+    for i, gpu_to_host in enumerate((True, False, True)):
+        src, dst, srcs, dsts, sizes = _host_plan(5, seed=i)
+        call = issuer.call(srcs, dsts, sizes, gpu_to_host, stream=0x51)
+        assert len(driver.stand_in.calls) == i and (dst == 0xA5).all()  # built, not issued
+        call()
+        got = driver.stand_in.calls[-1]
+        where = (device, host) if gpu_to_host else (host, device)
+        assert got["attrs"] == (cd.SRC_ACCESS_ORDER_STREAM, *where, cd.FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        assert got["count"] == 5 and got["stream"] == 0x51 and got["fail_idx"]
+        _assert_copied(src, dst, srcs, dsts, sizes)
+    assert driver.lookups == 1
+    cpu = cd.BatchIssuer(SimpleNamespace(type="cpu", index=None), cd.FLAG_DEFAULT)
+    src, dst, srcs, dsts, sizes = _host_plan(7)
+    call = cpu.call(srcs, dsts, sizes, False, 0)
+    assert cpu.stand_in.calls == []
+    call()
+    (got,) = cpu.stand_in.calls
+    assert got["attrs"] == (cd.SRC_ACCESS_ORDER_STREAM, (cd.LOCATION_HOST, 0), (cd.LOCATION_DEVICE, 0), cd.FLAG_DEFAULT)
+    assert got["count"] == 7 and not got["fail_idx"]
+    _assert_copied(src, dst, srcs, dsts, sizes)
 
 
 def test_mismatched_descriptor_arrays_are_refused():

@@ -36,6 +36,7 @@ __all__ = [
     "batch_prototype",
     "MemcpyBatchCall",
     "HostBatchStandIn",
+    "BatchIssuer",
     "CudaDriver",
     "load_driver",
     "shared_driver",
@@ -186,6 +187,38 @@ class HostBatchStandIn:
         for i in range(count):
             ctypes.memmove(d[i], s[i], n[i])
         return 0
+
+
+class BatchIssuer:
+    """Batches of one device and one set of flags: the ``cuMemcpyBatchAsync`` entry point resolved once (the driver's
+    newest ABI on CUDA; without CUDA a :class:`HostBatchStandIn`, held here so its callback lives as long as this
+    object) and one :func:`batch_attributes` entry per direction.
+
+    Args:
+        device: where the KV caches live (a ``torch.device``; its ``type`` and ``index`` are read).
+        flags: the CUmemcpyAttributes flags of every batch.
+        driver: the driver to resolve the entry point from on CUDA; None: :func:`shared_driver` of the device.
+
+    Raises:
+        CudaError: on CUDA, the driver cannot be loaded or has no cuMemcpyBatchAsync (before 12.8).
+    """
+
+    def __init__(self, device, flags: int, driver: CudaDriver | None = None):
+        self.cuda = device.type == "cuda"
+        index = device.index or 0
+        if self.cuda:
+            driver = driver if driver is not None else shared_driver(index)
+            self.address, self.with_fail_idx = driver.batch_entry()
+        else:
+            self.stand_in = HostBatchStandIn()
+            self.address, self.with_fail_idx = self.stand_in.address, False
+        self._attrs = {gpu_to_host: batch_attributes(gpu_to_host, index, flags) for gpu_to_host in (True, False)}
+
+    def call(self, srcs, dsts, sizes, gpu_to_host: bool, stream: int) -> MemcpyBatchCall:
+        """The batch of these descriptors on ``stream`` (a raw CUstream; 0 on CPU), built, not issued: calling it
+        issues it. It holds the descriptor arrays: keep it until the copies have completed."""
+        attrs = self._attrs[gpu_to_host]
+        return MemcpyBatchCall(self.address, self.with_fail_idx, srcs, dsts, sizes, attrs, stream)
 
 
 class CudaDriver:

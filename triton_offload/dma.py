@@ -24,13 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from triton_offload.cuda_driver import (
-    FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-    HostBatchStandIn,
-    MemcpyBatchCall,
-    batch_attributes,
-    shared_driver,
-)
+from triton_offload.cuda_driver import FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, MemcpyBatchCall
 from triton_offload.kernels.copy_blocks import TransferPlan
 from triton_offload.layouts import KVCacheSpec, Segment
 
@@ -178,15 +172,7 @@ class DmaCopier:
     def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
         self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block)
         self.cuda = spec.device.type == "cuda"
-        index = spec.device.index or 0
-        if self.cuda:
-            self._address, self._fail_idx = shared_driver(index).batch_entry()
-        else:
-            self._stand_in = HostBatchStandIn()
-            self._address, self._fail_idx = self._stand_in.address, False
-        self._attrs = {
-            store: batch_attributes(store, index, FLAG_PREFER_OVERLAP_WITH_COMPUTE) for store in (True, False)
-        }
+        self._batch = BatchIssuer(spec.device, FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
     def count(self, plan: TransferPlan) -> int:
         return self.planner.count(plan)
@@ -195,6 +181,6 @@ class DmaCopier:
         """Builds ``plan``'s descriptors and issues them on ``stream`` (a raw CUstream; 0 on CPU, where the copies
         run now). The returned call holds the descriptor arrays: keep it until the copies have completed."""
         src, dst, nbytes = self.planner.descriptors(plan)
-        call = MemcpyBatchCall(self._address, self._fail_idx, src, dst, nbytes, self._attrs[plan.store], stream)
+        call = self._batch.call(src, dst, nbytes, plan.store, stream)
         call()
         return call
