@@ -29,7 +29,7 @@ from case import Env, Prepared, TransferCase, Unavailable, memmove_replay
 from copy_loop import PYTHON_ISSUED, BuildFailed, CompiledCopyLoop, build_copy_loop
 from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, CudaError
 from sm_copy import SmCopy, uses_sm_copy
-from vllm_native import VLLM_VERSION, NativeWorker, PackedHostView, VllmUnavailable
+from vllm_native import VLLM_VERSION, NativeWorker, PackedHostView, open_native_worker
 
 __all__ = [
     "METHODS",
@@ -157,9 +157,7 @@ def _native_worker(case: TransferCase, env: Env) -> NativeWorker:
         return held[1]
     if held is not None:
         held[1].shutdown()  # frees its region before the next is allocated
-    if env.cuda and env.driver is None:
-        raise Unavailable(f"needs the CUDA driver for vLLM's swap_blocks_batch: {env.driver_note}")
-    worker = NativeWorker([r.view for r in case.runs], case.f, case.host.shape[0], env.driver)
+    worker = open_native_worker([r.view for r in case.runs], case.f, case.host.shape[0], env)
     _NATIVE_WORKERS[case.spec] = (key, worker)
     return worker
 
@@ -174,10 +172,7 @@ class VllmNative:
     streams and Triton load kernel, its compiled op replaced by the same cuMemcpyBatchAsync through ctypes."""
 
     def prepare(self, case: TransferCase, env: Env) -> Prepared:
-        try:
-            worker = _native_worker(case, env)
-        except VllmUnavailable as exc:
-            raise Unavailable(str(exc)) from exc
+        worker = _native_worker(case, env)
         specs = worker.transfer_specs(case.gpu_ids, case.host_ids, case.skip)  # the scheduler's side, built once
         if env.cuda:
             worker.warm(case.store, specs, NATIVE_WARM_DEPTH)  # vLLM's pools as a running engine's, before timing

@@ -30,9 +30,10 @@ from triton_offload.layouts import KVCacheSpec
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from case import Env, Unavailable, copy_plan, runs_of
+from case import Env, copy_plan, runs_of
 from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer
 from sm_copy import SmCopy, uses_sm_copy
+from vllm_native import PackedHostView, open_native_worker  # imports vLLM only when a worker is opened
 
 __all__ = [
     "OffloadTarget",
@@ -199,15 +200,8 @@ class NativeEngine:
     """
 
     def __init__(self, target: OffloadTarget):
-        from vllm_native import NativeWorker, PackedHostView, VllmUnavailable  # imports vLLM only when used
-
-        env, host = target.env, target.host_buffer
-        if env.cuda and env.driver is None:
-            raise Unavailable(f"needs the CUDA driver for vLLM's swap_blocks_batch: {env.driver_note}")
-        try:
-            self.worker = NativeWorker([r.view for r in runs_of(target.kv)], 1, host.shape[0], env.driver)
-        except VllmUnavailable as exc:
-            raise Unavailable(str(exc)) from exc
+        host = target.host_buffer
+        self.worker = open_native_worker([r.view for r in runs_of(target.kv)], 1, host.shape[0], target.env)
         self.region = PackedHostView(self.worker.host_views, 1)
         self.host, self.bytes_per_block = host, target.kv.bytes_per_block
         self.impl = f"vllm_native: vLLM's own worker ({self.worker.vllm.where}), swap_blocks_batch -> {self.worker.op}"

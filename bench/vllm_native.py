@@ -48,6 +48,7 @@ import torch
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from case import Env, Unavailable
 from cuda_driver import (
     SRC_ACCESS_ORDER_ANY,
     SRC_ACCESS_ORDER_STREAM,
@@ -66,6 +67,7 @@ __all__ = [
     "SwapBlocksBatch",
     "install_swap_op",
     "NativeWorker",
+    "open_native_worker",
     "PackedHostView",
 ]
 
@@ -443,6 +445,21 @@ class NativeWorker:
         """Drains both directions and frees vLLM's streams and region (vLLM's ``shutdown``)."""
         with self._vllm_code():
             self.worker.shutdown()
+
+
+def open_native_worker(pages: Sequence[torch.Tensor], blocks_per_chunk: int, num_chunks: int, env: Env) -> NativeWorker:
+    """A :class:`NativeWorker` for the benchmarks (``vllm_native``), on ``env``'s driver.
+
+    Raises:
+        case.Unavailable: no CUDA driver on a CUDA machine, or vLLM 0.33.0's code cannot be imported here (the
+            message says why).
+    """
+    if env.cuda and env.driver is None:
+        raise Unavailable(f"needs the CUDA driver for vLLM's swap_blocks_batch: {env.driver_note}")
+    try:
+        return NativeWorker(pages, blocks_per_chunk, num_chunks, env.driver)
+    except VllmUnavailable as exc:
+        raise Unavailable(str(exc)) from exc
 
 
 class PackedHostView:

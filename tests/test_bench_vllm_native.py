@@ -201,6 +201,13 @@ def test_without_vllm_033_the_method_says_why(mods, monkeypatch):
     monkeypatch.setattr(native, "_load", lambda: "no vLLM is on the path; build its bundle")
     with pytest.raises(native.VllmUnavailable, match="build its bundle"):
         native.NativeWorker(_pages(4, [16]), 1, 1)
+    # The benchmarks' opening of a worker (both vllm_native methods): the reason, as the method's n/a.
+    Unavailable, Env = mods["case"].Unavailable, mods["case"].Env
+    with pytest.raises(Unavailable, match="^no vLLM is on the path; build its bundle$"):
+        native.open_native_worker(_pages(4, [16]), 1, 1, Env(torch.device("cpu"), None, "no CUDA"))
+    no_driver = Env(torch.device("cuda"), None, "cannot load libcuda.so.1")
+    with pytest.raises(Unavailable, match="^needs the CUDA driver for vLLM's swap_blocks_batch: cannot load libcuda"):
+        native.open_native_worker(_pages(4, [16]), 1, 1, no_driver)
 
 
 @pytest.mark.gpu
