@@ -28,6 +28,7 @@ from triton_offload.transfer import TransferPlanner
 from case import Env, Prepared, TransferCase, Unavailable, memmove_replay
 from copy_loop import PYTHON_ISSUED, BuildFailed, CompiledCopyLoop, build_copy_loop
 from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, CudaError
+from grid import NATIVE_WARM_DEPTH
 from sm_copy import SmCopy, uses_sm_copy
 from vllm_native import VLLM_VERSION, NativeWorker, PackedHostView, open_native_worker
 
@@ -160,10 +161,6 @@ def _native_worker(case: TransferCase, env: Env) -> NativeWorker:
     worker = open_native_worker([r.view for r in case.runs], case.f, case.host.shape[0], env)
     _NATIVE_WORKERS[case.spec] = (key, worker)
     return worker
-
-
-# Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
-NATIVE_WARM_DEPTH = 16
 
 
 class VllmNative:

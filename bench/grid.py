@@ -1,6 +1,7 @@
-"""What the transfer benchmark measures, in one place: the sweep grid of a full run and of ``--quick``, and what the
-extras measure on. Stdlib only: ``parts.py`` sizes the GPU runner's parts from it before the project is installed,
-and ``sweep.py``, ``cpu_check.py`` and ``bench_transfer.py`` run from it."""
+"""What the transfer benchmark measures, in one place: the sweep grid of a full run and of ``--quick``, what the
+extras measure on, and how far ``vllm_native`` is warmed. Stdlib only: ``parts.py`` sizes the GPU runner's parts from
+it before the project is installed, and ``sweep.py``, ``cpu_check.py``, ``bench_transfer.py`` and ``baselines.py`` run
+from it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ __all__ = [
     "EXTRAS_LAYOUT",
     "EXTRAS_BLOCKS",
     "EXTRAS_BASELINES",
+    "NATIVE_WARM_DEPTH",
 ]
 
 
@@ -61,3 +63,6 @@ def host_rows(n: int, f: int, skip: int) -> int:
 # every num_ctas of the sweep and these baselines.
 EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024
 EXTRAS_BASELINES = ("memcpy_batch", "vllm033", "vllm_native")
+
+# Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
+NATIVE_WARM_DEPTH = 16

@@ -29,7 +29,7 @@ import sys
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, QUICK, Grid, host_rows
+from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, NATIVE_WARM_DEPTH, QUICK, Grid, host_rows
 from results import BASELINE_ORDER, result_stem
 from serving_config import (
     CONTIGUOUS_REPEATS,
@@ -87,7 +87,6 @@ DUPLEX_POINTS = 2
 NATIVE_RUN_S = 12e-6
 NATIVE_DESCRIPTOR_S = 0.01e-6
 PIN_BPS = 5e9  # allocating and zeroing pinned host memory
-NATIVE_WARM_DEPTH = 16  # baselines.NATIVE_WARM_DEPTH (baselines imports torch; tests/test_bench_runner.py compares)
 # sm_copy.MAX_PAGE_BYTES: vllm033 (like vLLM's own worker) loads smaller pages with its SM copy (sm_copy imports
 # Triton, which this module, run before the project is installed, must not; tests/test_bench_runner.py checks that the
 # two agree).

@@ -144,11 +144,6 @@ def test_the_time_model_uses_the_sm_copy_threshold(parts):
         assert parts.SM_COPY_MAX_PAGE_BYTES == sm_copy.MAX_PAGE_BYTES
 
 
-def test_the_time_model_counts_vllm_natives_warm_up(parts):
-    with bench_modules("baselines") as (baselines,):
-        assert parts.NATIVE_WARM_DEPTH == baselines.NATIVE_WARM_DEPTH
-
-
 def test_the_time_model_counts_the_default_num_ctas():
     """The sweep always adds the kernel's default num_ctas; parts.py (which cannot import the kernel) counts the
     Triton points from the grids, so the default must be in both for its estimates to hold."""
