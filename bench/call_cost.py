@@ -34,6 +34,7 @@ from triton_offload.transfer import check_host_buffer, planner_for
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from parts import CALL_COST_CALLS
 from results import machine_info, write_json
 from timing import stats_us
 from workloads import WORKLOADS, make_caches
@@ -198,7 +199,7 @@ def measure(tiny: bool, calls: int) -> dict[str, dict[str, dict]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (any machine; CPU runs the interpreter)")
-    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--calls", type=int, default=CALL_COST_CALLS)
     ap.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()

@@ -48,7 +48,7 @@ __all__ = ["TEST_PART", "SERVING_PART", "CALL_COST_PART", "PARTS", "LIMIT_S", "e
 TEST_PART = "tests"  # `pytest -m gpu`
 SERVING_PART = "serving"  # bench/serving.py; the parts in PARTS run bench/bench_transfer.py
 CALL_COST_PART = "call-cost"  # bench/call_cost.py: host time per call, direct launch vs Triton's dispatch
-CALL_COST_CALLS = 400  # call_cost.py's default --calls
+CALL_COST_CALLS = 400  # call_cost.py's default --calls (it imports this)
 # call_cost.py's rows that each issue CALL_COST_CALLS transfers of 1024 blocks x 80 layers of 8 KiB pages: the public
 # calls and engine submits, each with the direct launch and with Triton's dispatch, and the launch alone twice.
 CALL_COST_ROWS = 10
