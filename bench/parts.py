@@ -33,6 +33,7 @@ from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, NATIVE_
 from results import BASELINE_ORDER, result_stem
 from serving_config import (
     CONTIGUOUS_REPEATS,
+    DEFAULT_METHODS,
     DUPLEX_REPEATS,
     GATE_US,
     GPU_LOOP,
@@ -78,9 +79,9 @@ MATMUL_FLOPS = 400e12  # the serving step's bf16 products on an H100 (dense peak
 LAUNCH_S = 10e-6  # one kernel launch from Python
 KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes
 CHECK_BPS = 2e9  # the serving byte check: host index + pageable copy up + compare; the prefixes' byte sums
-# none, triton at the default and each other num_ctas, auto, vllm033, vllm_native, dma (serving_methods.method_points:
-# Triton); the duplex is measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
-SERVING_POINTS = 6 + len(GPU_LOOP.triton_ctas)
+# Each default method once, triton also at each other num_ctas (serving_methods.method_points: Triton); the duplex is
+# measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
+SERVING_POINTS = len(DEFAULT_METHODS) + len(GPU_LOOP.triton_ctas)
 DUPLEX_POINTS = 2
 # vLLM's transfer_async per call: per canonical tensor (run) and per descriptor, measured in host replay on the
 # 2-core CI-class VM (10-14 us per tensor at 16-1024 blocks; a GPU machine's host is faster).
@@ -129,16 +130,14 @@ def _sweep_s(workloads, grid: Grid, one_layout: bool) -> float:
             block_bytes = w.num_layers * w.page_bytes
             host_bytes = max(_host_bytes(grid.blocks[-1], f, skip, block_bytes) for f, skip in grid.host_configs)
             total += 2.0 + host_bytes / PIN_BPS  # allocation: pinning runs at a few GB/s
-            if "auto" in BASELINE_ORDER:
-                total += CALIBRATE_S * len(grid.host_configs)
+            total += CALIBRATE_S * len(grid.host_configs)  # auto's calibrations
             for n in grid.blocks:
                 nbytes = n * block_bytes
                 for f, skip in grid.host_configs:
                     # A check fills the case's host view, moves it over the link a few times and compares on the GPU.
                     case_host = _host_bytes(n, f, skip, block_bytes)
                     check = 4 * case_host / LINK_BPS + case_host / HOST_MEMSET_BPS + 0.02
-                    if "vllm_native" in BASELINE_ORDER:
-                        total += case_host / PIN_BPS  # vLLM's own region, one per host format and size
+                    total += case_host / PIN_BPS  # vllm_native: vLLM's own region, one per host format and size
                     for store in (True, False):
                         for method, c in methods:
                             t = _transfer_s(method, c, nbytes, n * runs, store, w.page_bytes, runs)
