@@ -36,7 +36,7 @@ from serving_blocks import Blocks
 from serving_config import LoopShape, RingSizes, ring_sizes
 from serving_methods import OffloadTarget
 from serving_model import StepModel
-from verify import SENTINEL, reference_blocks
+from verify import SENTINEL, reference_blocks, where_in_block
 from workloads import Workload, make_caches
 
 __all__ = ["Setup", "setup_workload", "StepRecord", "LoopRun", "run_loop", "byte_check", "compare_blocks"]
@@ -249,11 +249,6 @@ def run_loop(setup: Setup, engine, defer_stores: bool = False) -> LoopRun:
     return run
 
 
-def _where(spec: to.KVCacheSpec, offset: int) -> str:
-    seg = max((s for s in spec.segments if s.host_offset <= offset), key=lambda s: s.host_offset)
-    return f"layer {seg.layer}, byte {offset - seg.host_offset} of its run"
-
-
 def compare_blocks(setup: Setup, host_ids: np.ndarray, gpu_ids: np.ndarray, what: str) -> str | None:
     """None when host block ``host_ids[i]`` holds exactly GPU block ``gpu_ids[i]``'s packed bytes (all layers) for
     every i, else where the first difference is. Compared on the device, in chunks."""
@@ -270,7 +265,7 @@ def compare_blocks(setup: Setup, host_ids: np.ndarray, gpu_ids: np.ndarray, what
             if first is None:
                 i = int(diff.nonzero()[0])
                 off = int((got[i] != want[i]).nonzero()[0])
-                first = f"host block {int(h[i])} vs GPU block {int(g[i])}, {_where(spec, off)}"
+                first = f"host block {int(h[i])} vs GPU block {int(g[i])}, {where_in_block(spec.segments, off)}"
     return None if not bad else f"{what}: {bad} of {host_ids.size} blocks differ; first: {first}"
 
 

@@ -17,7 +17,7 @@ from triton_offload.kernels.reference import gather_blocks_ref
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from case import Prepared, TransferCase
 
-__all__ = ["SENTINEL", "reference_blocks", "check_method"]
+__all__ = ["SENTINEL", "reference_blocks", "where_in_block", "check_method"]
 
 SENTINEL = 0xA5
 
@@ -31,6 +31,13 @@ def reference_blocks(spec, gpu_ids: np.ndarray, device: torch.device) -> torch.T
     return out
 
 
+def where_in_block(segments, offset: int) -> str:
+    """Where byte ``offset`` of a packed block lies, as ``"layer L, byte B of its run"``; ``segments``: the spec's
+    segments (or the runs merged from them), each with its ``layer`` and ``host_offset`` in the block."""
+    seg = max((s for s in segments if s.host_offset <= offset), key=lambda s: s.host_offset)
+    return f"layer {seg.layer}, byte {offset - seg.host_offset} of its run"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -42,10 +49,9 @@ def _describe(got: torch.Tensor, want: torch.Tensor, case: TransferCase, ids: np
     bad = diff.any(dim=1).nonzero().flatten()
     i = int(bad[0])
     off = int(diff[i].nonzero()[0])
-    run = max((r for r in case.runs if r.host_offset <= off), key=lambda r: r.host_offset)
     return (
         f"{what}: {bad.numel()} of {case.n} blocks differ; first at position {i} (GPU block {int(ids[i])}), "
-        f"byte {off} of the block = layer {run.layer}, byte {off - run.host_offset} of its run: "
+        f"byte {off} of the block = {where_in_block(case.runs, off)}: "
         f"got {int(got[i, off]):#04x}, expected {int(want[i, off]):#04x}"
     )
 
