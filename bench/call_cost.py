@@ -167,16 +167,16 @@ def engine_calls(s: Setup, calls: int, fast: bool) -> tuple[dict[str, dict], dic
 def _trace_steps(marks: list[tuple[str, int]], prefix: str) -> dict[str, dict]:
     """Median (and p99) microseconds of each traced step over the calls in ``marks``."""
     per_step: dict[str, list[float]] = {}
-    start = None
+    prev = None  # the previous mark's time; None before the first call's "submit"
     for step, t in marks:
         if step == "submit":
-            start = prev = t
+            prev = t
             continue
-        if start is None:
+        if prev is None:
             continue
         per_step.setdefault(step, []).append((t - prev) / 1e9)
         prev = t
-    return {f"{prefix} / {ENGINE_STEPS.get(k, k)}": {**stats_us(v)} for k, v in per_step.items()}
+    return {f"{prefix} / {ENGINE_STEPS.get(k, k)}": stats_us(v) for k, v in per_step.items()}
 
 
 def measure(tiny: bool, calls: int) -> dict[str, dict[str, dict]]:
