@@ -166,7 +166,7 @@ def _finished(results, unfinished: set[int], load_device_s: dict[int, float], pa
             # vLLM asserts that a job succeeded; going on would hand the model garbage KV.
             raise RuntimeError(f"{r.direction} job {r.job_id} failed: {r.error}")
         unfinished.discard(r.job_id)
-        paths[r.direction, getattr(r, "path", None)] += 1
+        paths[r.direction, r.path] += 1
         if r.direction == "load":
             load_device_s[r.job_id] = r.seconds
 
