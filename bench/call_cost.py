@@ -95,7 +95,9 @@ def setup(tiny: bool) -> Setup:
 
 
 def public_calls(s: Setup, calls: int, fast: bool) -> dict[str, dict]:
-    """The whole public calls, with the direct launch on or off (the environment switch the calls read)."""
+    """The whole public calls, with the direct launch on or off (the environment switch the calls read; the caller's
+    setting, or its absence, is put back afterwards)."""
+    prior = os.environ.get(FAST_LAUNCH_ENV)
     os.environ[FAST_LAUNCH_ENV] = "1" if fast else "0"
     try:
         gather = lambda: to.gather_blocks(s.spec, s.g, s.host, s.h)  # noqa: E731
@@ -108,7 +110,10 @@ def public_calls(s: Setup, calls: int, fast: bool) -> dict[str, dict]:
             f"scatter_blocks, {label}": timed(scatter, s.device, calls),
         }
     finally:
-        del os.environ[FAST_LAUNCH_ENV]
+        if prior is None:
+            os.environ.pop(FAST_LAUNCH_ENV, None)
+        else:
+            os.environ[FAST_LAUNCH_ENV] = prior
 
 
 def public_steps(s: Setup, calls: int) -> dict[str, dict]:
