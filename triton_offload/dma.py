@@ -171,7 +171,6 @@ class DmaCopier:
 
     def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
         self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block)
-        self.cuda = spec.device.type == "cuda"
         self._batch = BatchIssuer(spec.device, FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
     def count(self, plan: TransferPlan) -> int:
