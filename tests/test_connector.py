@@ -34,6 +34,8 @@ from triton_offload.connector.spec import TritonOffloadingSpec  # noqa: E402
 from triton_offload.engine import JobResult as EngineResult  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+# What vLLM's plugin loader does in each of its processes: every test resolves the spec by name, whichever runs first.
+plugin.register()
 
 SENTINEL = 0x5A
 
@@ -340,7 +342,13 @@ def test_store_f2_then_load_with_skip_into_other_blocks(path, device):
     worker.shutdown()
 
 
-def test_two_groups_with_different_layers_and_pages(device):
+# The kernel (grouped and padded tables included) and the copy-engine path, each pinned: auto, the CUDA default,
+# would let a calibration decide which of them these transfers exercise.
+BOTH_PATHS = pytest.mark.parametrize("path", ["kernel", "dma"])
+
+
+@BOTH_PATHS
+def test_two_groups_with_different_layers_and_pages(path, device):
     """HMA: group 0 has layers 0 and 1 (512-byte pages), group 1 layer 2 (256 bytes); one job moves both groups,
     each with its own skip, in one submission."""
     tensors = canonical(16, [512, 512, 256], device=device)
@@ -348,7 +356,7 @@ def test_two_groups_with_different_layers_and_pages(device):
         tensors,
         [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)], [CanonicalKVCacheRef(2, 256)]],
     )
-    spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1280, num_groups=2)
+    spec, mgr, worker = spec_and_worker(kv, f=2, worker_bytes=1280, num_groups=2, transfer_path=path)
     assert worker.kv.groups == ((0, 1), (2,)) and worker.kv.bytes_per_block == 1024
     before = [t.tensor.clone() for t in tensors]
     rc = ctx()
@@ -371,11 +379,12 @@ def test_two_groups_with_different_layers_and_pages(device):
     worker.shutdown()
 
 
-def test_padded_pages_move_only_the_unpadded_bytes(device):
+@BOTH_PATHS
+def test_padded_pages_move_only_the_unpadded_bytes(path, device):
     """stride(0) exceeds the page: the refs name 384 un-padded bytes of 512-byte rows; padding is never moved."""
     tensors = canonical(8, [384, 384], pad=128, device=device)
     kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 384), CanonicalKVCacheRef(1, 384)]])
-    spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024)
+    spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024, transfer_path=path)
     assert worker.kv.bytes_per_block == 768
     rc = ctx()
     out = mgr.prepare_store([key(0), key(1)], rc)
@@ -393,7 +402,8 @@ def test_padded_pages_move_only_the_unpadded_bytes(device):
     worker.shutdown()
 
 
-def test_aliased_refs_are_moved_once(device):
+@BOTH_PATHS
+def test_aliased_refs_are_moved_once(path, device):
     """Two layers of group 0 alias tensor 0 (moved once, the larger page wins); group 1 overlays the same tensor,
     as vLLM's packed layouts do (one ref per group to tensor 0)."""
     tensors = canonical(8, [512, 256], device=device)
@@ -404,7 +414,7 @@ def test_aliased_refs_are_moved_once(device):
             [CanonicalKVCacheRef(0, 512)],
         ],
     )
-    spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024, num_groups=2)
+    spec, mgr, worker = spec_and_worker(kv, f=1, worker_bytes=1024, num_groups=2, transfer_path=path)
     assert worker.kv.num_layers == 2 and worker.kv.groups == ((0, 1), (0,))
     assert worker.kv.group_bytes == (768, 512)
     before = [t.tensor.clone() for t in tensors]

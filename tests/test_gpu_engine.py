@@ -17,21 +17,24 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: long enough that an unordered tra
 
 
 def warm_up(eng: TransferEngine, block: int, host_block: int) -> None:
-    """One store and one load, waited for: compiles both kernel variants. A cold compile takes longer than the
-    tests' sleeps, which would then be over before the transfer is launched and test no ordering at all."""
+    """One store and one load, waited for: on the kernel path, compiles both kernel variants. A cold compile takes
+    longer than the tests' sleeps, which would then be over before the transfer is launched and test no ordering."""
     eng.submit_store(-1, [block], [host_block])
     eng.submit_load(-2, [block], [host_block])
     eng.wait([-1, -2])
     assert all(r.ok for r in eng.get_finished())
 
 
-@pytest.fixture
-def make(make_host_cache):
+@pytest.fixture(params=["kernel", "dma"])
+def make(request, make_host_cache):
+    """Engines of each path, pinned: the orderings hold for both, and auto (the CUDA default) would let a
+    calibration decide which one a test exercises."""
+
     def build(layers=4, num_blocks=64, host_blocks=64):
         caches = make_caches("block_first", layers, num_blocks, PAGE, torch.bfloat16, device="cuda")
         spec = to.KVCacheSpec(caches, "block_first")
         cache = make_host_cache(spec.host_block_bytes(1), host_blocks * spec.host_block_bytes(1))
-        eng = TransferEngine(spec, cache.buffer)
+        eng = TransferEngine(spec, cache.buffer, path=request.param)
         warm_up(eng, num_blocks - 1, host_blocks - 1)
         return caches, spec, cache, eng
 

@@ -1,5 +1,5 @@
-"""TritonTieringOffloadingSpec on CUDA: the shared region is registered with the driver and the compiled kernel writes
-vLLM's worker-slot layout. Run with -m gpu (needs vLLM's CUDA build)."""
+"""TritonTieringOffloadingSpec on CUDA: the shared region is registered with the driver, and the compiled kernel and
+the copy-engine path write vLLM's worker-slot layout. Run with -m gpu (needs vLLM's CUDA build)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ from vllm_configs import finished  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 
+@pytest.mark.parametrize("path", ["kernel", "dma"])  # each pinned: auto would let a calibration pick
 @pytest.mark.parametrize("f", [1, 2], ids=lambda f: f"f{f}")
-def test_pinned_region_store_and_load_on_cuda(f):
+def test_pinned_region_store_and_load_on_cuda(f, path):
     cpu_kv = tt.kv_caches(seed=f)
     kv = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t.tensor.cuda(), t.page_size_bytes) for t in cpu_kv.tensors], cpu_kv.group_data_refs
     )
-    config = tt.make_config({"cpu_bytes_to_use": 16 * 4096 * f}, num_groups=2, worker_bytes=sum(tt.PAGES), f=f)
+    config = tt.make_config(
+        {"cpu_bytes_to_use": 16 * 4096 * f, "transfer_path": path}, num_groups=2, worker_bytes=sum(tt.PAGES), f=f
+    )
     spec = OffloadingSpecFactory.create_spec(config)
     worker = spec.get_worker(kv)
     region, views = tt.vllm_views(config, spec, 0)

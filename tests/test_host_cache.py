@@ -248,7 +248,7 @@ def test_device_pointer_query_failure_names_the_cuda_error(monkeypatch):
 @pytest.mark.gpu
 def test_pinned_cache_on_cuda(monkeypatch, make_host_cache):
     monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 256 * 2**20)
-    block = 3 * 2**20  # 683 blocks; chunks of 85 whole blocks (255 MiB), the last of 3
+    block = 3 * 2**20  # 682 blocks; chunks of 85 whole blocks (255 MiB), the last of 2
     cache = make_host_cache(block, 2 * 2**30 + 5, populate_threads=8, register_threads=4)
     assert cache.pinned and cache.buffer.is_pinned() and len(cache._registered) == 9
     assert all(size % block == 0 for _, size in cache._registered)
