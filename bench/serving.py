@@ -178,7 +178,9 @@ def _duplex_row(setup: Setup, point: MethodPoint, env: Env, repeats: int) -> dic
 
 
 def _say_row(r: dict) -> None:
-    if r["byte_check"] != "pass":
+    if r["byte_check"] == "n/a":  # cannot run on this machine: its impl says why
+        say(f"    {r['impl']}", "yellow")
+    elif r["byte_check"] != "pass":
         say(f"    FAIL: {r['byte_check_note']}", "bold red")
     elif r["step_ms_median"] is not None:
         load = "" if r["load_latency_ms_median"] is None else f", load {r['load_latency_ms_median']} ms"
