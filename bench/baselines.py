@@ -109,18 +109,16 @@ class MemcpyPerBlock:
 
 def _batch(case: TransferCase, env: Env, plan, flags: int) -> Prepared:
     """One cuMemcpyBatchAsync of every descriptor in ``plan``, srcAccessOrder=STREAM, with ``flags``."""
-    src, dst, sizes = plan
-    if not env.cuda:
-        batch = BatchIssuer(case.device, flags)
-        call = batch.call(src, dst, sizes, case.store, 0)
-        run = lambda batch=batch: call()  # the default argument keeps the stand-in's callback alive
-        return Prepared(run, case.host_ids, "cuMemcpyBatchAsync call, run by a memmove stand-in (no CUDA)", True)
-    if env.driver is None:
+    if env.cuda and env.driver is None:
         raise Unavailable(f"needs the CUDA driver: {env.driver_note}")
     try:
-        call = env.driver.memcpy_batch(src, dst, sizes, case.store, flags, env.stream_handle)
+        batch = BatchIssuer(case.device, flags, env.driver)  # without CUDA, a memmove stand-in for the driver
     except CudaError as exc:
         raise Unavailable(str(exc)) from exc
+    call = batch.call(*plan, case.store, env.stream_handle)
+    if not env.cuda:
+        run = lambda batch=batch: call()  # the default argument keeps the stand-in's callback alive
+        return Prepared(run, case.host_ids, "cuMemcpyBatchAsync call, run by a memmove stand-in (no CUDA)", True)
     return Prepared(call, case.host_ids, f"one cuMemcpyBatchAsync over prebuilt arrays ({env.driver_note})")
 
 

@@ -291,12 +291,6 @@ class CudaDriver:
         wanted = f"the {abi} ABI of " if abi else ""
         raise CudaError(f"the driver supports CUDA {self.version}; {wanted}cuMemcpyBatchAsync needs 12.8 (12080)")
 
-    def memcpy_batch(self, srcs, dsts, sizes, gpu_to_host: bool, flags: int, stream: int) -> MemcpyBatchCall:
-        """A prepared cuMemcpyBatchAsync of every descriptor, one attribute entry for all (see batch_attributes)."""
-        address, with_fail_idx = self.batch_entry()
-        attrs = batch_attributes(gpu_to_host, self.device_index, flags)
-        return MemcpyBatchCall(address, with_fail_idx, srcs, dsts, sizes, attrs, stream)
-
     def memcpy_async(self):
         """``cuMemcpyAsync(dst, src, bytes, stream) -> CUresult`` as a ctypes function (one Python call per copy)."""
         if self._memcpy_async is None:
