@@ -121,14 +121,18 @@ def test_with_cuda_a_bad_option_is_refused_before_installing(tmp_path):
 def test_the_dry_run_prints_the_plan_anywhere_and_runs_nothing(tmp_path):
     """No CUDA here: --dry-run still plans (from the committed ledger and the time model), installs and runs nothing."""
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_OFFLOAD_VENV")}
+    bin_dir = tmp_path / "bin"  # python3: this interpreter (torch, no CUDA), whatever the machine's python3 is
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls.log"}\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
     proc = subprocess.run(["bash", str(ROOT / "dev"), "gpu", "run", str(out), "--dry-run"], capture_output=True,
-                          text=True, env=env, timeout=120)  # fmt: skip
+                          text=True, env=_env(tmp_path, bin_dir), timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split()[2] for line in proc.stdout.splitlines() if re.match(r"\[gpu-run\] +\d+ ", line)]
     with bench_modules("gpu_plan") as (plan,):
         assert sorted(rows) == sorted(plan.STAGES) and rows[0] == "machine"
     assert "nothing was run: --dry-run" in proc.stdout and not out.exists()
+    assert f"{ROOT}/bench/gpu_run.py run {out} --dry-run" in (tmp_path / "calls.log").read_text()  # python3 planned
     end = float(re.search(r"expected end ~(\d+) s of 520 s", proc.stdout).group(1))
     assert end <= 520
 
