@@ -126,7 +126,7 @@ STAGES: dict[str, Stage] = {
         Stage("gpu-tests-slow", "the two benchmark-subprocess GPU tests (a small transfer run, a short serving run)",
               "pytest", (_pytest(*SLOW_TESTS, timeout=SLOW_TEST_TIMEOUT_S),),
               (*LIBRARY, "tests/conftest.py", *(t.split("::")[0] for t in SLOW_TESTS), PYTEST_PLUGINS,
-               "imports:bench/bench_transfer.py", "imports:bench/serving.py")),
+               "imports:bench/bench_transfer.py", "imports:bench/serving.py"), _TEST_ENV),
         _transfer("full-small", "bench_transfer.py small-page: both layouts, 16/128/1024 blocks, both host formats, "
                   "num_ctas 1-32"),
         _transfer("full-70b", "bench_transfer.py llama3-70b-tp8, the same"),

@@ -328,6 +328,20 @@ def test_the_stages_of_a_first_lease(m):
     assert serving[1] == "bench/serving.py" and tuple(serving[2:4]) == m.plan.SERVING_DECISIVE
 
 
+def test_every_test_stage_finds_its_plugins(m, tmp_path):
+    """A pytest stage's command loads live_junit (from its PYTHONPATH) and pytest-timeout (--timeout): both must
+    import in the stage's environment, or the stage fails before its first test."""
+    runner = m.run.Runner(tmp_path / "out", ledger_path=tmp_path / "l.json", model=lambda n: 1.0)
+    stages = [s for s in m.plan.STAGES.values() if s.kind == "pytest"]
+    assert [s.name for s in stages] == ["gpu-tests", "gpu-tests-slow"]
+    for stage in stages:
+        step = stage.steps[0]
+        assert step[step.index("-p") + 1] == "live_junit" and "--timeout" in step
+        probe = subprocess.run([sys.executable, "-c", "import live_junit, pytest_timeout"], env=runner._env(stage),
+                               capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+        assert probe.returncode == 0, (stage.name, probe.stderr)
+
+
 def test_every_stage_has_an_estimate_under_the_part_limit():
     with bench_modules("parts", "gpu_plan") as (parts, plan):
         assert set(parts.part_names()) == set(plan.STAGES)
