@@ -1,14 +1,16 @@
-"""The GPU runner's parts (``./dev gpu PART OUTDIR``): the benchmark split into pieces that each finish in under 8
-minutes on an H100, the time model each is sized by, and the names their files get.
+"""The GPU run's parts and the time model that sizes them: the stages of ``./dev gpu run`` (bench/gpu_run.py) that
+each finish in under 8 minutes on an H100, and the benchmark options of the transfer-benchmark parts.
 
-    python bench/parts.py list          # every part with its estimated minutes
-    python bench/parts.py args PART     # the bench_transfer.py arguments of a benchmark part
-    python bench/parts.py stem PART     # <device-slug>-<date>-<part>: the name of the part's JSON, PNG and log
+    python bench/parts.py list          # every part with its estimated minutes, in the runner's default priority
+    python bench/parts.py args PART     # the bench_transfer.py arguments of a transfer-benchmark part
 
-``tests`` runs ``pytest -m gpu`` and ``serving`` runs ``bench/serving.py`` (the step loop, ``serving_config.py``);
-every other part is ``bench_transfer.py`` with the part's options.
+The parts in :data:`PARTS` are ``bench_transfer.py`` with the part's options; the others are the machine facts, the
+GPU tests (``gpu-tests``: ``pytest -m gpu`` but the two benchmark-subprocess tests, which ``gpu-tests-slow`` runs),
+``bench/serving.py`` (``serving``: its decisive preset; ``serving-full``: the default run) and ``bench/call_cost.py``.
+bench/gpu_plan.py says what each runs; this module only estimates.
 
-The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: bench/README.md):
+The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: bench/README.md;
+the runner scales the model by what its ledger measured, and uses a part's own measured time once it has one):
 per case and method, the device time of the calls GpuTimer makes (a warm-up, an estimate, then samples until the
 100 ms budget is spent, at least 3, at most 100) at the rates below, plus the flush and sleep before each sample,
 the byte check (host buffer passes over the link and a host memset), the allocation of each workload, and a fixed
@@ -25,12 +27,13 @@ format of every size allocates vLLM's own pinned region.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, NATIVE_WARM_DEPTH, QUICK, Grid, host_rows
-from results import BASELINE_ORDER, result_stem
+from results import BASELINE_ORDER
 from serving_config import (
     CONTIGUOUS_REPEATS,
     DEFAULT_METHODS,
@@ -44,10 +47,24 @@ from serving_config import (
 )
 from workloads import WORKLOADS
 
-__all__ = ["TEST_PART", "SERVING_PART", "CALL_COST_PART", "PARTS", "LIMIT_S", "estimate_seconds"]
+__all__ = [
+    "MACHINE_PART",
+    "TEST_PART",
+    "SLOW_TEST_PART",
+    "SERVING_PART",
+    "SERVING_FULL_PART",
+    "CALL_COST_PART",
+    "PARTS",
+    "LIMIT_S",
+    "estimate_seconds",
+    "part_names",
+]
 
-TEST_PART = "tests"  # `pytest -m gpu`
-SERVING_PART = "serving"  # bench/serving.py; the parts in PARTS run bench/bench_transfer.py
+MACHINE_PART = "machine"  # GPU, driver, PCIe link, NUMA, CPUs, memory (bench/gpu_machine.py)
+TEST_PART = "gpu-tests"  # `pytest -m gpu` but the two benchmark-subprocess tests
+SLOW_TEST_PART = "gpu-tests-slow"  # those two: tests/test_bench_gpu.py and tests/test_bench_serving.py's GPU runs
+SERVING_PART = "serving"  # bench/serving.py's decisive preset (issue 39); the parts in PARTS run bench_transfer.py
+SERVING_FULL_PART = "serving-full"  # bench/serving.py's default run: three workloads x every method, duplex
 CALL_COST_PART = "call-cost"  # bench/call_cost.py: host time per call, direct launch vs Triton's dispatch
 CALL_COST_CALLS = 400  # call_cost.py's default --calls (it imports this)
 # call_cost.py's rows that each issue CALL_COST_CALLS transfers of 1024 blocks x 80 layers of 8 KiB pages: the public
@@ -56,6 +73,14 @@ CALL_COST_ROWS = 10
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]
 PARTS: dict[str, list[str]] = {
     "quick": ["--quick"],
+    # The size-aware launch shape's probe (issue 38, section 3): the 2 KiB and 8 KiB pages at 128 and 1024 blocks,
+    # the kernel at 4-32 CTAs beside every baseline and the contiguous peak, both host formats.
+    "launch-shape": [
+        *("--workloads", "small-page", "llama3-70b-tp8"),
+        *("--blocks", "128", "1024"),
+        *("--num-ctas", "4", "8", "16", "32"),
+        *_NO_EXTRAS,
+    ],
     "full-8b": ["--workloads", "llama3-8b", *_NO_EXTRAS],
     "full-70b": ["--workloads", "llama3-70b-tp8", *_NO_EXTRAS],
     "full-mla": ["--workloads", "deepseek-v3-mla", *_NO_EXTRAS],
@@ -71,8 +96,16 @@ COPY_ISSUE_S = 3e-6
 BATCH_DESCRIPTOR_S = 0.1e-6
 SAMPLE_OVERHEAD_S = 0.3e-3 + 0.2e-3  # flush + sleep, and the host's per-sample work
 HOST_MEMSET_BPS = 10e9
-STARTUP_S = 60.0  # dev's install check, torch import and CUDA init, the C++ helper, Triton compiles
-TESTS_S = 5 * 60.0  # `pytest -m gpu`: the review's 3-5 minutes, mostly CPU-side random caches
+INSTALL_S = 40.0  # ./dev gpu run's `pip install -e .` and the vLLM bundle's unpack (the review's 20-40 s)
+STARTUP_S = 60.0  # torch import and CUDA init, the C++ helper, Triton compiles (per process)
+MACHINE_S = 5.0  # nvidia-smi, sysfs and a torch import
+# `pytest -m gpu` (the GPU-readiness review of 11-26: 4-8 minutes in all, of which collection 10-30 s, cold Triton
+# compiles 0.5-1.5 min, the two benchmark subprocesses 1-3 min each, everything else under a minute).
+TESTS_S = 2 * 60.0  # all but the two benchmark subprocesses
+SLOW_TESTS_S = 2 * 2 * 60.0  # the two benchmark subprocesses
+# bench/serving.py --preset decisive: the bound issue 39 sets its preset to (<= 3 min on an H100 by its model);
+# the preset's own model replaces this number once it has one.
+SERVING_DECISIVE_S = 3 * 60.0
 GEMM_S = 1.6e-3  # one 8192^3 bf16 GEMM on an H100
 CALIBRATE_S = 2.0  # auto's calibration, once per layout and f (path_choice.calibrate: < 1 s aimed at, 3 s tested)
 MATMUL_FLOPS = 400e12  # the serving step's bf16 products on an H100 (dense peak ~990e12)
@@ -190,51 +223,69 @@ def _call_cost_s() -> float:
     return allocate + CALL_COST_ROWS * CALL_COST_CALLS * transfer
 
 
+def part_names() -> list[str]:
+    """Every part this model estimates."""
+    return [MACHINE_PART, TEST_PART, SLOW_TEST_PART, SERVING_PART, SERVING_FULL_PART, CALL_COST_PART, *PARTS]
+
+
+def _sweep_args(args: list[str]) -> tuple[list, Grid, bool]:
+    """The workloads, grid and one-layout flag a bench_transfer.py part's options select."""
+
+    def values(flag: str) -> list[str]:
+        if flag not in args:
+            return []
+        rest = args[args.index(flag) + 1 :]
+        return rest[: next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+    quick = "--quick" in args
+    g = QUICK if quick else FULL
+    if values("--blocks"):
+        g = dataclasses.replace(g, blocks=tuple(int(v) for v in values("--blocks")))
+    if values("--num-ctas"):
+        g = dataclasses.replace(g, num_ctas=tuple(int(v) for v in values("--num-ctas")))
+    workloads = [WORKLOADS[n] for n in values("--workloads")] or list(WORKLOADS.values())
+    return workloads, g, quick
+
+
 def estimate_seconds(part: str) -> float:
     """The model's seconds for one part, start-up included."""
+    if part == MACHINE_PART:
+        return MACHINE_S
     if part == TEST_PART:
         return STARTUP_S + TESTS_S
+    if part == SLOW_TEST_PART:
+        return STARTUP_S + SLOW_TESTS_S
     if part == SERVING_PART:
+        return STARTUP_S + SERVING_DECISIVE_S
+    if part == SERVING_FULL_PART:
         return STARTUP_S + _serving_s()
     if part == CALL_COST_PART:
         return STARTUP_S + _call_cost_s()
     args = PARTS[part]
-    if part == "quick":
-        work = _sweep_s(WORKLOADS.values(), QUICK, one_layout=True) + _extras_s(QUICK)
-    elif part == "extras":
-        work = _extras_s(FULL)
-    else:
-        workloads = [WORKLOADS[args[args.index("--workloads") + 1]]]
-        work = _sweep_s(workloads, FULL, one_layout=False)
+    if part == "extras":
+        return STARTUP_S + _extras_s(FULL)
+    workloads, g, quick = _sweep_args(args)
+    work = _sweep_s(workloads, g, one_layout=quick)
+    if quick:
+        work += _extras_s(QUICK)
     return STARTUP_S + work
 
 
-def _device_name() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: the parts run on a GPU machine")
-    return torch.cuda.get_device_name()
-
-
 def main(argv: list[str]) -> int:
-    names = [TEST_PART, *PARTS, SERVING_PART, CALL_COST_PART]
     if argv[:1] == ["list"]:
-        what = {TEST_PART: "pytest -m gpu", SERVING_PART: "bench/serving.py", CALL_COST_PART: "bench/call_cost.py"}
-        for name in names:
-            print(f"{name:<11} ~{estimate_seconds(name) / 60:.1f} min  {what.get(name) or ' '.join(PARTS[name])}")
+        # What each part runs, in the runner's default priority (bench/gpu_plan.py, stdlib only).
+        from gpu_plan import DEFAULT_ORDER, STAGES
+
+        for name in DEFAULT_ORDER:
+            print(f"{name:<15} ~{estimate_seconds(name) / 60:.1f} min  {STAGES[name].what}")
         return 0
-    if len(argv) == 2 and argv[0] in ("args", "stem", "check"):
-        cmd, part = argv
-        if part not in names:
-            print(f"unknown part {part!r}; parts: {' '.join(names)}", file=sys.stderr)
+    if len(argv) == 2 and argv[0] == "args":
+        if argv[1] not in PARTS:
+            print(f"not a bench_transfer.py part: {argv[1]!r}; those are: {' '.join(PARTS)}", file=sys.stderr)
             return 2
-        if cmd == "args":
-            print(" ".join(PARTS.get(part, [])))
-        elif cmd == "stem":
-            print(result_stem(_device_name(), part))
+        print(" ".join(PARTS[argv[1]]))
         return 0
-    print("usage: python bench/parts.py {list | args PART | stem PART | check PART}", file=sys.stderr)
+    print("usage: python bench/parts.py {list | args PART}", file=sys.stderr)
     return 2
 
 

@@ -18,6 +18,7 @@ import pathlib
 import platform
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
 __all__ = [
     "ROW_KEYS",
@@ -31,6 +32,7 @@ __all__ = [
     "slug",
     "result_stem",
     "write_json",
+    "target_result",
 ]
 
 # Baselines a speedup column is computed against, in table order.
@@ -129,3 +131,22 @@ def write_json(path: str | os.PathLike, doc: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def target_result(
+    name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True
+) -> dict:
+    """One target's entry: PASS when ``ok`` holds for every (value, where) case, else FAIL; n/a without cases. The
+    worst case (the smallest value, or the largest when not ``worst_is_min``) is ``worst`` at ``where``, and the
+    detail says it with how many cases miss. Here, torch-free, so the GPU runner's summary computes targets with it."""
+    if not values:
+        return {"target": name, "result": "n/a", "detail": "not measured in this run", "worst": None, "where": None}
+    worst = min(values) if worst_is_min else max(values)
+    failed = [v for v in values if not ok(v[0])]
+    return {
+        "target": name,
+        "result": "FAIL" if failed else "PASS",
+        "detail": f"worst {worst[0]:.3g} at {worst[1]}; {len(failed)} of {len(values)} cases miss",
+        "worst": worst[0],
+        "where": worst[1],
+    }

@@ -11,7 +11,7 @@ from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from copy_loop import PYTHON_ISSUED
 from report import print_table, say
-from results import BASELINE_NAMES, by_case
+from results import BASELINE_NAMES, by_case, target_result
 
 __all__ = ["print_header", "print_results", "print_extras", "print_targets", "evaluate_targets", "target_result"]
 
@@ -99,22 +99,6 @@ def _per_call(row: dict | None) -> str:
     if row is None or row["median_ms"] is None:
         return "-" if row is None else row["status"]
     return _mark(row, f"{row['median_ms']:.3f} / {row['call_cpu_us']:.0f}")
-
-
-def target_result(
-    name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True
-) -> dict:
-    """One target's entry: PASS when ``ok`` holds for every (value, where) case, else FAIL; n/a without cases. The
-    detail names the worst case (the smallest value, or the largest when not ``worst_is_min``) and how many miss."""
-    if not values:
-        return {"target": name, "result": "n/a", "detail": "not measured in this run"}
-    worst = min(values) if worst_is_min else max(values)
-    failed = [v for v in values if not ok(v[0])]
-    return {
-        "target": name,
-        "result": "FAIL" if failed else "PASS",
-        "detail": f"worst {worst[0]:.3g} at {worst[1]}; {len(failed)} of {len(values)} cases miss",
-    }
 
 
 def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None) -> list[dict]:
