@@ -157,6 +157,7 @@ class JobChecks:
         that step's clock stopped, before any later step can overwrite them); without offload, the sentinel its host
         blocks must keep."""
         st = self._stores.setdefault(job, _Store(gpu_ids, host_ids))
+        st.gpu_ids, st.host_ids = gpu_ids, host_ids  # also when the store was reported before its step ended
         sums = self.gpu_sums(gpu_ids).cpu()  # what the store must hold (computed even without offload: equal work)
         st.expected = sums if self.offloaded else self._sentinel.expand_as(sums)
         if not self.offloaded:

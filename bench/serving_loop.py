@@ -237,7 +237,7 @@ class LoopRun:
         load_mode: ``async`` or ``sync``.
         jobs_checked: jobs whose bytes were checked while the run went on.
         check_problem: the first job whose bytes were wrong, or None.
-        pause_s: seconds the clock stood still for checks (and for the waits they need).
+        pause_s: seconds the clock stood still for checks in and after the measured steps.
         load_region_waits: async arrivals whose GPU region still had a load in flight (waited for outside the steps).
         store_slot_waits: steps whose store's host blocks still had an earlier store unreported or unchecked (waited
             for outside the steps).
@@ -361,7 +361,10 @@ def run_loop(
             with clock.paused():
                 checks.check_load(2 * s + 1, gpu_ids, None)
 
+    warm_pause_s = 0.0
     for s in range(shape.warmup + shape.steps):
+        if s == shape.warmup:
+            warm_pause_s = clock.paused_s
         arrival = s % shape.load_every == 0
         sync_load = arrival and load_mode == SYNC
         # Between steps: what this step may not overwrite yet. A store into host blocks whose last store is not
@@ -425,7 +428,8 @@ def run_loop(
     checks.finish()
     setup.sync()
     run.impl = getattr(engine, "impl", None)
-    run.jobs_checked, run.check_problem, run.pause_s = checks.jobs_checked, checks.problem, clock.paused_s
+    run.jobs_checked, run.check_problem = checks.jobs_checked, checks.problem
+    run.pause_s = clock.paused_s - warm_pause_s
     if setup.cuda:
         run.compute_ms = [a.elapsed_time(b) for a, b in (r.compute_events for r in run.records)]
     for r in run.records:
