@@ -16,10 +16,13 @@ per case and method, the device time of the calls GpuTimer makes (a warm-up, an 
 the byte check (host buffer passes over the link and a host memset), the allocation of each workload, and a fixed
 start-up (torch import, CUDA init, the C++ helper's build, Triton compiles). The rates are the pessimistic ends of
 the ranges the GPU-readiness review used: a 50 GB/s link, 3 GB/s per Triton program, 3 us per cudaMemcpyAsync,
-0.1 us per batched descriptor. The serving part's model: each workload's step at 400 TFLOP/s of bf16 matrix
-products (about half an H100's dense peak) or 10 us per kernel launch from Python, whichever is longer, each
-arrival's prefix load at the link rate, the byte check at 2 GB/s (an index on the host, a pageable copy up), the
-contiguous copy and the duplex samples, and each workload's set-up (weights, caches, pinning the host cache).
+0.1 us per batched descriptor. The serving part's model (:func:`serving_plan_seconds`, for the full run and each
+preset, :func:`serving_preset_seconds`): each step at 400 TFLOP/s of bf16 matrix products (about half an H100's dense
+peak), 2.5 TB/s for its weight and KV reads, or 10 us per kernel launch from Python, whichever is longest; each sync
+load's stall at the link rate; the checks between steps (the step's stored blocks and each loaded region read on the
+device, their launches); every run of every round and load mode, the closing ``none`` included; the byte-exact check
+of each point's last run at 2 GB/s (an index on the host, a pageable copy up); the contiguous copy and the duplex
+samples; and each workload and shape's set-up (weights, caches, pinning the host cache).
 ``vllm_native`` moves bytes as ``vllm033`` does, but a call also costs vLLM's own descriptor building on the host
 (longer than the timer hides at many layers, so it is counted as the call's time when larger), and every host
 format of every size allocates vLLM's own pinned region.
@@ -36,13 +39,14 @@ from grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_WORKLOAD, FULL, NATIVE_
 from results import BASELINE_ORDER
 from serving_config import (
     CONTIGUOUS_REPEATS,
-    DEFAULT_METHODS,
     DUPLEX_REPEATS,
+    FULL_PLAN,
     GATE_US,
-    GPU_LOOP,
     LOAD_REGIONS,
     PREFIXES,
-    SERVING_WORKLOADS,
+    PRESETS,
+    SYNC,
+    RunPlan,
     ring_sizes,
 )
 from workloads import WORKLOADS
@@ -58,6 +62,8 @@ __all__ = [
     "LIMIT_S",
     "estimate_seconds",
     "part_names",
+    "serving_plan_seconds",
+    "serving_preset_seconds",
 ]
 
 MACHINE_PART = "machine"  # GPU, driver, PCIe link, NUMA, CPUs, memory (bench/gpu_machine.py)
@@ -103,18 +109,16 @@ MACHINE_S = 5.0  # nvidia-smi, sysfs and a torch import
 # compiles 0.5-1.5 min, the two benchmark subprocesses 1-3 min each, everything else under a minute).
 TESTS_S = 2 * 60.0  # all but the two benchmark subprocesses
 SLOW_TESTS_S = 2 * 2 * 60.0  # the two benchmark subprocesses
-# bench/serving.py --preset decisive: the bound issue 39 sets its preset to (<= 3 min on an H100 by its model);
-# the preset's own model replaces this number once it has one.
-SERVING_DECISIVE_S = 3 * 60.0
 GEMM_S = 1.6e-3  # one 8192^3 bf16 GEMM on an H100
 CALIBRATE_S = 2.0  # auto's calibration, once per layout and f (path_choice.calibrate: < 1 s aimed at, 3 s tested)
 MATMUL_FLOPS = 400e12  # the serving step's bf16 products on an H100 (dense peak ~990e12)
+MEM_BPS = 2.5e12  # the decode step's weight and KV reads, and the checks' device reads, on an H100 (peak 3.35e12)
 LAUNCH_S = 10e-6  # one kernel launch from Python
-KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes
+KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes (and the attention read, where there is one)
 CHECK_BPS = 2e9  # the serving byte check: host index + pageable copy up + compare; the prefixes' byte sums
-# Each default method once, triton also at each other num_ctas (serving_methods.method_points: Triton); the duplex is
-# measured for triton at the default and dma. tests/test_bench_serving.py checks both counts.
-SERVING_POINTS = len(DEFAULT_METHODS) + len(GPU_LOOP.triton_ctas)
+CHECK_OPS_PER_PAGE = 3  # a per-job check's ops per K or V page of each layer: the id upload, the gather, the sum
+# The duplex is measured for triton at the default and dma, where the run has them. tests/test_bench_serving.py checks
+# the count; the runs per load mode come from the plan (RunPlan.runs_per_mode), which the same test checks.
 DUPLEX_POINTS = 2
 # vLLM's transfer_async per call: per canonical tensor (run) and per descriptor, measured in host replay on the
 # 2-core CI-class VM (10-14 us per tensor at 16-1024 blocks; a GPU machine's host is faster).
@@ -192,28 +196,74 @@ def _extras_s(grid: Grid) -> float:
     return checks + overhead + inter
 
 
-def _serving_s() -> float:
-    shape = GPU_LOOP
-    steps = shape.warmup + shape.steps
+def _serving_step_s(w, shape) -> float:
+    """One serving step on an H100 by the model: its products' FLOPs, its weight and KV reads, or its launches."""
+    m = w.model
+    weights = 2 * w.num_layers * sum(k * n for k, n in m.matmuls().values())
+    kv_read = 2 * 2 * shape.decode * shape.context * m.kv_width * w.num_layers  # K and V, bf16
+    kernels = KERNELS_PER_LAYER + (1 if shape.context else 0)
+    return max(shape.tokens * m.flops_per_token() * w.num_layers / MATMUL_FLOPS, (weights + kv_read) / MEM_BPS,
+               w.num_layers * kernels * LAUNCH_S)  # fmt: skip
+
+
+def serving_plan_seconds(plan: RunPlan) -> float:
+    """The model's seconds for one serving run (``bench/serving.py``) of ``plan``, start-up excluded."""
     total = 0.0
-    for name in SERVING_WORKLOADS:
-        w = WORKLOADS[name]
-        m, block_bytes = w.model, w.num_layers * w.page_bytes
+    seen = set()
+    for name, shape_name in plan.cases:
+        w, shape = WORKLOADS[name], plan.shape(shape_name)
+        block_bytes = w.num_layers * w.page_bytes
         sizes = ring_sizes(shape, w.block_size)
-        weights = 2 * w.num_layers * sum(k * n for k, n in m.matmuls().values())
-        setup = 2.0 + weights / 100e9 + sizes.host_blocks * block_bytes / PIN_BPS  # allocation, normal_, pinning
-        step = max(shape.tokens * m.flops_per_token() * w.num_layers / MATMUL_FLOPS,
-                   w.num_layers * KERNELS_PER_LAYER * LAUNCH_S)  # fmt: skip
-        load = sizes.prefix_blocks * block_bytes / LINK_BPS
-        run = steps * step + -(-steps // shape.load_every) * load
-        check = (sizes.host_ring + (LOAD_REGIONS + PREFIXES) * sizes.prefix_blocks) * block_bytes / CHECK_BPS
-        duplex = DUPLEX_POINTS * (1 + 3 * DUPLEX_REPEATS) * (GATE_US * 1e-6 + 2 * load)
-        # auto calibrates once per workload; vllm_native pins a region as large as the host cache and mirrors the
-        # host cache into it and back.
-        native = 3 * sizes.host_blocks * block_bytes / PIN_BPS
-        contiguous = (1 + CONTIGUOUS_REPEATS) * load
-        total += setup + SERVING_POINTS * (run + check) + duplex + contiguous + CALIBRATE_S + native
+        weights = 2 * w.num_layers * sum(k * n for k, n in w.model.matmuls().values())
+        host_bytes = sizes.host_blocks * block_bytes
+        prefix_bytes = sizes.prefix_blocks * block_bytes
+        # Allocation, normal_, pinning; the cached prefixes made on the device and copied down through pageable
+        # memory.
+        setup = 2.0 + weights / 100e9 + host_bytes / PIN_BPS + PREFIXES * prefix_bytes / CHECK_BPS
+        load = prefix_bytes / LINK_BPS
+        step = _serving_step_s(w, shape)
+        # Between steps: the stored blocks' sums on the device (a gather and a sum), launch by launch.
+        pages = 2 * w.num_layers
+        check = 2 * sizes.max_per_step * block_bytes / MEM_BPS + pages * CHECK_OPS_PER_PAGE * LAUNCH_S
+        chunks = -(-sizes.prefix_blocks // 128)  # serving_check.CHECK_CHUNK blocks per gather
+        region_check = 2 * prefix_bytes / MEM_BPS + pages * CHECK_OPS_PER_PAGE * LAUNCH_S * chunks
+        steps = shape.warmup + shape.steps
+        arrivals = -(-steps // shape.load_every)
+        reset = sizes.host_ring * block_bytes / HOST_MEMSET_BPS
+        for mode in plan.load_modes:
+            run = reset + steps * (step + check) + arrivals * region_check + (arrivals * load if mode == SYNC else 0)
+            total += plan.runs_per_mode() * run
+        points = (plan.runs_per_mode() - ("none" in plan.methods)) // plan.rounds  # the byte-exact check: once each
+        # The store ring and the cached prefixes read on the host; the load regions compared on the device.
+        exact = (sizes.host_ring + PREFIXES * sizes.prefix_blocks) * block_bytes / CHECK_BPS
+        exact += 2 * LOAD_REGIONS * prefix_bytes / MEM_BPS
+        total += setup + points * exact
+        if "auto" in plan.methods:
+            total += CALIBRATE_S  # once per set-up: its engine is kept for every run
+        if "vllm_native" in plan.methods:
+            total += 2 * host_bytes / PIN_BPS  # vLLM pins a region as large as the host cache; the mirror into it
+        total += (1 + CONTIGUOUS_REPEATS) * load  # the contiguous copy of this shape's prefix
+        if name not in seen:  # once per workload: the duplex
+            seen.add(name)
+            if plan.duplex:
+                duplex = ("triton" in plan.methods) + ("dma" in plan.methods)
+                total += duplex * (1 + 3 * DUPLEX_REPEATS) * (GATE_US * 1e-6 + 2 * load)
     return total
+
+
+def serving_preset_seconds(name: str) -> float:
+    """The model's seconds for ``bench/serving.py --preset NAME`` on an H100, start-up included (one process).
+
+    Raises:
+        ValueError: an unknown preset (the known ones are listed).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown serving preset {name!r}; presets: {sorted(PRESETS)}")
+    return STARTUP_S + serving_plan_seconds(PRESETS[name])
+
+
+def _serving_s() -> float:
+    return serving_plan_seconds(FULL_PLAN)
 
 
 def _call_cost_s() -> float:
@@ -256,7 +306,7 @@ def estimate_seconds(part: str) -> float:
     if part == SLOW_TEST_PART:
         return STARTUP_S + SLOW_TESTS_S
     if part == SERVING_PART:
-        return STARTUP_S + SERVING_DECISIVE_S
+        return serving_preset_seconds("decisive")
     if part == SERVING_FULL_PART:
         return STARTUP_S + _serving_s()
     if part == CALL_COST_PART:

@@ -99,12 +99,25 @@ class Blocks:
         self.reader[store_pos] = store_job
         return StepBlocks(self.ring[token_pos], token_slots, self.ring[store_pos], self.host_ring[slot], must_finish)
 
-    def next_load(self) -> tuple[np.ndarray, np.ndarray]:
-        """(GPU ids, host ids) of the next arrival's prefix load: prefix ``j % PREFIXES`` into region ``j % 2``."""
+    def next_load(self, record: bool = True) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(GPU ids, host ids, region, prefix) of the next arrival's prefix load: prefix ``j % PREFIXES`` into region
+        ``j % LOAD_REGIONS``. ``record=False`` (a run without offload, which checks the region without loading it):
+        the region is not recorded as holding the prefix."""
         region, prefix = self.loads % LOAD_REGIONS, self.loads % PREFIXES
         self.loads += 1
-        self.region_prefix[region] = prefix
-        return self.load_gpu[region], self.prefix_host[prefix]
+        if record:
+            self.region_prefix[region] = prefix
+        return self.load_gpu[region], self.prefix_host[prefix], region, prefix
+
+    def next_load_region(self) -> int:
+        """The region the next arrival's load writes."""
+        return self.loads % LOAD_REGIONS
+
+    def next_host_ids(self) -> np.ndarray:
+        """Every host block the next step's store may write (its store takes at most ``max_per_step`` ring slots
+        from here)."""
+        slot = (self.stored + np.arange(self.sizes.max_per_step, dtype=np.int64)) % self.sizes.host_ring
+        return self.host_ring[slot]
 
     def expected_stores(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(host ids, GPU ids) of every store-ring block stored in this run, each with the GPU block it was last

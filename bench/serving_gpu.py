@@ -48,13 +48,14 @@ def contiguous_load(setup: Setup, nbytes: int, repeats: int) -> dict:
             "gbps": round(gbps(nbytes, dev_ms), 2)}  # fmt: skip
 
 
-def duplex(setup: Setup, point: MethodPoint, repeats: int) -> dict:
+def duplex(setup: Setup, point: MethodPoint, repeats: int, contiguous_gbps: float | None = None) -> dict:
     """A store and a load of one prefix's blocks each, alone and both at once, with ``point``'s engine.
 
     Each sample queues its transfers behind a GPU sleep on the compute stream, so those of a duplex sample start
     together; each transfer's time is the engine's own (events around its copies). Aggregate GB/s = both transfers'
-    bytes / the longer of the two; ``ratio`` = aggregate / the faster direction alone. The last sample's bytes are
-    checked.
+    bytes / the longer of the two; ``ratio`` = aggregate / the faster direction alone; ``ratio_vs_contiguous`` =
+    aggregate / ``contiguous_gbps`` (one contiguous pinned copy, one way: two directions each as fast as the link
+    allows score ~2, two slow ones cannot). The last sample's bytes are checked.
     """
     device = setup.spec.device
     blocks = Blocks(setup.shape, setup.sizes, setup.workload.block_size, setup.seed)
@@ -101,11 +102,14 @@ def duplex(setup: Setup, point: MethodPoint, repeats: int) -> dict:
         "byte_check": "fail" if problem else "pass",
         "byte_check_note": problem,
         "samples": repeats,
-        **dict.fromkeys(("store_alone_gbps", "load_alone_gbps", "duplex_gbps", "ratio")),
+        "contiguous_gbps": contiguous_gbps,
+        **dict.fromkeys(("store_alone_gbps", "load_alone_gbps", "duplex_gbps", "ratio", "ratio_vs_contiguous")),
     }
     if problem is None:  # wrong bytes are reported, never timed
         alone = (gbps(nbytes, store_ms), gbps(nbytes, load_ms))
         both = gbps(2 * nbytes, both_ms)
         row.update(store_alone_gbps=round(alone[0], 2), load_alone_gbps=round(alone[1], 2),
                    duplex_gbps=round(both, 2), ratio=round(both / max(alone), 3))  # fmt: skip
+        if contiguous_gbps:
+            row["ratio_vs_contiguous"] = round(both / contiguous_gbps, 3)
     return row

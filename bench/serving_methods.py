@@ -6,8 +6,10 @@
 :class:`BatchEngine`: like vLLM's own CPU offloading worker, they turn the block ids of every call into copy
 descriptors (vectorised NumPy over the KV caches' runs) and issue them on a stream per direction that first waits for
 the compute stream: ``vllm033`` stores with one ``cuMemcpyBatchAsync`` and loads small pages with its SM copy
-(``sm_copy.py``), ``dma`` uses ``cuMemcpyBatchAsync`` both ways. Without CUDA the batch calls go to a memmove
-stand-in for the driver and the SM copy runs under the Triton interpreter, synchronously.
+(``sm_copy.py``), its other loads with one ``cuMemcpyBatchAsync`` whose source access order is ``ANY``, as vLLM's
+``swap_blocks_batch`` passes for loads; ``dma`` uses ``cuMemcpyBatchAsync`` both ways, in stream order. Without CUDA
+the batch calls go to a memmove stand-in for the driver and the SM copy runs under the Triton interpreter,
+synchronously.
 
 A method is added with one entry: a builder ``(target, num_ctas) -> engine`` and a description. ``none`` builds no
 engine: the loop then runs without offload traffic.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from triton_offload.cuda_driver import MemcpyBatchCall, batch_attributes
 from triton_offload.engine import LOAD, STORE, JobResult, TransferEngine
 from triton_offload.host_cache import HostCache
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
@@ -31,8 +34,9 @@ from triton_offload.layouts import KVCacheSpec
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
 from case import Env, copy_plan, runs_of
-from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer
+from cuda_driver import FLAG_DEFAULT, FLAG_PREFER_OVERLAP_WITH_COMPUTE, SRC_ACCESS_ORDER_ANY, BatchIssuer
 from sm_copy import SmCopy, uses_sm_copy
+from verify import SENTINEL
 from vllm_native import PackedHostView, open_native_worker  # imports vLLM only when a worker is opened
 
 __all__ = [
@@ -88,9 +92,14 @@ class BatchEngine:
             descriptors); else every transfer is one cuMemcpyBatchAsync.
         flags: the CUmemcpyAttributes flags of the batches.
         name: how the output names it.
+        load_order_any: a batch load reads its source in any order (``srcAccessOrder = ANY``), as vLLM 0.33's
+            ``swap_blocks_batch`` does for loads (``SingleDirectionOffloadingHandler.transfer_async``:
+            ``is_src_access_order_any = not self.gpu_to_cpu``: host memory no GPU stream writes meanwhile); else in
+            stream order, as every store.
     """
 
-    def __init__(self, target: OffloadTarget, *, sm_copy_loads: bool, flags: int, name: str):
+    def __init__(self, target: OffloadTarget, *, sm_copy_loads: bool, flags: int, name: str,
+                 load_order_any: bool = False):  # fmt: skip
         self.kv, self.host, self.env = target.kv, target.host_buffer, target.env
         self.sm_copy_loads, self.name = sm_copy_loads, name
         self.runs = runs_of(self.kv)
@@ -100,6 +109,11 @@ class BatchEngine:
                 raise RuntimeError(f"{name} needs the CUDA driver: {self.env.driver_note}")
             self._streams = {STORE: torch.cuda.Stream(self.kv.device), LOAD: torch.cuda.Stream(self.kv.device)}
         self._batch = BatchIssuer(self.kv.device, flags, self.env.driver)  # the entry point resolved once
+        # The loads' one attribute entry when they read in any order (the issuer's entries read in stream order).
+        self._load_attrs = None
+        if load_order_any:
+            self._load_attrs = batch_attributes(False, self.kv.device.index or 0, flags)
+            self._load_attrs.srcAccessOrder = SRC_ACCESS_ORDER_ANY
         self._pending: dict[str, collections.deque[_Job]] = {STORE: collections.deque(), LOAD: collections.deque()}
         self.paths: set[str] = set()  # what it issued: "batch store", "SM copy load", ...
 
@@ -120,6 +134,10 @@ class BatchEngine:
         if self.sm_copy_loads and uses_sm_copy(store, src, dst, sizes):
             self.paths.add("SM copy load")
             return SmCopy(src, dst, sizes, self.kv.device)
+        if not store and self._load_attrs is not None:
+            self.paths.add("cuMemcpyBatchAsync load (source order ANY)")
+            b = self._batch
+            return MemcpyBatchCall(b.address, b.with_fail_idx, src, dst, sizes, self._load_attrs, stream)
         self.paths.add(f"cuMemcpyBatchAsync {'store' if store else 'load'}")
         return self._batch.call(src, dst, sizes, store, stream)
 
@@ -191,9 +209,10 @@ class NativeEngine:
     and Triton load kernel, its one compiled op replaced by the same ``cuMemcpyBatchAsync`` through ctypes) behind
     TransferEngine's worker API, over the same KV caches: one canonical tensor per run, one GPU block per chunk.
 
-    vLLM's host region has its own layout (a tensor per run), so the host cache's bytes are mirrored into it before
-    the first transfer (after the loop's reset, in a warm-up step) and back out when the engine shuts down, outside
-    the measured steps: the loop's byte check then reads the host cache as for every method.
+    vLLM's host region has its own layout (a tensor per run), so the host cache's bytes (the cached prefixes) are
+    mirrored into it once, when the engine is made, and each run starts with the store ring's rows set to the sentinel
+    in it as in the host cache (:meth:`begin_run`, outside the measured steps); the loop's checks read the host blocks
+    from vLLM's region (:meth:`host_rows`).
 
     Raises:
         Unavailable: vLLM 0.33.0's code cannot be imported here (the bundle is not built), or no CUDA driver.
@@ -205,14 +224,22 @@ class NativeEngine:
         self.region = PackedHostView(self.worker.host_views, 1)
         self.host, self.bytes_per_block = host, target.kv.bytes_per_block
         self.impl = f"vllm_native: vLLM's own worker ({self.worker.vllm.where}), swap_blocks_batch -> {self.worker.op}"
-        self._mirrored = False
+        self.region.copy_(host)  # the cached prefixes (the store ring is reset by begin_run)
         self._jobs: dict[int, tuple[int, str, int]] = {}  # vLLM's job id -> (ours, direction, bytes)
         self._done: list[JobResult] = []
 
+    def begin_run(self, ring_rows: int) -> None:
+        """A run starts: the first ``ring_rows`` rows (the store ring) of vLLM's region hold the sentinel, as the
+        loop reset the host cache's."""
+        for part in self.region.parts:
+            part[:ring_rows].fill_(SENTINEL)
+
+    def host_rows(self, host_ids) -> torch.Tensor:
+        """(n, bytes_per_block) uint8: packed host blocks ``host_ids`` as vLLM's region holds them."""
+        ids = torch.from_numpy(np.asarray(host_ids, dtype=np.int64))
+        return torch.cat([part.index_select(0, ids) for part in self.region.parts], dim=1)
+
     def _submit(self, job_id: int, store: bool, gpu_ids, host_ids) -> None:
-        if not self._mirrored:  # the host cache as the loop reset it, cached prefixes included
-            self.region.copy_(self.host)
-            self._mirrored = True
         n = int(np.asarray(gpu_ids).size)
         native = self.worker.submit_store(gpu_ids, host_ids) if store else self.worker.submit_load(host_ids, gpu_ids)
         self._jobs[native] = (job_id, STORE if store else LOAD, n * self.bytes_per_block)
@@ -244,8 +271,6 @@ class NativeEngine:
         out = self.get_finished()
         self.wait([ours for ours, _, _ in self._jobs.values()])
         out += self.get_finished()
-        if self._mirrored:  # vLLM's region back into the host cache, for the byte check
-            self.region.copy_to(self.host)
         self.worker.shutdown()
         return out
 
@@ -294,9 +319,12 @@ METHODS: dict[str, Method] = {
         "cuMemcpyBatchAsync of coalesced descriptors, from the calibration the engine makes at creation",
     ),
     "vllm033": Method(
-        lambda target, _: BatchEngine(target, sm_copy_loads=True, flags=FLAG_DEFAULT, name="vllm033"),
-        "vLLM 0.33's policy: stores one cuMemcpyBatchAsync; loads of pages < 28 KiB its SM copy (12 programs), "
-        "others one cuMemcpyBatchAsync; descriptors built per call from the block ids",
+        lambda target, _: BatchEngine(
+            target, sm_copy_loads=True, flags=FLAG_DEFAULT, name="vllm033", load_order_any=True
+        ),
+        "vLLM 0.33's policy: stores one cuMemcpyBatchAsync (source order STREAM); loads of pages < 28 KiB its SM "
+        "copy (12 programs), others one cuMemcpyBatchAsync (source order ANY); descriptors built per call from the "
+        "block ids",
     ),
     "vllm_native": Method(
         lambda target, _: NativeEngine(target),

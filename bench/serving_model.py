@@ -4,9 +4,12 @@ stream, and each layer's write of the step's new K and V into the step's GPU blo
 
 What is modelled: the four matrix products of every layer at the model's real per-GPU shapes (QKV, O, gate/up, down)
 for the step's tokens, and the KV write, whose values are the QKV product's K and V columns: a store of those blocks
-reads what the compute wrote, so it must be ordered after it. What is not: attention itself (its FLOPs grow with the
-context; the O product takes Q's columns as its input instead), norms, activations, embedding and sampling. The step
-input is fresh random activations each step, so no two steps write the same KV.
+reads what the compute wrote, so it must be ordered after it. With a decode context (the decode-heavy shape), each
+layer also reads as many bytes as its decode requests' attention reads from the KV cache (decode x context tokens of
+K and V): a bandwidth-bound reduction over a buffer larger than the L2 cache, so the step has a decode step's memory
+traffic. What is not: attention itself (its FLOPs, its reads of the paged blocks themselves, the prefill chunk's
+attention; the O product takes Q's columns as its input instead), norms, activations, embedding and sampling. The
+step input is fresh random activations each step, so no two steps write the same KV.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from triton_offload.layouts import resolve_layout
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
+from serving_config import KV_READ_MIN_BYTES
 from workloads import Workload
 
 __all__ = ["StepModel"]
@@ -32,9 +36,10 @@ class StepModel:
         spec: the KV caches the steps write (a K/V layout: kv_first or block_first), bf16.
         tokens: tokens per step (prefill chunk + decodes).
         seed: weights' seed; :meth:`reset` seeds the step inputs.
+        kv_read_tokens: tokens of K and V each layer reads (decode requests x their context; 0: none).
     """
 
-    def __init__(self, workload: Workload, spec: to.KVCacheSpec, tokens: int, seed: int = 0):
+    def __init__(self, workload: Workload, spec: to.KVCacheSpec, tokens: int, seed: int = 0, kv_read_tokens: int = 0):
         m = workload.model
         if m is None:
             raise ValueError(f"workload {workload.name!r} has no model dimensions: the serving loop cannot run it")
@@ -75,6 +80,16 @@ class StepModel:
         # loop synchronises every step, so the staging buffer is free again when the next step fills it.
         self.rows_host = torch.empty(2 * tokens, dtype=torch.int64, pin_memory=self.cuda)
         self.rows_dev = torch.empty(2 * tokens, dtype=torch.int64, device=device)
+        # The attention read: per layer, K and V of kv_read_tokens tokens (bf16), from a buffer at least twice that
+        # (and, on a GPU, KV_READ_MIN_BYTES) so that consecutive layers read different bytes, none from L2.
+        self.kv_read_elems = 2 * kv_read_tokens * m.kv_width
+        self.kv_read_bytes = 2 * self.kv_read_elems * spec.num_layers  # per step
+        if self.kv_read_elems:
+            floor = KV_READ_MIN_BYTES // 2 if self.cuda else 0
+            size = max(2 * self.kv_read_elems, floor)
+            self.kv_buffer = torch.zeros(size, dtype=torch.bfloat16, device=device)
+            span = size - self.kv_read_elems + 1
+            self._kv_offsets = [(layer * self.kv_read_elems) % span for layer in range(spec.num_layers)]
 
     def reset(self, seed: int) -> None:
         """Seeds the step inputs: every method's run computes (and stores) the same KV."""
@@ -99,11 +114,14 @@ class StepModel:
         k_rows, v_rows = self.rows_dev[:n], self.rows_dev[n:]
         q, kv = m.q_width, m.kv_width
         self.x.normal_(generator=self.input_gen)
-        for w, cache in zip(self.weights, self.kv_rows):
+        for layer, (w, cache) in enumerate(zip(self.weights, self.kv_rows)):
             wqkv, wo, wup, wdown = w.values()
             torch.matmul(self.x, wqkv, out=self.qkv)
             cache.index_copy_(0, k_rows, self.qkv[:, q : q + kv])
             cache.index_copy_(0, v_rows, self.qkv[:, q + kv :])
+            if self.kv_read_elems:  # the decode requests' attention reads their KV (the result is not used)
+                off = self._kv_offsets[layer]
+                torch.sum(self.kv_buffer[off : off + self.kv_read_elems], dtype=torch.float32)
             torch.matmul(self.qkv[:, :q], wo, out=self.h)
             torch.matmul(self.h, wup, out=self.up)
             torch.matmul(self.up[:, : m.intermediate], wdown, out=self.x)
