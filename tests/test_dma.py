@@ -165,8 +165,8 @@ def _calibration(dma_per_byte: float) -> Calibration:
 
 def test_engine_auto_takes_the_path_the_calibration_predicts_faster(make_host_cache):
     # The copy engines: half the kernel's fixed GPU time, but 1 us of host time per descriptor (3 layers x 2 runs: 6
-    # per block). One block (192 B): kernel 10.2 us, copy engines 8 us (host-bound); eight blocks (48 descriptors):
-    # kernel 11.5 us, copy engines 50 us.
+    # per block); a call costs host + GPU time. One block (192 B): kernel 5 + 10.2 us, copy engines 8 + 5.1 us; eight
+    # blocks (48 descriptors): kernel 5 + 11.5 us, copy engines 50 + 5.8 us.
     caches, spec, cache, eng = _engine(make_host_cache, f=1, path="auto", calibration=_calibration(0.5e-9))
     eng.submit_store(1, [4], [0])
     eng.submit_store(2, list(range(8)), list(range(8)))

@@ -76,6 +76,17 @@ def test_choose_takes_the_lower_prediction_ties_to_the_kernel():
     assert "dma/store" in cal.to_dict()["models"] and "ns/descriptor" in cal.describe()
 
 
+def test_a_call_is_priced_as_its_submission_plus_its_copies():
+    """A transfer's copies cannot start before they are submitted: the copy engines' 28 us of host time add to their
+    10 us on the GPU (38 us), which the kernel's 5 + 30 us beats. Priced as the larger of the two (28 us against
+    30 us), the copy engines looked faster."""
+    kernel = PathModel(30e-6, 0.0, 0.0, 5e-6, 0.0)
+    dma = PathModel(10e-6, 0.0, 0.0, 4e-6, 1e-6)
+    assert dma.predict(1 << 20, 24) == pytest.approx(38e-6) and kernel.predict(1 << 20, 0) == pytest.approx(35e-6)
+    cal = Calibration({"kernel/store": kernel, "dma/store": dma})
+    assert cal.choose(True, 1 << 20, 24) == "kernel"
+
+
 def test_transfer_path_names_the_accepted_paths():
     assert [transfer_path(p) for p in ("auto", "kernel", "dma")] == ["auto", "kernel", "dma"]
     with pytest.raises(ValueError, match="path = 'DMA' must be one of 'auto', 'kernel', 'dma'"):

@@ -9,8 +9,8 @@ tensors, never live KV) both ways through both paths, at two transfer sizes and,
 contiguity extremes (random ids: one descriptor per block and run; consecutive ids: as few as coalescing allows),
 and fits per path and direction a linear model of the GPU time (fixed + per byte + per descriptor) and of the host
 submission time (fixed + per descriptor; the copy engines cost host time per descriptor, the kernel a fixed launch).
-A call then takes the path whose predicted time, the larger of its GPU time and its host time for that call's bytes
-and descriptor count, is lower (:meth:`Calibration.choose`).
+A call then takes the path whose predicted time, its host time plus its GPU time for that call's bytes and descriptor
+count, is lower (:meth:`Calibration.choose`).
 
 The predicted time is the one a transfer keeps its stream busy; it does not price the SMs the kernel takes from the
 model, nor the worker-thread time the copy engines' submission takes from the next step. Force a path
@@ -57,8 +57,9 @@ class PathModel:
     """One path's predicted seconds in one direction.
 
     GPU time ``gpu_fixed + gpu_per_byte * bytes + gpu_per_descriptor * descriptors``; host submission time
-    ``host_fixed + host_per_descriptor * descriptors``; a call takes the larger (its copies cannot start before they
-    are submitted, and the submission returns before they end).
+    ``host_fixed + host_per_descriptor * descriptors``; a call takes their sum: its copies cannot start before they
+    are submitted (the calibration times the GPU part behind a sleep that hides the submission, so the two do not
+    overlap in the model), and a transfer's stream is otherwise idle once the compute fence has passed.
     """
 
     gpu_fixed: float
@@ -74,7 +75,7 @@ class PathModel:
         return self.host_fixed + self.host_per_descriptor * descriptors
 
     def predict(self, nbytes: int, descriptors: int) -> float:
-        return max(self.gpu_s(nbytes, descriptors), self.host_s(descriptors))
+        return self.host_s(descriptors) + self.gpu_s(nbytes, descriptors)
 
 
 def _key(path: str, store: bool) -> str:
