@@ -113,9 +113,15 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
 
 def unregister_host_ranges(registered: list[tuple[int, int]]) -> None:
     """Unregisters every ``(address, bytes)`` range in ``registered`` from CUDA, emptying the list. Holds no reference
-    to the owner of the memory, so it can run as its finalizer."""
+    to the owner of the memory, so it can run as its finalizer.
+
+    Every device is synchronised first: a transfer still queued against the memory (an engine that was never shut
+    down) would otherwise read or write pages that are no longer locked.
+    """
     if not registered:
         return
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
     cudart = torch.cuda.cudart()
     while registered:
         ptr, _ = registered.pop()
