@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import triton_offload as to
+from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.transfer import TransferPlanner
 
 from kv_factory import host_buffer, make_caches, snapshot
@@ -112,10 +113,18 @@ def test_duplicate_destinations(setup, direction, kwargs, pattern):
 
 
 def test_duplicate_sources_are_allowed(setup):
-    """Reading a block twice is harmless: repeated GPU ids in a store, repeated host ids in a load."""
+    """Reading a block twice is harmless: repeated GPU ids in a store, repeated host ids in a load, each moving the
+    reference's bytes (GPU block 2 into all three positions; host block 3 into all three GPU blocks)."""
     caches, _, host = setup
+    kw = dict(blocks_per_host_block=2, skip=1)
+    want = host.clone()
+    gather_blocks_ref(caches, "kv_first", [2, 2, 2], want, [3, 0], **kw)
     _call("gather", caches, host, g=[2, 2, 2])
+    assert torch.equal(host, want)
+    want_kv = [c.clone() for c in caches]
+    scatter_blocks_ref(host, [3, 3], want_kv, "kv_first", [1, 4, 6], **kw)
     _call("scatter", caches, host, h=[3, 3])
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(caches), snapshot(want_kv)))
 
 
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
