@@ -44,8 +44,8 @@ BURST = 8
 ENGINE_STEPS = {
     "plan": "plan: validation + packing into the pinned slot",
     "fence": "fence: event on the compute stream + wait",
-    "upload": "upload: stream switch + id copy",
-    "launch": "launch: start event + kernel launch",
+    "upload": "upload: start event + stream switch + id copy",
+    "launch": "launch: kernel launch",
     "done": "end event + bookkeeping",
 }
 

@@ -266,13 +266,15 @@ class TransferEngine:
                 # The plan's ids live in the slot: it goes back only once the descriptors have been built from them.
                 self._stagers[job.direction].give_back(slot)
                 return
+            # The start event precedes the id upload: a kernel job is timed from the same point as a copy-engine job
+            # (whose descriptors need no upload), so their seconds compare.
+            job.start.record(stream)
             with torch.cuda.stream(stream):
                 # The slot is pinned, so this copy is truly asynchronous; it is not reused until the job's end event
                 # has completed.
                 ids = slot.upload(plan.ids.size)
                 if trace is not None:
                     trace("upload")
-                job.start.record(stream)
                 self._launcher.launch(plan, ids, self.num_ctas)
                 if trace is not None:
                     trace("launch")
