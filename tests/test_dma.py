@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.dma import DmaCopier, DmaPlanner
+from triton_offload.dma import DmaIssuer, DmaPlanner
 from triton_offload.engine import TransferEngine
 from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.layouts import HostSlots
 from triton_offload.path_choice import Calibration, PathModel
-from triton_offload.transfer import TransferPlanner
+from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import SENTINEL, host_buffer, make_caches
 
@@ -47,7 +47,7 @@ def _spec(kind: str):
     return caches, spec, "canonical", dict(groups=spec.groups if groups else None, host_slots=slots)
 
 
-def _round_trip(kind, f, skip, ids_kind):
+def _round_trip(kind, f, skip, ids_kind, coalesce=True):
     caches, spec, layout, ref_kw = _spec(kind)
     rng = np.random.default_rng(f * 10 + skip)
     n = 5
@@ -62,17 +62,17 @@ def _round_trip(kind, f, skip, ids_kind):
     ref = dict(blocks_per_host_block=f, skip=skips, group_sizes=sizes if grouped else None, **ref_kw)
     host = host_buffer(spec, rows, f)
     planner = TransferPlanner(spec, rows, f)
-    copier = DmaCopier(spec, host, f)
-    plan = planner.plan(g, h, store=True, **kw)
+    copier = DmaIssuer(spec, host, f, coalesce=coalesce)
+    plan = planner.plan(g, h, direction=Direction.STORE, **kw)
     call = copier.issue(plan)
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, layout, g, want, h, **ref)
     assert torch.equal(host, want), "store"
-    assert call.count == copier.count(plan)
+    assert call.count == copier.descriptors(plan)
     # A load into other blocks: only they change.
     dst = np.setdiff1d(np.arange(16), g)[:n]
     before = [c.clone() for c in caches]
-    copier.issue(planner.plan(dst, h, store=False, **kw))
+    copier.issue(planner.plan(dst, h, direction=Direction.LOAD, **kw))
     got = [c.clone() for c in caches]
     for c, b in zip(caches, before):
         c.copy_(b)
@@ -127,7 +127,18 @@ def test_padded_pages_never_coalesce():
     """A padded page's blocks are not adjacent on the GPU: one copy per block and tensor, however contiguous the ids
     (groups of 3 blocks over tensors 0 and 1, and of 2 blocks over tensor 2)."""
     _, plan, copier, _ = _round_trip("slots-padded", 4, 0, "contiguous")
-    assert copier.count(plan) == 3 * 2 + 2 * 1
+    assert copier.descriptors(plan) == 3 * 2 + 2 * 1
+
+
+@pytest.mark.parametrize("kind", ["slots", "groups", "block_first"])
+def test_uncoalesced_descriptors_are_one_per_block_and_run(kind):
+    """coalesce=False (a caller that never merges, as vLLM's worker builds them): one copy per block and run, the
+    same bytes moved (the round trip checks them against the reference)."""
+    spec, plan, copier, _ = _round_trip(kind, 4, 0, "contiguous", coalesce=False)
+    runs = [len(r) for r in copier.planner.groups]
+    assert copier.descriptors(plan) == sum(k * n for k, n in zip(plan.sizes, runs))
+    src, _, sizes = copier.planner.descriptors(plan)
+    assert src.size == copier.descriptors(plan) and int(sizes.sum()) == plan.num_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,11 +10,12 @@ import torch
 
 import triton_offload as to
 from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
-from triton_offload.transfer import TransferPlanner
+from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import host_buffer, make_caches, snapshot
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
+STORE, LOAD = Direction.STORE, Direction.LOAD
 NUM_BLOCKS, NUM_HOST = 8, 5
 
 
@@ -294,15 +295,15 @@ def test_planner_finds_every_duplicate_destination_across_calls():
         n = int(rng.integers(1, 40))
         ids = rng.integers(0, 40, n) if trial % 2 else rng.permutation(40)[:n]
         dup = len(set(ids.tolist())) < n
-        # (store, gpu ids, host ids): the destinations are the host ids of a store, the GPU ids of a load.
-        for store, g, h in ((True, rng.integers(0, 64, n), ids), (False, ids, rng.integers(0, 40, n))):
+        # (direction, gpu ids, host ids): the destinations are the host ids of a store, the GPU ids of a load.
+        for direction, g, h in ((STORE, rng.integers(0, 64, n), ids), (LOAD, ids, rng.integers(0, 40, n))):
             if dup:
                 first = next(int(v) for i, v in enumerate(ids) if v in ids[i + 1 :])
                 with pytest.raises(ValueError, match=rf"holds destination id {first} more than once"):
-                    planner.plan(g, h, store=store)
+                    planner.plan(g, h, direction=direction)
             else:
-                plan = planner.plan(g, h, store=store)
-                assert plan.ids.tolist() == [*g.tolist(), *h.tolist()]
+                plan = planner.plan(g, h, direction=direction)
+                assert (plan.gpu_ids.tolist(), plan.host_ids.tolist()) == (g.tolist(), h.tolist())
 
 
 def test_huge_and_negative_ids_are_out_of_range(setup):
@@ -310,4 +311,4 @@ def test_huge_and_negative_ids_are_out_of_range(setup):
     _, spec, host = setup
     for bad in (-(2**63), -1, 2**62):
         with pytest.raises(ValueError, match=rf"gpu_block_ids\[1\] = {bad} is out of range"):
-            to.plan_transfer(spec, host, [0, bad, 1], [0, 1], blocks_per_host_block=2, skip=1, store=True)
+            to.plan_transfer(spec, host, [0, bad, 1], [0, 1], blocks_per_host_block=2, skip=1, direction=STORE)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "Layout": "triton_offload.layouts",
     "KVCacheSpec": "triton_offload.layouts",
     "prepare_kv": "triton_offload.layouts",
+    "Direction": "triton_offload.plan",
     "gather_blocks": "triton_offload.transfer",
     "scatter_blocks": "triton_offload.transfer",
     "host_block_bytes": "triton_offload.transfer",
@@ -29,6 +30,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv  # noqa: F401
+    from triton_offload.plan import Direction  # noqa: F401
     from triton_offload.transfer import (  # noqa: F401
         check_transfer,
         gather_blocks,
