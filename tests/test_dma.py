@@ -191,6 +191,32 @@ def test_engine_auto_takes_the_path_the_calibration_predicts_faster(make_host_ca
     assert slow.get_finished()[0].path == "kernel"
 
 
+def test_engine_auto_reports_what_each_path_was_predicted_to_cost(make_host_cache):
+    """Each auto job says which path it took and what both were predicted to cost (the chosen one the lower); the
+    engine sums them per direction and path, next to the measured seconds, so a GPU run shows whether the choice was
+    right. A forced path predicts nothing."""
+    cal = _calibration(0.5e-9)
+    _, spec, _, eng = _engine(make_host_cache, f=1, path="auto", calibration=cal)
+    eng.submit_store(1, [4], [0])
+    eng.submit_load(2, list(range(8)), list(range(8)))
+    one, eight = eng.get_finished()
+    for res, n, descriptors in ((one, 1, 6), (eight, 8, 48)):
+        nbytes = n * spec.bytes_per_block
+        want = {
+            p: cal.models[f"{p}/{res.direction}"].predict(nbytes, d) for p, d in (("kernel", 0), ("dma", descriptors))
+        }
+        assert res.predicted == pytest.approx(want) and res.path == min(want, key=want.get)
+    assert (one.path, eight.path) == ("dma", "kernel")
+    totals = eng.path_totals()
+    assert totals["store"]["dma"]["jobs"] == 1 and totals["load"]["kernel"]["jobs"] == 1
+    assert totals["store"]["dma"]["predicted_seconds"] == pytest.approx(one.predicted["dma"])
+    assert totals["load"]["kernel"]["seconds"] == pytest.approx(eight.seconds)
+    assert eng.describe_paths().startswith("store: dma 1 jobs ") and "(predicted 0.013 ms)" in eng.describe_paths()
+    _, _, _, forced = _engine(make_host_cache, f=1, path="kernel")
+    forced.submit_store(1, [4], [0])
+    assert forced.get_finished()[0].predicted is None and forced.path_totals() == {}
+
+
 def test_engine_path_is_checked(make_host_cache):
     with pytest.raises(ValueError, match=r"path = 'fast' must be one of 'auto', 'kernel', 'dma'"):
         _engine(make_host_cache, path="fast")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
@@ -32,6 +32,8 @@ class JobResult:
     Attributes:
         seconds: GPU time between the job's events (wall time on CPU).
         path: how it moved: ``"kernel"`` (one Triton launch) or ``"dma"`` (one cuMemcpyBatchAsync).
+        predicted: with ``path="auto"``, the seconds each path was predicted to take (the chosen one is the lowest);
+            None where no choice was made.
     """
 
     job_id: int
@@ -41,6 +43,7 @@ class JobResult:
     seconds: float
     error: str | None = None
     path: str = KERNEL
+    predicted: Mapping[str, float] | None = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Job:
     direction: Direction
     num_bytes: int
     path: str
+    predicted: Mapping[str, float] | None
     issuer: Issuer | None = None
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
@@ -58,8 +62,9 @@ class _Job:
     def finish(self, seconds: float, error: BaseException | None = None) -> None:
         ok = error is None
         self.result = JobResult(
-            self.job_id, ok, self.direction, self.num_bytes, seconds, None if ok else repr(error), self.path
-        )
+            self.job_id, ok, self.direction, self.num_bytes, seconds, None if ok else repr(error), self.path,
+            self.predicted,
+        )  # fmt: skip
 
 
 class JobTracker:
@@ -113,12 +118,14 @@ class JobTracker:
         *,
         lane: Hashable | None = None,
         path: str | None = None,
+        predicted: Mapping[str, float] | None = None,
         trace=None,
     ) -> None:
         """Issues ``plan`` through ``issuer`` as job ``job_id`` on ``lane`` (default: the lane named after the
         direction); ``plan`` None moves nothing and completes at once. An issue that raises fails the job, reported
-        once by :meth:`get_finished`; :meth:`shutdown` re-raises the first. ``path`` defaults to the issuer's."""
-        job = _Job(job_id, direction, num_bytes, issuer.path if path is None else path)
+        once by :meth:`get_finished`; :meth:`shutdown` re-raises the first. ``path`` defaults to the issuer's;
+        ``predicted`` (each path's predicted seconds, where one was chosen) goes into the result."""
+        job = _Job(job_id, direction, num_bytes, issuer.path if path is None else path, predicted)
         lane = direction if lane is None else lane
         if plan is None:
             job.finish(0.0)
