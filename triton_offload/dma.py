@@ -168,11 +168,15 @@ class DmaIssuer:
         """Builds ``plan``'s descriptors and issues them on ``stream`` (None: the current one; on CPU the copies run
         now). The returned call holds the descriptor arrays, which the driver reads until the copies complete."""
         src, dst, nbytes = self.planner.descriptors(plan)
-        handle = 0
-        if self._batch.cuda:
+        if not self._batch.cuda:
+            call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, 0)
+            call()
+            return call
+        # The driver call acts in the current context: the caches' device's, whichever device is current.
+        with torch.cuda.device(self.device):
             handle = (stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream
-        call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, handle)
-        call()
+            call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, handle)
+            call()
         return call
 
     def release(self, keep: MemcpyBatchCall, after=None) -> None:

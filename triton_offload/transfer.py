@@ -100,7 +100,8 @@ def transfer_blocks(
 ) -> None:
     """:func:`gather_blocks` (a store) or :func:`scatter_blocks` (a load) of a prepared spec, by direction, with the
     launch tuning as a value (``tunings``, per direction; None for the measured defaults: bench/tune.py passes its
-    variants here). Asynchronous on CUDA, on the current stream of the spec's device."""
+    variants here). Asynchronous on CUDA, on the current stream of the spec's device (made the current device for the
+    call)."""
     if num_ctas is not None:
         int_in_range(num_ctas, "num_ctas", 1)
     f = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
@@ -109,19 +110,22 @@ def transfer_blocks(
     plan = planner.plan(gpu_block_ids, host_block_ids, direction=direction, skip=skip, group_sizes=group_sizes)
     if plan.n_blocks == 0:
         return
-    launcher = CopyLauncher(spec, host_buffer, f, direction, tunings)
     if spec.device.type != "cuda":
-        KernelIssuer(launcher, None, num_ctas).issue(plan)
+        KernelIssuer(CopyLauncher(spec, host_buffer, f, direction, tunings), None, num_ctas).issue(plan)
         return
-    if fast_launch_default():
-        enable_fast_launch(launcher, num_ctas)  # proven once per compiled variant, then a lookup
-    # The ids are packed straight into a pinned staging slot, so their upload is truly asynchronous (a copy from
-    # pageable memory may synchronise with the stream) and no pinned memory is allocated per call.
-    issuer = KernelIssuer(launcher, _public_state(spec).stager, num_ctas)
-    slot = issuer.issue(plan)
-    # Reused once the launch has read the ids: the event follows it on the current stream.
-    slot.event.record()
-    issuer.release(slot, slot.event)
+    # On the caches' device, whichever is current: Triton launches on the current device's stream, and the slot's
+    # guard must follow the launch on the stream that runs it.
+    with torch.cuda.device(spec.device):
+        launcher = CopyLauncher(spec, host_buffer, f, direction, tunings)
+        if fast_launch_default():
+            enable_fast_launch(launcher, num_ctas)  # proven once per compiled variant, then a lookup
+        # The ids are packed straight into a pinned staging slot, so their upload is truly asynchronous (a copy from
+        # pageable memory may synchronise with the stream) and no pinned memory is allocated per call.
+        issuer = KernelIssuer(launcher, _public_state(spec).stager, num_ctas)
+        slot = issuer.issue(plan)
+        # Reused once the launch has read the ids: the event follows it on the stream that runs it.
+        slot.event.record(torch.cuda.current_stream(spec.device))
+        issuer.release(slot, slot.event)
 
 
 def _is_layout(value) -> bool:
