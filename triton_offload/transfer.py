@@ -5,6 +5,7 @@ does not change between calls (planners, pinned id slots) is kept per spec and d
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -39,6 +40,7 @@ class _PublicState:
 
 
 _PUBLIC: weakref.WeakKeyDictionary[KVCacheSpec, _PublicState] = weakref.WeakKeyDictionary()
+_ON_ITS_DEVICE = contextlib.nullcontext()
 
 
 def _public_state(spec: KVCacheSpec) -> _PublicState:
@@ -114,8 +116,9 @@ def transfer_blocks(
         KernelIssuer(CopyLauncher(spec, host_buffer, f, direction, tunings), None, num_ctas).issue(plan)
         return
     # On the caches' device, whichever is current: Triton launches on the current device's stream, and the slot's
-    # guard must follow the launch on the stream that runs it.
-    with torch.cuda.device(spec.device):
+    # guard must follow the launch on the stream that runs it. (Switched only when needed: it costs per call.)
+    index = spec.device.index
+    with torch.cuda.device(index) if torch.cuda.current_device() != index else _ON_ITS_DEVICE:
         launcher = CopyLauncher(spec, host_buffer, f, direction, tunings)
         if fast_launch_default():
             enable_fast_launch(launcher, num_ctas)  # proven once per compiled variant, then a lookup
