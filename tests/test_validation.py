@@ -61,9 +61,9 @@ BAD = [
 
 def _call(direction, caches, host, *, g=(1, 4, 6), h=(3, 0), f=2, skip=1, num_ctas=None, layout="kv_first"):
     if direction == "gather":
-        to.gather_blocks(caches, layout, g, host, h, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+        to.gather_blocks(caches, g, host, h, layout=layout, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
     else:
-        to.scatter_blocks(host, h, caches, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+        to.scatter_blocks(host, h, caches, g, layout=layout, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
 
 
 def _assert_nothing_written(caches, host, before_caches, before_host):
@@ -171,7 +171,7 @@ def test_mismatched_layer_block_counts():
     with pytest.raises(ValueError, match=r"layer 1 has 9 blocks, layer 0 has 8"):
         to.KVCacheSpec(caches, "kv_first")
     with pytest.raises(ValueError, match=r"layer 1 has 9 blocks"):
-        to.gather_blocks(caches, "kv_first", [0], torch.zeros(1, 64, dtype=torch.uint8), [0])
+        to.gather_blocks(caches, [0], torch.zeros(1, 64, dtype=torch.uint8), [0], layout="kv_first")
 
 
 @pytest.mark.parametrize(
@@ -207,7 +207,7 @@ def test_layers_on_different_devices_or_empty():
 def test_prepared_spec_layout_mismatch(setup):
     caches, spec, host = setup
     with pytest.raises(ValueError, match="does not match the prepared spec's 'kv_first'"):
-        to.gather_blocks(spec, "mla", [0], host, [0], blocks_per_host_block=2)
+        to.gather_blocks(spec, [0], host, [0], layout="mla", blocks_per_host_block=2)
 
 
 @pytest.fixture
@@ -240,7 +240,6 @@ def test_bad_grouped_transfer_raises_and_writes_nothing(grouped, direction, case
         if direction == "gather":
             to.gather_blocks(
                 spec,
-                None,
                 call["g"],
                 host,
                 call["h"],
@@ -253,7 +252,6 @@ def test_bad_grouped_transfer_raises_and_writes_nothing(grouped, direction, case
                 host,
                 call["h"],
                 spec,
-                None,
                 call["g"],
                 blocks_per_host_block=2,
                 skip=call["skip"],

@@ -23,7 +23,6 @@ _EXPORTS = {
     "scatter_blocks": "triton_offload.transfer",
     "host_block_bytes": "triton_offload.transfer",
     "plan_transfer": "triton_offload.transfer",
-    "check_transfer": "triton_offload.transfer",
 }
 
 __all__ = list(_EXPORTS)
@@ -32,7 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv  # noqa: F401
     from triton_offload.plan import Direction  # noqa: F401
     from triton_offload.transfer import (  # noqa: F401
-        check_transfer,
         gather_blocks,
         host_block_bytes,
         plan_transfer,

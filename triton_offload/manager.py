@@ -45,7 +45,6 @@ from triton_offload.policies import EvictionPolicy, make_policy
 __all__ = [
     "OffloadManager",
     "StoreAllocation",
-    "PrepareStoreOutput",
     "OffloadEvent",
     "ManagerStats",
     "ManagerSnapshot",
@@ -68,10 +67,6 @@ class StoreAllocation:
     keys_to_store: list[Hashable]
     host_block_ids: list[int]
     evicted_keys: list[Hashable]
-
-
-# The 0.1 name; vLLM's OffloadingManager API has its own ``PrepareStoreOutput``, which the plugin builds from ours.
-PrepareStoreOutput = StoreAllocation
 
 
 @dataclass(frozen=True)

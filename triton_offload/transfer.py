@@ -25,7 +25,6 @@ __all__ = [
     "transfer_blocks",
     "host_block_bytes",
     "plan_transfer",
-    "check_transfer",
     "planner_for",
 ]
 
@@ -81,12 +80,6 @@ def plan_transfer(
     return planner.plan(gpu_block_ids, host_block_ids, direction=direction, skip=skip, group_sizes=group_sizes)
 
 
-def check_transfer(spec, host_buffer, gpu_block_ids, host_block_ids, *, gather: bool, **kwargs) -> TransferPlan:
-    """The former name of :func:`plan_transfer` (``gather=True`` is a store), kept for callers of 0.1."""
-    direction = Direction.STORE if gather else Direction.LOAD
-    return plan_transfer(spec, host_buffer, gpu_block_ids, host_block_ids, direction=direction, **kwargs)
-
-
 def transfer_blocks(
     spec: KVCacheSpec,
     host_buffer: torch.Tensor,
@@ -131,16 +124,12 @@ def transfer_blocks(
         issuer.release(slot, slot.event)
 
 
-def _is_layout(value) -> bool:
-    return value is None or isinstance(value, (str, Layout))
-
-
 def gather_blocks(
     kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
     gpu_block_ids: BlockIds,
     host_buffer: torch.Tensor,
     host_block_ids: BlockIds,
-    *legacy,
+    *,
     layout: str | Layout | None = None,
     blocks_per_host_block: int = 1,
     skip: int | Sequence[int] = 0,
@@ -150,8 +139,7 @@ def gather_blocks(
     """Copies GPU blocks of every layer into packed host blocks, in one kernel launch (a store).
 
     ``gather_blocks(spec, gpu_block_ids, host_buffer, host_block_ids)`` with a prepared :class:`KVCacheSpec`, or
-    with raw tensors and ``layout=``. The 0.1 form ``gather_blocks(kv_caches, layout, gpu_block_ids, host_buffer,
-    host_block_ids)`` (``layout`` None with a prepared spec) still works.
+    with raw tensors and ``layout=``.
 
     GPU block ``gpu_block_ids[i]`` lands at position ``p = skip + i``: host block ``host_block_ids[p // f]``,
     sub-block ``p % f``, where ``f = blocks_per_host_block``. The launch is asynchronous on CUDA (current stream).
@@ -169,10 +157,6 @@ def gather_blocks(
         group_sizes: with KV-cache groups (``KVCacheSpec(..., groups=...)``), GPU ids per group; the ids are then
             concatenated group by group and ``skip`` may be one per group (see :func:`plan_transfer`).
     """
-    if legacy:  # (kv_caches, layout, gpu_block_ids, host_buffer, host_block_ids)
-        if len(legacy) != 1 or not _is_layout(gpu_block_ids) or layout is not None:
-            raise TypeError("gather_blocks takes (spec, gpu_block_ids, host_buffer, host_block_ids)")
-        layout, gpu_block_ids, host_buffer, host_block_ids = gpu_block_ids, host_buffer, host_block_ids, legacy[0]
     transfer_blocks(
         prepare_kv(kv_caches, layout),
         host_buffer,
@@ -191,7 +175,7 @@ def scatter_blocks(
     host_block_ids: BlockIds,
     kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
     gpu_block_ids: BlockIds,
-    *legacy,
+    *,
     layout: str | Layout | None = None,
     blocks_per_host_block: int = 1,
     skip: int | Sequence[int] = 0,
@@ -200,15 +184,10 @@ def scatter_blocks(
 ) -> None:
     """Copies packed host blocks back into GPU blocks of every layer, in one kernel launch (a load).
 
-    ``scatter_blocks(host_buffer, host_block_ids, spec, gpu_block_ids)``, or with raw tensors and ``layout=``; the
-    0.1 form ``scatter_blocks(host_buffer, host_block_ids, kv_caches, layout, gpu_block_ids)`` still works. The
+    ``scatter_blocks(host_buffer, host_block_ids, spec, gpu_block_ids)``, or with raw tensors and ``layout=``. The
     inverse of :func:`gather_blocks`, with the same position rule: GPU block ``gpu_block_ids[i]`` reads position
     ``skip + i``. GPU ids are destinations and must be distinct; host ids may repeat.
     """
-    if legacy:  # (host_buffer, host_block_ids, kv_caches, layout, gpu_block_ids)
-        if len(legacy) != 1 or not _is_layout(gpu_block_ids) or layout is not None:
-            raise TypeError("scatter_blocks takes (host_buffer, host_block_ids, spec, gpu_block_ids)")
-        layout, gpu_block_ids = gpu_block_ids, legacy[0]
     transfer_blocks(
         prepare_kv(kv_caches, layout),
         host_buffer,
