@@ -1,5 +1,6 @@
 """The CUDA driver API through ctypes: ``cuMemcpyBatchAsync`` for the copy-engine transfer path
-(:mod:`triton_offload.dma`) and the benchmark's copy-engine baselines, with nothing between them and the driver.
+(:mod:`triton_offload.dma`), with nothing between it and the driver (the benchmark's baselines build on it:
+bench/cuda_driver.py adds what only they use).
 
 It loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call over arrays built beforehand: the
 driver's own cost, as a C++ caller such as vLLM pays it.
@@ -38,11 +39,8 @@ __all__ = [
     "HostBatchStandIn",
     "BatchIssuer",
     "CudaDriver",
-    "load_driver",
     "shared_driver",
-    "cuda_version_text",
     "SRC_ACCESS_ORDER_STREAM",
-    "SRC_ACCESS_ORDER_ANY",
     "LOCATION_DEVICE",
     "LOCATION_HOST",
     "FLAG_DEFAULT",
@@ -51,7 +49,6 @@ __all__ = [
 
 # cuda.h enum values.
 SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-SRC_ACCESS_ORDER_ANY = 0x3  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
 LOCATION_HOST = 0x2  # CU_MEM_LOCATION_TYPE_HOST
 FLAG_DEFAULT = 0x0  # CU_MEMCPY_FLAG_DEFAULT
@@ -59,13 +56,8 @@ FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COM
 _GET_PROC_ADDRESS_DEFAULT = 0
 
 
-def cuda_version_text(version: int) -> str:
-    """A driver's CUDA version as cuDriverGetVersion encodes it (1000 * major + 10 * minor) -> ``"major.minor"``."""
-    return f"{version // 1000}.{version % 1000 // 10}"
-
-
 class CudaError(RuntimeError):
-    """A driver call failed, or the driver lacks what a baseline needs; the message names the call."""
+    """A driver call failed, or the driver lacks an entry point; the message names the call."""
 
 
 class CUmemLocation(ctypes.Structure):
@@ -222,10 +214,10 @@ class BatchIssuer:
 
 
 class CudaDriver:
-    """``libcuda.so.1`` with the calling thread's context checked, and the entry points the baselines use.
+    """``libcuda.so.1`` with the calling thread's context checked, and its ``cuMemcpyBatchAsync`` entry points.
 
     Args:
-        device_index: the CUDA device the benchmark runs on (PyTorch has already initialised it on this thread).
+        device_index: the CUDA device the caller runs on (PyTorch has already initialised it on this thread).
     """
 
     def __init__(self, device_index: int):
@@ -243,7 +235,6 @@ class CudaDriver:
         self._check(self.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.version = version.value
         self._ensure_context()
-        self._memcpy_async = None
 
     def _check(self, err: int, what: str) -> None:
         if err:
@@ -263,10 +254,6 @@ class CudaDriver:
         self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
-    @property
-    def note(self) -> str:
-        return f"driver API via ctypes on libcuda.so.1, CUDA {cuda_version_text(self.version)}"
-
     def _proc(self, symbol: str, cuda_version: int, exported: str) -> int:
         pfn, status = ctypes.c_void_p(), ctypes.c_int(0)
         get = getattr(self.lib, "cuGetProcAddress_v2", None)
@@ -282,32 +269,25 @@ class CudaDriver:
                 f"(cuGetProcAddress status {status.value}, no {exported} symbol)"
             ) from None
 
-    def batch_entry(self, abi: int | None = None) -> tuple[int, bool]:
-        """(address, with_fail_idx) of cuMemcpyBatchAsync: the newest ABI this driver speaks, or the ``abi`` of
-        :data:`BATCH_ABIS` asked for (as a caller built against that CUDA version gets it); CudaError before 12.8."""
-        for cuda_version, (exported, with_fail_idx) in BATCH_ABIS.items():
-            if self.version >= cuda_version and abi in (None, cuda_version):
-                return self._proc("cuMemcpyBatchAsync", cuda_version, exported), with_fail_idx
-        wanted = f"the {abi} ABI of " if abi else ""
-        raise CudaError(f"the driver supports CUDA {self.version}; {wanted}cuMemcpyBatchAsync needs 12.8 (12080)")
+    def batch_entry(self) -> tuple[int, bool]:
+        """(address, with_fail_idx) of cuMemcpyBatchAsync in the newest ABI of :data:`BATCH_ABIS` this driver
+        speaks; CudaError before 12.8."""
+        for cuda_version in BATCH_ABIS:
+            if self.version >= cuda_version:
+                return self.batch_entry_of(cuda_version)
+        raise CudaError(f"the driver supports CUDA {self.version}; cuMemcpyBatchAsync needs 12.8 (12080)")
 
-    def memcpy_async(self):
-        """``cuMemcpyAsync(dst, src, bytes, stream) -> CUresult`` as a ctypes function (one Python call per copy)."""
-        if self._memcpy_async is None:
-            fn = self.lib.cuMemcpyAsync  # unified addressing: the driver infers the direction from the pointers
-            fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            self._memcpy_async = fn
-        return self._memcpy_async
-
-
-def load_driver(device_index: int) -> tuple[CudaDriver | None, str]:
-    """(CudaDriver, description) or (None, why not)."""
-    try:
-        driver = CudaDriver(device_index)
-    except CudaError as exc:
-        return None, str(exc)
-    return driver, driver.note
+    def batch_entry_of(self, cuda_version: int) -> tuple[int, bool]:
+        """(address, with_fail_idx) of cuMemcpyBatchAsync in the ABI of ``cuda_version`` (a key of
+        :data:`BATCH_ABIS`), as a caller built against that CUDA version gets it; CudaError if the driver is
+        older."""
+        exported, with_fail_idx = BATCH_ABIS[cuda_version]
+        if self.version < cuda_version:
+            raise CudaError(
+                f"the driver supports CUDA {self.version}; the {cuda_version} ABI of cuMemcpyBatchAsync needs 12.8 "
+                "(12080)"
+            )
+        return self._proc("cuMemcpyBatchAsync", cuda_version, exported), with_fail_idx
 
 
 _SHARED: dict[int, CudaDriver] = {}
