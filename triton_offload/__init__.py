@@ -1,10 +1,7 @@
-"""triton-offload: KV-cache offloading for LLM serving on Triton kernels.
-
-One launch moves any number of non-contiguous GPU KV blocks, all layers at once, into a packed pinned host buffer
-(:func:`gather_blocks`) or back (:func:`scatter_blocks`).
-
-The top level is lazy: ``import triton_offload.manager`` (or ``.policies``), which the serving scheduler's process
-does, imports neither torch nor Triton; the names below are imported on first use.
+"""triton-offload: KV-cache offloading for LLM serving on Triton kernels. One launch moves any number of
+non-contiguous GPU KV blocks, all layers at once, into a packed pinned host buffer (:func:`gather_blocks`) or back
+(:func:`scatter_blocks`). The top level is lazy: ``import triton_offload.manager`` (or ``.policies``), which the
+serving scheduler's process does, imports neither torch nor Triton; the names below are imported on first use.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""The CUDA driver API through ctypes: ``cuMemcpyBatchAsync`` for the copy-engine transfer path
-(:mod:`triton_offload.dma`), with nothing between it and the driver (the benchmark's baselines build on it:
-bench/cuda_driver.py adds what only they use).
-
-It loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call over arrays built beforehand: the
-driver's own cost, as a C++ caller such as vLLM pays it.
-
-``cuMemcpyBatchAsync`` changed its ABI between CUDA 12.8 and 13.0 (cuda.h of CUDA 13.0, which this was checked against):
-
-* 12.8 (exported as ``cuMemcpyBatchAsync``): ``(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
-  CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream)``;
-* 13.0 (exported as ``cuMemcpyBatchAsync_v2``; cuda.h maps the name to it): the same without ``failIdx``.
-
-The entry point is taken from ``cuGetProcAddress(symbol, cudaVersion, CU_GET_PROC_ADDRESS_DEFAULT)`` with the ABI the
-driver supports (13000 on a CUDA 13 driver, else 12080), falling back to the exported symbol of that ABI; the ctypes
-prototype is chosen to match (:data:`BATCH_ABIS`).
-
-``CUmemcpyAttributes`` (cuda.h, unchanged from 12.8 to 13.x): ``CUmemcpySrcAccessOrder srcAccessOrder`` (an enum, 4
-bytes) at 0, ``CUmemLocation srcLocHint`` ({``CUmemLocationType type``, ``int id``}, 8 bytes) at 4, ``CUmemLocation
-dstLocHint`` at 12, ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned. ``tests/test_cuda_driver.py`` checks
-this layout against cuda.h with a C compiler where the header is installed.
+"""The CUDA driver's ``cuMemcpyBatchAsync`` through ctypes, for the copy-engine transfer path
+(:mod:`triton_offload.dma`): it loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call over
+arrays built beforehand, the driver's own cost as a C++ caller such as vLLM pays it. The entry point's ABI changed
+between CUDA 12.8 and 13.0 (:data:`BATCH_ABIS`; docs/design.md, "The copy-engine path and auto");
+bench/cuda_driver.py adds what only the benchmark's baselines use.
 """
 
 from __future__ import annotations
@@ -65,6 +49,11 @@ class CUmemLocation(ctypes.Structure):
 
 
 class CUmemcpyAttributes(ctypes.Structure):
+    """cuda.h (unchanged from 12.8 to 13.x): ``CUmemcpySrcAccessOrder srcAccessOrder`` (an enum, 4 bytes) at 0,
+    ``CUmemLocation srcLocHint`` ({``CUmemLocationType type``, ``int id``}, 8 bytes) at 4, ``dstLocHint`` at 12,
+    ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned (``tests/test_cuda_driver.py`` checks it against cuda.h
+    with a C compiler where the header is installed)."""
+
     _fields_ = [
         ("srcAccessOrder", ctypes.c_int),
         ("srcLocHint", CUmemLocation),
@@ -74,6 +63,11 @@ class CUmemcpyAttributes(ctypes.Structure):
 
 
 # cudaVersion to ask cuGetProcAddress for -> (exported symbol of that ABI, whether it takes ``size_t *failIdx``).
+# 12.8 (exported as cuMemcpyBatchAsync): (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+# CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream); 13.0 (exported as
+# cuMemcpyBatchAsync_v2, which cuda.h maps the name to): the same without failIdx. Checked against CUDA 13.0's cuda.h.
+# The entry point comes from cuGetProcAddress(symbol, cudaVersion, CU_GET_PROC_ADDRESS_DEFAULT), falling back to the
+# exported symbol; the ctypes prototype follows the ABI.
 BATCH_ABIS = {13000: ("cuMemcpyBatchAsync_v2", False), 12080: ("cuMemcpyBatchAsync", True)}
 
 

@@ -52,26 +52,26 @@ def canary_spec(spec: KVCacheSpec, num_blocks: int = _CANARY_BLOCKS) -> KVCacheS
     return KVCacheSpec(tensors, spec.layout, groups=spec.groups, host_slots=spec.host_slots)
 
 
-def _canary_transfer(spec: KVCacheSpec, f: int, store: bool):
+def _canary_transfer(spec: KVCacheSpec, f: int, direction: Direction):
     """(gpu ids, host ids, skips, group sizes) of a canary transfer: every group, a skip when f > 1, ids out of
     order; a load writes other GPU blocks than the store read."""
     groups = spec.num_groups
     sizes = [3] + [1] * (groups - 1)
     skips = [1 % f] + [0] * (groups - 1)
     need = [-(-(k + n) // f) for k, n in zip(skips, sizes)]
+    store = direction is Direction.STORE
     extra = list(range(8, 8 + groups - 1)) if store else list(range(8 + groups, 7 + 2 * groups))
     gpu = ([5, 1, 6] if store else [7, 0, 3]) + extra
     host = list(range(sum(need)))[::-1]
     return np.array(gpu, dtype=np.int64), np.array(host, dtype=np.int64), skips, sizes
 
 
-def _reference(spec: KVCacheSpec, store: bool, host: torch.Tensor, gpu, host_ids, f, skips, sizes) -> None:
-    copy = reference.gather_blocks_ref if store else reference.scatter_blocks_ref
+def _reference(spec: KVCacheSpec, direction: Direction, host: torch.Tensor, gpu, host_ids, f, skips, sizes) -> None:
     kw = dict(blocks_per_host_block=f, skip=skips, groups=spec.groups, group_sizes=sizes, host_slots=spec.host_slots)
-    if store:
-        copy(spec.kv_caches, spec.layout, gpu, host, host_ids, **kw)
+    if direction is Direction.STORE:
+        reference.gather_blocks_ref(spec.kv_caches, spec.layout, gpu, host, host_ids, **kw)
     else:
-        copy(host, host_ids, spec.kv_caches, spec.layout, gpu, **kw)
+        reference.scatter_blocks_ref(host, host_ids, spec.kv_caches, spec.layout, gpu, **kw)
 
 
 def prove_direct(launcher: CopyLauncher, direction: Direction, runner, num_ctas: int | None = None) -> str | None:
@@ -81,7 +81,7 @@ def prove_direct(launcher: CopyLauncher, direction: Direction, runner, num_ctas:
     spec, f = launcher.spec, launcher.blocks_per_host_block
     store = direction is Direction.STORE
     canary = canary_spec(spec, _CANARY_BLOCKS + 2 * spec.num_groups)
-    gpu, host_ids, skips, sizes = _canary_transfer(canary, f, store)
+    gpu, host_ids, skips, sizes = _canary_transfer(canary, f, direction)
     rows = int(host_ids.max()) + 2
     host = torch.empty(rows, canary.host_block_bytes(f), dtype=torch.uint8, pin_memory=launcher.cuda)
     canary_launcher = launcher.twin(canary, host, direction)
@@ -105,7 +105,7 @@ def prove_direct(launcher: CopyLauncher, direction: Direction, runner, num_ctas:
     via_triton = run(lambda: canary_launcher.launch(plan, ids, num_ctas))
     canary_launcher.set_direct(direction, runner)
     via_direct = run(lambda: canary_launcher.launch(plan, ids, num_ctas))
-    via_reference = run(lambda: _reference(canary, store, host, gpu, host_ids, f, skips, sizes))
+    via_reference = run(lambda: _reference(canary, direction, host, gpu, host_ids, f, skips, sizes))
     if not all(torch.equal(a, b) for a, b in zip(via_direct, via_triton)):
         return f"the direct launch of the {direction} wrote other bytes than Triton's launch on the canary"
     if not all(torch.equal(a, b) for a, b in zip(via_triton, via_reference)):

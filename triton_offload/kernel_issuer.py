@@ -1,7 +1,7 @@
 """The kernel path: :class:`CopyLauncher` derives, once per spec, what the copy kernel reads (launch shapes, segment
 tables, direct runners, kept in a cache private to this module) and launches a plan's ids; :class:`KernelIssuer`
-issues a plan by packing its ids into a pinned slot, uploading them and launching (the :class:`~triton_offload.
-issuer.Issuer` of ``path="kernel"``).
+issues a plan by packing its ids into a pinned slot, uploading them and launching (the
+:class:`~triton_offload.issuer.Issuer` of ``path="kernel"``).
 """
 
 from __future__ import annotations
