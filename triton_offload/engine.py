@@ -203,7 +203,7 @@ class TransferEngine:
     # -- completion ---------------------------------------------------------------------------------------------
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished since the last call, each reported once, without blocking."""
-        return self._count(self._tracker.get_finished())
+        return self._tally_paths(self._tracker.get_finished())
 
     def wait(self, job_ids) -> None:
         """Blocks until the given jobs are finished; unknown or already reported ids are ignored."""
@@ -216,12 +216,12 @@ class TransferEngine:
     def shutdown(self) -> list[JobResult]:
         """Drains every job, then re-raises the first error any job hit. Returns the results not yet reported."""
         try:
-            return self._count(self._tracker.shutdown())
+            return self._tally_paths(self._tracker.shutdown())
         finally:
             if self.calibration is not None:
                 logger.info("triton-offload engine: auto's transfers by path: %s", self.describe_paths())
 
-    def _count(self, results: list[JobResult]) -> list[JobResult]:
+    def _tally_paths(self, results: list[JobResult]) -> list[JobResult]:
         if self.calibration is None:  # one path: nothing was chosen
             return results
         for r in results:
