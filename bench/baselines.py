@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 import triton_offload as to
-from triton_offload.dma import DmaCopier
+from triton_offload.calibrate import calibrate, path_issuers
+from triton_offload.dma import DmaIssuer
 from triton_offload.fast_launch import enable_fast_launch
-from triton_offload.kernels.copy_blocks import CopyLauncher
-from triton_offload.path_choice import KERNEL, Calibration, calibrate
-from triton_offload.transfer import TransferPlanner
+from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.path_choice import DMA, KERNEL, Calibration
+from triton_offload.plan import Direction, TransferPlanner
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
@@ -237,25 +238,27 @@ class Auto:
         if cal is None:
             launcher = CopyLauncher(case.spec, case.host, case.f)
             enable_fast_launch(launcher)  # the calibration times the launch the engine would make
-            cal = by_f[case.f] = calibrate(launcher, case.f)
+            cal = by_f[case.f] = calibrate(case.spec, case.f, path_issuers(launcher))
             self._records.append({"spec": repr(case.spec), "blocks_per_host_block": case.f, **cal.to_dict()})
         return cal
 
     def prepare(self, case: TransferCase, env: Env) -> Prepared:
         planner = TransferPlanner(case.spec, case.host.shape[0], case.f)
-        g, h, skip, store = case.gpu_ids, case.host_ids, case.skip, case.store
-        dma = DmaCopier(case.spec, case.host, case.f)
+        g, h, skip = case.gpu_ids, case.host_ids, case.skip
+        direction = Direction.STORE if case.store else Direction.LOAD
+        dma = DmaIssuer(case.spec, case.host, case.f)
         kept = []  # the last call's descriptors, held until the next call (the driver reads them at submission)
+        stream = torch.cuda.ExternalStream(env.stream_handle, device=env.device) if env.cuda else None
 
-        def run_dma(stream: int = env.stream_handle) -> None:
-            kept[:] = [dma.issue(planner.plan(g, h, skip=skip, store=store), stream)]
+        def run_dma() -> None:
+            kept[:] = [dma.issue(planner.plan(g, h, skip=skip, direction=direction), stream)]
 
         if not env.cuda:
             impl = "copy-engine path (triton_offload.dma) replayed with memmove: no CUDA to calibrate on"
             return Prepared(run_dma, h, impl, True)
         cal = self._calibration(case)
-        plan = planner.plan(g, h, skip=skip, store=store)
-        path = cal.choose(store, plan.num_bytes, dma.count(plan))
+        plan = planner.plan(g, h, skip=skip, direction=direction)
+        path = cal.choose(direction, plan.num_bytes, {KERNEL: 0, DMA: dma.descriptors(plan)})
         if path == KERNEL:
             prepared = Triton(None).prepare(case, env)
             return dataclasses.replace(prepared, impl=f"per call: {prepared.impl}")

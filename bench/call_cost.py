@@ -29,8 +29,10 @@ import triton_offload as to
 from triton_offload.engine import TransferEngine
 from triton_offload.fast_launch import FAST_LAUNCH_ENV, enable_fast_launch
 from triton_offload.host_cache import HostCache
-from triton_offload.kernels.copy_blocks import CopyLauncher
-from triton_offload.transfer import check_host_buffer, planner_for
+from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.kernels.copy_blocks import pack_ids
+from triton_offload.plan import Direction, check_host_buffer
+from triton_offload.transfer import planner_for
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
@@ -42,10 +44,10 @@ from workloads import WORKLOADS, make_caches
 BURST = 8
 # The engine's trace points in order (triton_offload/engine.py): each step is the time from the previous point.
 ENGINE_STEPS = {
-    "plan": "plan: validation + packing into the pinned slot",
+    "plan": "plan: validation",
     "fence": "fence: event on the compute stream + wait",
-    "upload": "upload: stream switch + id copy",
-    "launch": "launch: start event + kernel launch",
+    "upload": "upload: start event + stream switch + packing into the pinned slot + id copy",
+    "launch": "launch: kernel launch",
     "done": "end event + bookkeeping",
 }
 
@@ -123,17 +125,17 @@ def public_steps(s: Setup, calls: int) -> dict[str, dict]:
     out = {
         "check_host_buffer": timed(lambda: check_host_buffer(s.spec, s.host, 1), s.device, calls),
         "plan: validation + packing": timed(
-            lambda: planner.plan(s.g, s.h, store=True, stage=lambda size: staging), s.device, calls
+            lambda: pack_ids(planner.plan(s.g, s.h, direction=Direction.STORE), staging), s.device, calls
         ),
-        "CopyLauncher(...)": timed(lambda: CopyLauncher(s.spec, s.host, 1, True), s.device, calls),
+        "CopyLauncher(...)": timed(lambda: CopyLauncher(s.spec, s.host, 1, Direction.STORE), s.device, calls),
     }
     if s.device.type == "cuda":
-        launcher = CopyLauncher(s.spec, s.host, 1, True)
+        launcher = CopyLauncher(s.spec, s.host, 1, Direction.STORE)
         out["enable_fast_launch (a proven variant)"] = timed(lambda: enable_fast_launch(launcher), s.device, calls)
-        plan = planner.plan(s.g, s.h, store=True)
-        ids = torch.from_numpy(plan.ids).to(s.device)
+        plan = planner.plan(s.g, s.h, direction=Direction.STORE)
+        ids = torch.from_numpy(pack_ids(plan)).to(s.device)
         out["launch alone, direct"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
-        launcher.set_direct(True, None)
+        launcher.set_direct(Direction.STORE, None)
         out["launch alone, Triton's dispatch"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
     return out
 

@@ -26,7 +26,7 @@ from triton_offload.layouts import Segment
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from cuda_driver import CudaDriver
+from cuda_driver import BenchDriver
 
 __all__ = ["Run", "runs_of", "TransferCase", "copy_plan", "Env", "Prepared", "Unavailable", "memmove_replay"]
 
@@ -186,7 +186,7 @@ class Env:
     """
 
     device: torch.device
-    driver: CudaDriver | None
+    driver: BenchDriver | None
     driver_note: str
     stream_handle: int = 0
 

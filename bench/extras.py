@@ -53,7 +53,7 @@ def cpu_overhead(
                 case.host_ids,
                 blocks_per_host_block=case.f,
                 skip=case.skip,
-                store=case.store,
+                direction=to.Direction.STORE if case.store else to.Direction.LOAD,
             )
             checks.append(time.perf_counter() - t0)
         out[name] = {**stats_us(calls), "validation_median_us": stats_us(checks)["median_us"]}

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from triton_offload.path_choice import sleep_cycles_per_us
+from triton_offload.calibrate import sleep_cycles_per_us
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).

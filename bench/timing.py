@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from triton_offload.path_choice import sleep_cycles_per_us
+from triton_offload.calibrate import sleep_cycles_per_us
 
 __all__ = ["quantiles", "stats_us", "gbps", "Timing", "GpuTimer", "FLUSH_BYTES", "HIDE_US"]
 

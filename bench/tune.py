@@ -5,12 +5,12 @@ contiguous pinned peak.
 
     python bench/tune.py --json tune.json [--budget-ms 20]
 
-For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant is set on
-``kernels/copy_blocks.py``'s constants, byte-checked once on the case (``verify.check_method``, as the benchmark
-does), then timed at every num_ctas with the benchmark's timer. A variant whose check fails (or that does not
-compile) is reported and never timed. The summary ranks the variants of each direction by their worst fraction of
-peak over the cases at each num_ctas, which is the number the targets are about (>= 90 % of peak on every page,
-with <= 8 CTAs).
+For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant, passed to the
+library as a ``LaunchTuning`` (``kernels/copy_blocks.py``), is byte-checked once on the case
+(``verify.check_method``, as the benchmark does), then timed at every num_ctas with the benchmark's timer. A variant
+whose check fails (or that does not compile) is reported and never timed. The summary ranks the variants of each
+direction by their worst fraction of peak over the cases at each num_ctas, which is the number the targets are about
+(>= 90 % of peak on every page, with <= 8 CTAs).
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import sys
 import torch
 
 import triton_offload.kernels.copy_blocks as cb
+from triton_offload.plan import Direction
+from triton_offload.transfer import transfer_blocks
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
-from baselines import Peak, Triton
-from case import Env
+from baselines import Peak
+from case import Env, Prepared, TransferCase
 from report import print_table, say
 from results import write_json
 from session import allocate, make_case, open_gpu, release
@@ -56,21 +58,12 @@ def variants(tiles=TILES, warps=WARPS) -> list[tuple[int, int]]:
     return [(t, w) for t in tiles for w in warps if 32 <= t // (w * 32) <= 512]
 
 
-@contextlib.contextmanager
-def launch_constants(store: bool, tile: int, warps: int, spec):
-    """Sets one direction's tile and warps on copy_blocks for the duration, dropping the spec's cached launch
-    shapes on entry and exit so that every launcher built inside sees them."""
-    names = ("STORE_TILE_BYTES", "STORE_NUM_WARPS") if store else ("LOAD_TILE_BYTES", "LOAD_NUM_WARPS")
-    saved = [getattr(cb, n) for n in names]
-    for n, v in zip(names, (tile, warps)):
-        setattr(cb, n, v)
-    cb._STATE.pop(spec, None)
-    try:
-        yield
-    finally:
-        for n, v in zip(names, saved):
-            setattr(cb, n, v)
-        cb._STATE.pop(spec, None)
+def tuned_triton(case: TransferCase, num_ctas: int, tuning: cb.LaunchTuning) -> Prepared:
+    """The benchmark's ``triton`` method (one public call per run) with ``tuning`` instead of the defaults."""
+    direction = Direction.STORE if case.store else Direction.LOAD
+    kw = dict(blocks_per_host_block=case.f, skip=case.skip, num_ctas=num_ctas, tunings={direction: tuning})
+    run = lambda: transfer_blocks(case.spec, case.host, case.gpu_ids, case.host_ids, direction=direction, **kw)  # noqa: E731
+    return Prepared(run, case.host_ids, f"triton_offload.transfer_blocks with {tuning}")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -115,29 +108,29 @@ def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget
     labels = {"workload": w.name, "layout": layout, "blocks": n, "direction": case.direction}
     rows, failures = [], []
     for tile, warps in vs:
-        with launch_constants(store, tile, warps, group.spec):
-            cfg = cb.launch_config(group.spec, cb.access_width(group.spec, case.host), store)
-            for i, ctas in enumerate(ctas_list):
-                try:
-                    with stream_ctx():
-                        prepared = Triton(ctas).prepare(case, env)
-                        problem = check_method(case, prepared, group.expected[:n]) if i == 0 else None
-                except Exception as exc:  # a shape the compiler rejects: reported, the sweep goes on
-                    problem = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
-                if problem is not None:
-                    failures.append({**labels, "tile_bytes": tile, "num_warps": warps, "problem": problem})
-                    say(f"FAIL {w.name}/{layout} {case.direction} tile {tile} warps {warps}: {problem}", "bold red")
-                    break
-                ms = timer(prepared.run, budget_ms).fields()["median_ms"]
-                rate = gbps(case.total_bytes, ms)
-                rows.append(
-                    {
-                        **labels, "page_bytes": w.page_bytes, "total_bytes": case.total_bytes,
-                        "tile_bytes": tile, "num_warps": warps, "num_ctas": ctas, "rows": cfg.rows,
-                        "chunk_bytes": cfg.chunk * cfg.elem, "median_ms": ms, "gbps": round(rate, 2),
-                        "peak_gbps": round(peak_gbps, 2), "of_peak": round(rate / peak_gbps, 4),
-                    }
-                )  # fmt: skip
+        tuning = cb.LaunchTuning(tile, warps)
+        cfg = cb.launch_config(group.spec, cb.access_width(group.spec, case.host), tuning)
+        for i, ctas in enumerate(ctas_list):
+            try:
+                with stream_ctx():
+                    prepared = tuned_triton(case, ctas, tuning)
+                    problem = check_method(case, prepared, group.expected[:n]) if i == 0 else None
+            except Exception as exc:  # a shape the compiler rejects: reported, the sweep goes on
+                problem = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
+            if problem is not None:
+                failures.append({**labels, "tile_bytes": tile, "num_warps": warps, "problem": problem})
+                say(f"FAIL {w.name}/{layout} {case.direction} tile {tile} warps {warps}: {problem}", "bold red")
+                break
+            ms = timer(prepared.run, budget_ms).fields()["median_ms"]
+            rate = gbps(case.total_bytes, ms)
+            rows.append(
+                {
+                    **labels, "page_bytes": w.page_bytes, "total_bytes": case.total_bytes,
+                    "tile_bytes": tile, "num_warps": warps, "num_ctas": ctas, "rows": cfg.rows,
+                    "chunk_bytes": cfg.chunk * cfg.elem, "median_ms": ms, "gbps": round(rate, 2),
+                    "peak_gbps": round(peak_gbps, 2), "of_peak": round(rate / peak_gbps, 4),
+                }
+            )  # fmt: skip
     return rows, failures, peak_gbps
 
 

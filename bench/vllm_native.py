@@ -52,7 +52,7 @@ from case import Env, Unavailable
 from cuda_driver import (
     SRC_ACCESS_ORDER_ANY,
     SRC_ACCESS_ORDER_STREAM,
-    CudaDriver,
+    BenchDriver,
     CudaError,
     CUmemcpyAttributes,
     HostBatchStandIn,
@@ -149,9 +149,9 @@ class SwapBlocksBatch:
             self.max_descriptors = 0
 
     @classmethod
-    def for_driver(cls, driver: CudaDriver) -> SwapBlocksBatch:
+    def for_driver(cls, driver: BenchDriver) -> SwapBlocksBatch:
         """On the GPU: libcuda's cuMemcpyBatchAsync (12.8 ABI) and cuMemcpyAsync, on torch's current stream."""
-        address, with_fail_idx = driver.batch_entry(VLLM_BATCH_ABI)
+        address, with_fail_idx = driver.batch_entry_of(VLLM_BATCH_ABI)
         assert with_fail_idx, "the 12.8 ABI takes failIdx"
         what = f"ctypes cuMemcpyBatchAsync ({VLLM_BATCH_ABI} ABI via cuGetProcAddress, as vLLM's op)"
         return cls(address, driver.memcpy_async(), lambda: torch.cuda.current_stream().cuda_stream, what)
@@ -321,7 +321,7 @@ class NativeWorker:
     """
 
     def __init__(
-        self, pages: Sequence[torch.Tensor], blocks_per_chunk: int, num_chunks: int, driver: CudaDriver | None = None
+        self, pages: Sequence[torch.Tensor], blocks_per_chunk: int, num_chunks: int, driver: BenchDriver | None = None
     ):
         self.vllm = load_vllm()
         if not pages:

@@ -1,12 +1,6 @@
 """What the kernels need from Triton beyond its public launch API, kept in one place because it depends on Triton's
-internals: a fix for Triton < 3.7's interpreter under NumPy >= 2.4, and the direct launch of a compiled variant.
-
-The interpreter fix, applied only on those versions:
-
-Triton 3.6's interpreter holds every scalar as a 1-element array and turns it into a Python int with ``int(array)``,
-which NumPy 2.4 rejects for arrays that are not 0-d: every loop with a run-time bound then fails with "only
-0-dimensional arrays can be converted to Python scalars". Triton 3.7 squeezes the array first; on older versions we
-install the same conversion on the interpreter's tensor patch. Compiled kernels are not affected.
+internals: a fix for the interpreter of Triton < 3.7 under NumPy >= 2.4 (:func:`patch_interpreter_scalar_index`), and
+the direct launch of a compiled variant (:class:`DirectRunner`).
 """
 
 from __future__ import annotations
@@ -23,7 +17,13 @@ def _version(v: str) -> tuple[int, int]:
 
 
 def patch_interpreter_scalar_index() -> bool:
-    """Makes the interpreter's scalar-to-int conversion squeeze first; True if a patch was installed."""
+    """Makes the interpreter's scalar-to-int conversion squeeze first; True if a patch was installed.
+
+    Triton 3.6's interpreter holds every scalar as a 1-element array and turns it into a Python int with
+    ``int(array)``, which NumPy 2.4 rejects for arrays that are not 0-d: every loop with a run-time bound then fails
+    with "only 0-dimensional arrays can be converted to Python scalars". Triton 3.7 squeezes the array first; on older
+    versions the same conversion is installed on the interpreter's tensor patch. Compiled kernels are not affected.
+    """
     if _version(triton.__version__) >= _FIXED_IN:
         return False
     from triton.runtime import interpreter

@@ -1,46 +1,37 @@
-"""The copy kernel and everything it reads: one Triton kernel gathers GPU KV blocks of all layers into packed host
-blocks (a store) or scatters them back (a load), and this module owns its interface: the segment table, the packed
-ids of a :class:`TransferPlan`, the launch shapes, and the launcher.
-
-Work is a flat list of *items*, one per (GPU block, segment) pair, ordered block-major so that consecutive items are
-consecutive host bytes. A persistent grid of ``num_ctas`` programs walks tiles of ``ROWS`` items; each tile moves
-``ROWS x CHUNK`` elements per step, so small pages are batched many to a tile and large pages are streamed in chunks.
-Addresses are element offsets from two base pointers: the host buffer, and the segment table itself (the *anchor*),
-from which every KV tensor's address is stored as a difference. All address arithmetic is int64. With KV-cache
-groups (``MULTI_GROUP``), each block reads its group, and the group's skip and first host id, from the id buffer,
-and its segments from the group's rows of the table; one launch still moves every group. docs/design.md explains
-the decomposition and the performance model behind the constants.
-
-The table also places each segment on the host: sub-block ``j`` of a host row holds the segment's bytes at
-``j * host stride + host offset``. The packed format gives every segment the packed sub-block as its stride (one GPU
-block's segments are contiguous); vLLM's worker-slot layout (``HostSlots``, docs/tiering.md) gives each segment its
-tensor's page as the stride and its tensor's region in the row as the offset. One kernel serves both.
+"""The copy kernel and its thin launch: one Triton kernel gathers GPU KV blocks of all layers into packed host blocks
+(a store) or scatters them back (a load), with what it reads built here: the segment table, the id buffer packed from
+a :class:`~triton_offload.plan.TransferPlan`, and the launch shape of a :class:`LaunchTuning`. docs/design.md
+(section 5) explains the decomposition, the addressing and the performance model behind the constants;
+:mod:`triton_offload.kernel_issuer` derives all of it once per spec and issues plans.
 """
 
 from __future__ import annotations
 
-import os
-import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from triton_offload.kernels._triton_compat import compile_variant, launch_hooks_idle
+from triton_offload.kernels._triton_compat import compile_variant as _compile_variant
 from triton_offload.layouts import KVCacheSpec
+from triton_offload.plan import Direction, TransferPlan
 
 __all__ = [
     "DEFAULT_NUM_CTAS",
-    "TransferPlan",
-    "pack_ids",
-    "packed_size",
+    "LaunchTuning",
+    "DEFAULT_TUNINGS",
     "LaunchConfig",
     "launch_config",
     "access_width",
-    "CopyLauncher",
+    "build_segment_table",
+    "packed_size",
+    "pack_ids",
+    "arguments",
+    "launch",
+    "compile_variant",
 ]
 
 # Tuned constants, measured on an NVIDIA H100 80GB HBM3 (PCIe Gen5 x16, driver 580.159.04, Triton 3.6), 2026-11-22,
@@ -51,9 +42,21 @@ __all__ = [
 #   that, and with 64 KiB tiles 8 programs made loads worse, not better (too many host reads in flight).
 # - 2 programs reach only ~35 GB/s (stores) and ~30 GB/s (loads): SM-driven host reads plateau per SM.
 DEFAULT_NUM_CTAS = 4
-# Bytes one program moves per step, and its warps: the bytes a program has in flight (same for both directions).
-STORE_TILE_BYTES, LOAD_TILE_BYTES = 64 * 1024, 64 * 1024
-STORE_NUM_WARPS, LOAD_NUM_WARPS = 16, 16
+
+
+@dataclass(frozen=True)
+class LaunchTuning:
+    """What tuning sets per direction: the bytes one program moves per step (the bytes it has in flight) and its
+    warps."""
+
+    tile_bytes: int
+    num_warps: int
+
+
+# Per direction (the same for both, measured above); read-only: a different tuning is passed as a value.
+DEFAULT_TUNINGS = MappingProxyType(
+    {Direction.STORE: LaunchTuning(64 * 1024, 16), Direction.LOAD: LaunchTuning(64 * 1024, 16)}
+)
 # A tile batches at most this many segments (rows) of tile / MAX_ROWS bytes or more (each row costs its own id and
 # table loads); shorter segments take one chunk each, so a 64 KiB tile holds 64 rows of 1 KiB.
 MAX_ROWS = 32
@@ -175,72 +178,36 @@ def _interpreted_kernel():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The packed ids: the kernel's id buffer
+# The id buffer: the kernel's view of a plan
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)  # slots: built on every call, and twice as fast to build
-class TransferPlan:
-    """A validated transfer, packed for one launch (built by :func:`triton_offload.transfer.plan_transfer`).
-
-    Attributes:
-        store: True for GPU -> host, False for host -> GPU.
-        ids: int64, the kernel's id buffer: the n GPU ids, the host ids and, for a spec with several KV-cache groups,
-            each GPU block's group and, per group, (index of its first GPU block, skip, index of its first host id).
-        n_blocks: GPU blocks moved.
-        n_host: host block ids.
-        skip: the skip of a spec with one group (several groups carry theirs in ``ids``).
-        num_bytes: bytes moved (each group's blocks times that group's bytes per block).
-    """
-
-    store: bool
-    ids: np.ndarray
-    n_blocks: int
-    n_host: int
-    skip: int
-    num_bytes: int
+def packed_size(plan: TransferPlan) -> int:
+    """Elements of the kernel's id buffer for ``plan``."""
+    n, m = plan.n_blocks, plan.n_host
+    return n + m if len(plan.sizes) == 1 else 2 * n + m + 3 * len(plan.sizes)
 
 
-def packed_size(num_groups: int, n_blocks: int, n_host: int) -> int:
-    """Elements of the kernel's id buffer for a transfer of ``n_blocks`` GPU ids and ``n_host`` host ids."""
-    return n_blocks + n_host if num_groups == 1 else 2 * n_blocks + n_host + 3 * num_groups
-
-
-def pack_ids(
-    spec: KVCacheSpec,
-    store: bool,
-    gpu_ids: np.ndarray,
-    host_ids: np.ndarray,
-    sizes: Sequence[int],
-    skips: Sequence[int],
-    host_counts: Sequence[int],
-    stage=None,
-) -> TransferPlan:
-    """Packs validated ids into the kernel's id buffer: per group, ``sizes[g]`` GPU ids starting at ``skips[g]``
-    and ``host_counts[g]`` host ids, concatenated group by group.
-
-    Args:
-        stage: ``stage(size)`` returns a 1-D int64 array of at least ``size`` elements to pack into (a pinned
-            staging buffer, so the ids need no further copy before their upload); None allocates one.
-    """
-    n, m = gpu_ids.size, host_ids.size
-    one_group = spec.num_groups == 1
-    size = n + m if one_group else packed_size(spec.num_groups, n, m)
-    out = np.empty(size, dtype=np.int64) if stage is None else stage(size)[:size]
-    out[:n] = gpu_ids
-    out[n : n + m] = host_ids
-    if one_group:
-        return TransferPlan(store, out, n, m, skips[0], n * spec.bytes_per_block)
-    num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
-    out[n + m : 2 * n + m] = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    first_block = np.cumsum(sizes) - sizes
-    first_host = np.cumsum(host_counts) - host_counts
-    out[2 * n + m :] = np.stack([first_block, skips, first_host], axis=1).reshape(-1)
-    return TransferPlan(store, out, n, m, 0, num_bytes)
+def pack_ids(plan: TransferPlan, out: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's id buffer of ``plan``, in ``out`` (a 1-D int64 array of at least :func:`packed_size` elements,
+    e.g. a pinned staging slot) or a new array: the n GPU ids, the m host ids and, with several KV-cache groups, each
+    GPU block's group and, per group, (index of its first GPU block, skip, index of its first host id). Returns the
+    packed prefix of ``out``."""
+    n, m, sizes = plan.n_blocks, plan.n_host, plan.sizes
+    size = n + m if len(sizes) == 1 else 2 * n + m + 3 * len(sizes)  # packed_size, inlined: it runs per call
+    out = np.empty(size, dtype=np.int64) if out is None else out[:size]
+    out[:n] = plan.gpu_ids
+    out[n : n + m] = plan.host_ids
+    if len(sizes) > 1:
+        out[n + m : 2 * n + m] = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        first_block = np.cumsum(sizes) - sizes
+        first_host = np.cumsum(plan.host_counts) - plan.host_counts
+        out[2 * n + m :] = np.stack([first_block, plan.skips, first_host], axis=1).reshape(-1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launch shapes and the segment table, built once per spec
+# Launch shapes and the segment table
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -282,10 +249,6 @@ class LaunchConfig:
         return _ELEM_DTYPES[self.elem]
 
 
-def tile_bytes(store: bool) -> int:
-    return STORE_TILE_BYTES if store else LOAD_TILE_BYTES
-
-
 def _chunk_elems(max_seg: int, tile: int) -> int:
     """Elements one row moves per step: the power of two that pads the longest segment least, the largest such on a
     tie, between the tile (or the segment rounded up, if smaller) and tile / MAX_ROWS (segments smaller than that
@@ -297,15 +260,14 @@ def _chunk_elems(max_seg: int, tile: int) -> int:
     return min(candidates, key=lambda c: (triton.cdiv(max_seg, c) * c, -c))
 
 
-def launch_config(spec: KVCacheSpec, width: int, store: bool) -> LaunchConfig:
-    """The launch shape for a spec, an access width and a direction (pure; :class:`CopyLauncher` caches it)."""
+def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning) -> LaunchConfig:
+    """The launch shape for a spec, an access width and a direction's tuning (pure)."""
     elem = min(width, 4)
     max_seg = spec.max_segment_bytes // elem
-    tile = tile_bytes(store) // elem
+    tile = tuning.tile_bytes // elem
     # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
     chunk = _chunk_elems(max_seg, tile)
-    num_warps = STORE_NUM_WARPS if store else LOAD_NUM_WARPS
-    return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), num_warps)
+    return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), tuning.num_warps)
 
 
 def table_key(spec: KVCacheSpec, blocks_per_host_block: int) -> int:
@@ -344,168 +306,67 @@ def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int
     return table
 
 
-class _SpecKernelState:
-    """What the kernel derives from one spec, built at most once: tables per element size (and f, for worker
-    slots), shapes per launch."""
-
-    def __init__(self) -> None:
-        self.tables: dict[tuple[int, int], torch.Tensor] = {}
-        self.configs: dict[tuple[int, bool], LaunchConfig] = {}
-        # Direct launchers of compiled variants (triton_offload/fast_launch.py), by CopyLauncher.variant_key; a str
-        # says why that variant keeps Triton's launch.
-        self.direct: dict[tuple, object] = {}
+# ---------------------------------------------------------------------------------------------------------------
+# The launch
+# ---------------------------------------------------------------------------------------------------------------
 
 
-# Keyed by the spec, held weakly: the spec stays a plain description of the caches, and its kernel state goes with it.
-_STATE: weakref.WeakKeyDictionary[KVCacheSpec, _SpecKernelState] = weakref.WeakKeyDictionary()
-
-
-class CopyLauncher:
-    """Launches the copy kernel between one spec's KV caches and one host buffer.
-
-    Everything the kernel reads that does not change per transfer (access width, launch shapes, segment tables,
-    host strides) is derived here, once; tables and shapes are shared by every launcher of the same spec. Inputs are
-    validated by :mod:`triton_offload.transfer`; only internal invariants are asserted here.
-
-    A launch goes through Triton's dispatch (``kernel[grid](...)``) unless a direct launcher of the compiled variant
-    was installed for its direction (:meth:`set_direct`, done by :mod:`triton_offload.fast_launch` once proven).
-
-    Args:
-        spec: the prepared KV caches.
-        host_buffer: (num_host_blocks, host_block_bytes) uint8/int8, row stride may exceed the row (checked by
-            :func:`triton_offload.transfer.check_host_buffer`).
-        blocks_per_host_block: GPU blocks per host block.
-        store: the one direction this launcher serves (a single public call); None for both (an engine).
-        configs: launch shapes to use instead of the spec's own, per direction (a canary launcher takes its live
-            launcher's, so both launch the same compiled variant).
-    """
-
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        host_buffer: torch.Tensor,
-        blocks_per_host_block: int,
-        store: bool | None = None,
-        configs: dict[bool, LaunchConfig] | None = None,
-    ):
-        self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
-        self.cuda = spec.device.type == "cuda"
-        if self.cuda and os.environ.get("TRITON_INTERPRET", "0") == "1":
-            raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
-        state = _STATE.get(spec)
-        if state is None:
-            state = _STATE[spec] = _SpecKernelState()
-        width = access_width(spec, host_buffer)
-        self.directions = (True, False) if store is None else (store,)
-        self._launch_args = {}
-        self._direct: dict[bool, object] = {}
-        for d in self.directions:  # True: a store
-            cfg = None if configs is None else configs[d]
-            if cfg is None:
-                cfg = state.configs.get((width, d))
-            if cfg is None:
-                cfg = state.configs[(width, d)] = launch_config(spec, width, d)
-            assert cfg.elem * cfg.vec <= width, "a launch shape may not access wider than the buffers allow"
-            key = (cfg.elem, table_key(spec, blocks_per_host_block))
-            table = state.tables.get(key)
-            if table is None:
-                table = state.tables[key] = build_segment_table(spec, cfg.elem, key[1])
-            host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
-            # The anchor (the table's storage as the element type) and the host view are made once, not per launch.
-            anchor, host = table.view(cfg.dtype), host_buffer.view(cfg.dtype)
-            # A direct launch passes device addresses as ints (the launcher then skips data_ptr and the driver's
-            # pointer lookup); the host buffer stays a tensor, so the launcher translates it as Triton's launch does.
-            self._launch_args[d] = (cfg, (anchor, host, table), (anchor.data_ptr(), host, table.data_ptr()), host_row)
-        self._current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-    def config(self, store: bool) -> LaunchConfig:
-        return self._launch_args[store][0]
-
-    def variant_key(self, store: bool) -> tuple:
-        """What selects the compiled variant of this launcher's launches in one direction: the launch shape and the
-        alignment class of the two data pointers (the only arguments Triton specialises); the spec's state keeps
-        one direct launcher per key."""
-        cfg, (anchor, host, _), _, _ = self._launch_args[store]
-        return (cfg, store, self.spec.num_groups > 1, anchor.data_ptr() % 16 == 0, host.data_ptr() % 16 == 0)
-
-    def arguments(self, plan: TransferPlan, ids, num_ctas: int | None = None, direct: bool = False):
-        """(programs, every kernel argument in signature order, constexprs included) of one launch, as Triton's
-        dispatch hands them to the compiled kernel's launcher. ``ids`` is the device id buffer (or, ``direct``, its
-        address; the KV anchor and the table are then passed as addresses too)."""
-        spec = self.spec
-        cfg, pointers, addresses, host_row = self._launch_args[plan.store]
-        anchor, host, table = addresses if direct else pointers
-        n_segs = spec.segments_per_group
-        n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
-        programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
-        args = (
-            anchor,
-            host,
-            table,
-            ids,
-            plan.n_blocks,
-            plan.n_host,
-            n_segs,
-            triton.cdiv(n_tiles, programs),
-            plan.skip,
-            self.blocks_per_host_block,
-            host_row,
-            cfg.n_chunks,
-            plan.store,
-            spec.num_groups > 1,
-            cfg.rows,
-            cfg.chunk,
-            cfg.vec,
-        )
-        return programs, args
-
-    def compile_variant(self, store: bool):
-        """The compiled kernel this launcher's launches in one direction use (compiled now if Triton's cache does
-        not hold it yet); CUDA only."""
-        cfg = self.config(store)
-        ids = torch.zeros(1, dtype=torch.int64, device=self.spec.device)
-        plan = TransferPlan(store, np.zeros(1, dtype=np.int64), 1, 1, 0, 0)
-        _, args = self.arguments(plan, ids)
-        return compile_variant(_jit_kernel, args[:-5], _constexprs(args), cfg.num_warps)
-
-    def set_direct(self, store: bool, runner) -> None:
-        """Launches in direction ``store`` call ``runner(programs, stream, args)`` instead of Triton's dispatch
-        (None: back to the dispatch)."""
-        if runner is None:
-            self._direct.pop(store, None)
-        else:
-            self._direct[store] = runner
-
-    def direct(self, store: bool):
-        """The direct runner of direction ``store``, or None when its launches go through Triton's dispatch."""
-        return self._direct.get(store)
-
-    def launch(self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None) -> None:
-        """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream.
-
-        Args:
-            plan: the validated transfer.
-            ids: ``plan.ids`` as int64 on the spec's device.
-            num_ctas: programs to launch at most (the SMs it occupies); None for :data:`DEFAULT_NUM_CTAS`.
-        """
-        assert ids.dtype == torch.int64 and ids.device == self.spec.device
-        runner = self._direct.get(plan.store)
-        if runner is not None and launch_hooks_idle():  # a profiler's launch hooks need Triton's own path
-            if self.cuda:
-                programs, args = self.arguments(plan, ids.data_ptr(), num_ctas, direct=True)
-                runner(programs, self._current_stream(self.spec.device.index), args)
-            else:  # a runner under test, on the interpreter: it needs tensors
-                programs, args = self.arguments(plan, ids, num_ctas)
-                runner(programs, 0, args)
-            return
-        programs, args = self.arguments(plan, ids, num_ctas)
-        kernel = _jit_kernel if self.cuda else _interpreted_kernel()
-        kernel[(programs,)](*args[:-5], **_constexprs(args), num_warps=self.config(plan.store).num_warps)
+def arguments(
+    cfg: LaunchConfig,
+    anchor,
+    host,
+    table,
+    ids,
+    plan: TransferPlan,
+    n_segs: int,
+    blocks_per_host_block: int,
+    host_row: int,
+    store: bool,
+    num_ctas: int | None,
+) -> tuple[int, tuple]:
+    """(programs, every kernel argument in signature order, constexprs included) of one launch moving ``plan``, as
+    Triton's dispatch hands them to the compiled kernel's launcher. The pointers are tensors, or device addresses
+    for a direct launch; ``host_row`` is the host buffer's row stride in elements."""
+    n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
+    programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
+    multi_group = len(plan.sizes) > 1
+    args = (
+        anchor,
+        host,
+        table,
+        ids,
+        plan.n_blocks,
+        plan.n_host,
+        n_segs,
+        triton.cdiv(n_tiles, programs),
+        0 if multi_group else plan.skips[0],
+        blocks_per_host_block,
+        host_row,
+        cfg.n_chunks,
+        store,
+        multi_group,
+        cfg.rows,
+        cfg.chunk,
+        cfg.vec,
+    )
+    return programs, args
 
 
 _CONSTEXPRS = ("STORE", "MULTI_GROUP", "ROWS", "CHUNK", "VEC")
 
 
 def _constexprs(args: tuple) -> dict:
-    """The kernel's constexpr arguments (the last five of :meth:`CopyLauncher.arguments`) by name."""
+    """The kernel's constexpr arguments (the last five of :func:`arguments`) by name."""
     return dict(zip(_CONSTEXPRS, args[-5:]))
+
+
+def launch(programs: int, args: tuple, num_warps: int, cuda: bool) -> None:
+    """One launch through Triton's dispatch, asynchronously on the current stream; on CPU tensors through the
+    interpreter."""
+    kernel = _jit_kernel if cuda else _interpreted_kernel()
+    kernel[(programs,)](*args[:-5], **_constexprs(args), num_warps=num_warps)
+
+
+def compile_variant(args: tuple, num_warps: int):
+    """The compiled kernel a launch with ``args`` uses (compiled now if Triton's cache does not hold it); CUDA only."""
+    return _compile_variant(_jit_kernel, args[:-5], _constexprs(args), num_warps)

@@ -1,8 +1,7 @@
-"""Plain-PyTorch reference of the gather/scatter contract, written for clarity, not speed.
-
-It indexes the layer tensors the way a reader thinks of them (``t[0][g]`` is the K of block ``g`` in kv_first) and
-never touches addresses, so it checks the kernels' address arithmetic independently. The tests and the benchmark's
-CPU correctness pass both use it. Validation is the public API's job; the reference assumes valid input.
+"""Plain-PyTorch reference of the gather/scatter contract, written for clarity, not speed: it indexes the layer
+tensors the way a reader thinks of them (``t[0][g]`` is the K of block ``g`` in kv_first) and never touches addresses,
+so it checks the kernels' address arithmetic independently (the tests, the benchmark's CPU check and the direct
+launch's canary use it). It assumes valid input: validation is the public API's job.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""bench/tune.py on CPU: every variant of the launch constants it sets is really used by the kernel (its shape
-changes) and moves the right bytes under the interpreter; a variant that moves wrong bytes is reported and never
-timed; the summary ranks by the worst case. The timer is a stand-in: nothing here is a measurement."""
+"""bench/tune.py on CPU: every launch tuning it passes is really used by the kernel (its shape changes) and moves the
+right bytes under the interpreter, and the library's defaults are untouched; a variant that moves wrong bytes is
+reported and never timed; the summary ranks by the worst case. The timer is a stand-in: nothing here is a
+measurement."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from bench_modules import bench_modules
 
 import triton_offload.kernels.copy_blocks as cb
+from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.plan import Direction
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def test_every_variant_is_used_and_moves_the_right_bytes(mods, layout):
     group = _group(session, workloads, name, layout, 8)
     env = case.Env(torch.device("cpu"), None, "none")
     vs = [(64, 1), (128, 2), (256, 1)]  # tiny tiles for tiny pages: bytes, warps
-    before = (cb.STORE_TILE_BYTES, cb.LOAD_TILE_BYTES, cb.STORE_NUM_WARPS, cb.LOAD_NUM_WARPS)
+    before = dict(cb.DEFAULT_TUNINGS)
     for store in (True, False):
         rows, failures, peak = tune.tune_case(group, 8, store, vs, [1, 2], env, StandInTimer(timing, lambda i: 1.0), 1)
         assert failures == [] and len(rows) == 6
@@ -60,8 +63,12 @@ def test_every_variant_is_used_and_moves_the_right_bytes(mods, layout):
         for r in rows:
             assert r["rows"] * r["chunk_bytes"] == r["tile_bytes"], r
         assert len({r["rows"] for r in rows}) > 1
-    assert (cb.STORE_TILE_BYTES, cb.LOAD_TILE_BYTES, cb.STORE_NUM_WARPS, cb.LOAD_NUM_WARPS) == before
-    assert group.spec not in cb._STATE
+    assert dict(cb.DEFAULT_TUNINGS) == before
+    # A launcher built afterwards, without tunings, launches with the defaults' shapes.
+    host = torch.zeros(8, group.spec.host_block_bytes(1), dtype=torch.uint8)
+    width = cb.access_width(group.spec, host)
+    for d in Direction:
+        assert CopyLauncher(group.spec, host, 1).config(d) == cb.launch_config(group.spec, width, before[d])
 
 
 def test_a_variant_that_moves_wrong_bytes_is_reported_and_not_timed(mods, monkeypatch):
@@ -70,9 +77,9 @@ def test_a_variant_that_moves_wrong_bytes_is_reported_and_not_timed(mods, monkey
     env = case.Env(torch.device("cpu"), None, "none")
     real = cb.launch_config
 
-    def broken(spec, width, store):  # the 16-byte tile (two chunks per 32-byte segment) drops the last chunk
-        cfg = real(spec, width, store)
-        if cb.tile_bytes(store) == 16:
+    def broken(spec, width, tuning):  # the 16-byte tile (two chunks per 32-byte segment) drops the last chunk
+        cfg = real(spec, width, tuning)
+        if tuning.tile_bytes == 16:
             assert cfg.n_chunks == 2, cfg
             return cb.LaunchConfig(cfg.elem, cfg.vec, cfg.rows, cfg.chunk, cfg.n_chunks - 1, cfg.num_warps)
         return cfg

@@ -198,3 +198,13 @@ def test_without_get_proc_address_the_exported_symbol_of_that_abi_is_used():
 def test_a_driver_before_12_8_has_no_batch():
     with pytest.raises(cd.CudaError, match="needs 12.8"):
         _driver(12060, _FakeLib({}, {})).batch_entry()
+
+
+def test_an_older_abi_is_given_where_asked_for_it():
+    """batch_entry_of: the ABI a caller built against that CUDA version gets (vLLM 0.33's op asks for 12.8's on a
+    CUDA 13 driver); a driver older than the ABI is refused, naming it."""
+    lib = _FakeLib({("cuMemcpyBatchAsync", 13000): 0x1300, ("cuMemcpyBatchAsync", 12080): 0x1280}, {})
+    assert _driver(13000, lib).batch_entry_of(12080) == (0x1280, True)
+    assert lib.requests == [("cuMemcpyBatchAsync", 12080, 0)]
+    with pytest.raises(cd.CudaError, match="the 13000 ABI of cuMemcpyBatchAsync"):
+        _driver(12080, lib).batch_entry_of(13000)

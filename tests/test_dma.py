@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.dma import DmaCopier, DmaPlanner
+from triton_offload.dma import DmaIssuer, DmaPlanner
 from triton_offload.engine import TransferEngine
 from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.layouts import HostSlots
 from triton_offload.path_choice import Calibration, PathModel
-from triton_offload.transfer import TransferPlanner
+from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import SENTINEL, host_buffer, make_caches
 
@@ -47,7 +47,7 @@ def _spec(kind: str):
     return caches, spec, "canonical", dict(groups=spec.groups if groups else None, host_slots=slots)
 
 
-def _round_trip(kind, f, skip, ids_kind):
+def _round_trip(kind, f, skip, ids_kind, coalesce=True):
     caches, spec, layout, ref_kw = _spec(kind)
     rng = np.random.default_rng(f * 10 + skip)
     n = 5
@@ -62,17 +62,17 @@ def _round_trip(kind, f, skip, ids_kind):
     ref = dict(blocks_per_host_block=f, skip=skips, group_sizes=sizes if grouped else None, **ref_kw)
     host = host_buffer(spec, rows, f)
     planner = TransferPlanner(spec, rows, f)
-    copier = DmaCopier(spec, host, f)
-    plan = planner.plan(g, h, store=True, **kw)
+    copier = DmaIssuer(spec, host, f, coalesce=coalesce)
+    plan = planner.plan(g, h, direction=Direction.STORE, **kw)
     call = copier.issue(plan)
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, layout, g, want, h, **ref)
     assert torch.equal(host, want), "store"
-    assert call.count == copier.count(plan)
+    assert call.count == copier.descriptors(plan)
     # A load into other blocks: only they change.
     dst = np.setdiff1d(np.arange(16), g)[:n]
     before = [c.clone() for c in caches]
-    copier.issue(planner.plan(dst, h, store=False, **kw))
+    copier.issue(planner.plan(dst, h, direction=Direction.LOAD, **kw))
     got = [c.clone() for c in caches]
     for c, b in zip(caches, before):
         c.copy_(b)
@@ -127,7 +127,18 @@ def test_padded_pages_never_coalesce():
     """A padded page's blocks are not adjacent on the GPU: one copy per block and tensor, however contiguous the ids
     (groups of 3 blocks over tensors 0 and 1, and of 2 blocks over tensor 2)."""
     _, plan, copier, _ = _round_trip("slots-padded", 4, 0, "contiguous")
-    assert copier.count(plan) == 3 * 2 + 2 * 1
+    assert copier.descriptors(plan) == 3 * 2 + 2 * 1
+
+
+@pytest.mark.parametrize("kind", ["slots", "groups", "block_first"])
+def test_uncoalesced_descriptors_are_one_per_block_and_run(kind):
+    """coalesce=False (a caller that never merges, as vLLM's worker builds them): one copy per block and run, the
+    same bytes moved (the round trip checks them against the reference)."""
+    spec, plan, copier, _ = _round_trip(kind, 4, 0, "contiguous", coalesce=False)
+    runs = [len(r) for r in copier.planner.groups]
+    assert copier.descriptors(plan) == sum(k * n for k, n in zip(plan.sizes, runs))
+    src, _, sizes = copier.planner.descriptors(plan)
+    assert src.size == copier.descriptors(plan) and int(sizes.sum()) == plan.num_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,8 +176,8 @@ def _calibration(dma_per_byte: float) -> Calibration:
 
 def test_engine_auto_takes_the_path_the_calibration_predicts_faster(make_host_cache):
     # The copy engines: half the kernel's fixed GPU time, but 1 us of host time per descriptor (3 layers x 2 runs: 6
-    # per block). One block (192 B): kernel 10.2 us, copy engines 8 us (host-bound); eight blocks (48 descriptors):
-    # kernel 11.5 us, copy engines 50 us.
+    # per block); a call costs host + GPU time. One block (192 B): kernel 5 + 10.2 us, copy engines 8 + 5.1 us; eight
+    # blocks (48 descriptors): kernel 5 + 11.5 us, copy engines 50 + 5.8 us.
     caches, spec, cache, eng = _engine(make_host_cache, f=1, path="auto", calibration=_calibration(0.5e-9))
     eng.submit_store(1, [4], [0])
     eng.submit_store(2, list(range(8)), list(range(8)))
@@ -178,6 +189,32 @@ def test_engine_auto_takes_the_path_the_calibration_predicts_faster(make_host_ca
     _, _, _, slow = _engine(make_host_cache, f=1, path="auto", calibration=_calibration(2e-9))
     slow.submit_store(1, list(range(8)), list(range(8)))
     assert slow.get_finished()[0].path == "kernel"
+
+
+def test_engine_auto_reports_what_each_path_was_predicted_to_cost(make_host_cache):
+    """Each auto job says which path it took and what both were predicted to cost (the chosen one the lower); the
+    engine sums them per direction and path, next to the measured seconds, so a GPU run shows whether the choice was
+    right. A forced path predicts nothing."""
+    cal = _calibration(0.5e-9)
+    _, spec, _, eng = _engine(make_host_cache, f=1, path="auto", calibration=cal)
+    eng.submit_store(1, [4], [0])
+    eng.submit_load(2, list(range(8)), list(range(8)))
+    one, eight = eng.get_finished()
+    for res, n, descriptors in ((one, 1, 6), (eight, 8, 48)):
+        nbytes = n * spec.bytes_per_block
+        want = {
+            p: cal.models[f"{p}/{res.direction}"].predict(nbytes, d) for p, d in (("kernel", 0), ("dma", descriptors))
+        }
+        assert res.predicted == pytest.approx(want) and res.path == min(want, key=want.get)
+    assert (one.path, eight.path) == ("dma", "kernel")
+    totals = eng.path_totals()
+    assert totals["store"]["dma"]["jobs"] == 1 and totals["load"]["kernel"]["jobs"] == 1
+    assert totals["store"]["dma"]["predicted_seconds"] == pytest.approx(one.predicted["dma"])
+    assert totals["load"]["kernel"]["seconds"] == pytest.approx(eight.seconds)
+    assert eng.describe_paths().startswith("store: dma 1 jobs ") and "(predicted 0.013 ms)" in eng.describe_paths()
+    _, _, _, forced = _engine(make_host_cache, f=1, path="kernel")
+    forced.submit_store(1, [4], [0])
+    assert forced.get_finished()[0].predicted is None and forced.path_totals() == {}
 
 
 def test_engine_path_is_checked(make_host_cache):

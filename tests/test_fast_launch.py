@@ -16,12 +16,16 @@ import torch
 import triton_offload as to
 from triton_offload import fast_launch
 from triton_offload.engine import TransferEngine
+from triton_offload.kernel_issuer import CopyLauncher
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import gather_blocks_ref
+from triton_offload.plan import Direction
 
 from kv_factory import SENTINEL, host_buffer, make_caches, random_transfer
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
+STORE, LOAD = Direction.STORE, Direction.LOAD
+BOTH_DIRECT = {STORE: "direct", LOAD: "direct"}
 
 
 def interpreter_runner(corrupt: bool = False):
@@ -30,8 +34,8 @@ def interpreter_runner(corrupt: bool = False):
     some blocks never move; the first program's last round always holds live work)."""
     made = []
 
-    def make(launcher, store):
-        num_warps = launcher.config(store).num_warps
+    def make(launcher, direction):
+        num_warps = launcher.config(direction).num_warps
 
         def run(programs, stream, args):
             run.calls += 1
@@ -58,14 +62,14 @@ def setup(layout="block_first", f=2, num_blocks=12, host_blocks=10, groups=None,
 
 def test_a_proven_runner_launches_both_directions():
     caches, spec, host = setup()
-    launcher = copy_blocks.CopyLauncher(spec, host, 2)
+    launcher = CopyLauncher(spec, host, 2)
     make = interpreter_runner()
-    assert fast_launch.enable_fast_launch(launcher, make_runner=make) == {True: "direct", False: "direct"}
+    assert fast_launch.enable_fast_launch(launcher, make_runner=make) == BOTH_DIRECT
     store_runner, load_runner = make.made
     proof_calls = store_runner.calls
     g, h = np.array([9, 2, 4]), np.array([7, 3])
-    plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, store=True)
-    launcher.launch(plan, torch.from_numpy(plan.ids))
+    plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, direction=STORE)
+    launcher.launch(plan, torch.from_numpy(copy_blocks.pack_ids(plan)))
     assert store_runner.calls == proof_calls + 1, "the store did not go through the direct runner"
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, "block_first", g, want, h, blocks_per_host_block=2, skip=1)
@@ -87,25 +91,25 @@ def test_the_canary_proves_every_layout_groups_and_worker_slots(layout, groups, 
         host = torch.zeros(10, spec.host_block_bytes(2), dtype=torch.uint8)
     else:
         _, spec, host = setup(layout)
-    launcher = copy_blocks.CopyLauncher(spec, host, 2)
+    launcher = CopyLauncher(spec, host, 2)
     verdicts = fast_launch.enable_fast_launch(launcher, make_runner=interpreter_runner())
-    assert verdicts == {True: "direct", False: "direct"}
+    assert verdicts == BOTH_DIRECT
 
 
 def test_a_runner_that_moves_other_bytes_is_refused_and_tritons_launch_kept(caplog):
     caches, spec, host = setup()
-    launcher = copy_blocks.CopyLauncher(spec, host, 2)
+    launcher = CopyLauncher(spec, host, 2)
     make = interpreter_runner(corrupt=True)
     with caplog.at_level(logging.WARNING, logger="triton_offload.fast_launch"):
         verdicts = fast_launch.enable_fast_launch(launcher, make_runner=make)
-    assert verdicts[True] == "the direct launch of the store wrote other bytes than Triton's launch on the canary"
-    assert verdicts[False] == "the direct launch of the load wrote other bytes than Triton's launch on the canary"
+    assert verdicts[STORE] == "the direct launch of the store wrote other bytes than Triton's launch on the canary"
+    assert verdicts[LOAD] == "the direct launch of the load wrote other bytes than Triton's launch on the canary"
     assert "direct launch of the store kernel is not used" in caplog.text
-    assert launcher.direct(True) is None and launcher.direct(False) is None
+    assert launcher.direct(STORE) is None and launcher.direct(LOAD) is None
     calls = [r.calls for r in make.made]
     g, h = np.array([9, 2, 4]), np.array([7, 3])
-    plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, store=True)
-    launcher.launch(plan, torch.from_numpy(plan.ids))
+    plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, direction=STORE)
+    launcher.launch(plan, torch.from_numpy(copy_blocks.pack_ids(plan)))
     assert [r.calls for r in make.made] == calls, "a refused runner was used"
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, "block_first", g, want, h, blocks_per_host_block=2, skip=1)
@@ -114,24 +118,24 @@ def test_a_runner_that_moves_other_bytes_is_refused_and_tritons_launch_kept(capl
 
 def test_a_runner_that_cannot_be_built_is_reported():
     _, spec, host = setup()
-    launcher = copy_blocks.CopyLauncher(spec, host, 1, store=True)
+    launcher = CopyLauncher(spec, host, 1, STORE)
 
-    def broken(launcher, store):
+    def broken(launcher, direction):
         raise RuntimeError("this Triton launches differently")
 
     verdicts = fast_launch.enable_fast_launch(launcher, make_runner=broken)
-    assert verdicts == {True: "RuntimeError: this Triton launches differently"}
+    assert verdicts == {STORE: "RuntimeError: this Triton launches differently"}
 
 
 def test_the_verdict_is_kept_per_compiled_variant():
     """A second launcher of the same spec and variant reuses the proof instead of running a canary again."""
     _, spec, host = setup()
     make = interpreter_runner()
-    first = copy_blocks.CopyLauncher(spec, host, 2, store=True)
+    first = CopyLauncher(spec, host, 2, STORE)
     fast_launch.enable_fast_launch(first, make_runner=make)
-    second = copy_blocks.CopyLauncher(spec, host, 2, store=True)
-    assert fast_launch.enable_fast_launch(second, make_runner=make) == {True: "direct"}
-    assert len(make.made) == 1 and second.direct(True) is make.made[0]
+    second = CopyLauncher(spec, host, 2, STORE)
+    assert fast_launch.enable_fast_launch(second, make_runner=make) == {STORE: "direct"}
+    assert len(make.made) == 1 and second.direct(STORE) is make.made[0]
 
 
 def test_engine_reports_its_launch_paths(make_host_cache, monkeypatch):
@@ -219,15 +223,16 @@ def test_gpu_engine_launches_direct_and_moves_the_same_bytes(make_host_cache):
 @pytest.mark.gpu
 def test_gpu_a_wrong_variant_is_refused(make_host_cache):
     """The canary catches a runner of the wrong compiled variant (the load kernel offered for stores)."""
-    _, spec, cache, eng = gpu_engine(make_host_cache, fast=False)
-    launcher = copy_blocks.CopyLauncher(spec, cache.buffer, 2, store=True)
-    copy_blocks._STATE[spec].direct.clear()  # the engine's verdicts: this launcher proves its own
+    caches, _, cache, eng = gpu_engine(make_host_cache, fast=False)
+    # A spec of its own over the same caches: no verdict of the engine's spec applies, so this launcher proves its own.
+    spec = to.KVCacheSpec(caches, "kv_first")
+    launcher = CopyLauncher(spec, cache.buffer, 2, STORE)
 
-    def wrong(launcher, store):
-        other = copy_blocks.CopyLauncher(launcher.spec, launcher.host_buffer, 2)
-        return fast_launch.compiled_runner(other, not store)
+    def wrong(launcher, direction):
+        other = CopyLauncher(launcher.spec, launcher.host_buffer, 2)
+        return fast_launch.compiled_runner(other, LOAD if direction is STORE else STORE)
 
-    verdict = fast_launch.enable_fast_launch(launcher, make_runner=wrong)[True]
+    verdict = fast_launch.enable_fast_launch(launcher, make_runner=wrong)[STORE]
     assert verdict != fast_launch.DIRECT and "other bytes" in verdict
     eng.shutdown()
 
@@ -268,5 +273,5 @@ def test_gpu_public_calls_reuse_staging_only_after_their_launch(make_host_cache)
     for g, h in calls:
         gather_blocks_ref(caches, "kv_first", g, want, h)
     assert torch.equal(host, want)
-    key = copy_blocks.CopyLauncher(spec, host, 1, store=True).variant_key(True)
-    assert not isinstance(copy_blocks._STATE[spec].direct[key], str), "the public call did not launch directly"
+    verdict = CopyLauncher(spec, host, 1, STORE).direct_verdict(STORE)
+    assert verdict is not None and not isinstance(verdict, str), "the public call did not launch directly"

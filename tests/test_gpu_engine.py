@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import triton_offload as to
 from triton_offload.engine import LOAD, STORE, TransferEngine
+from triton_offload.kernels.reference import gather_blocks_ref
 
-from kv_factory import make_caches
+from kv_factory import SENTINEL, make_caches
 
 pytestmark = pytest.mark.gpu
 
@@ -91,13 +93,45 @@ def test_pooled_events_and_id_buffers_are_reused(make):
         eng.submit_store(job, [job % 64], [job % 64])
         eng.wait([job])
         eng.get_finished()
-    assert [len(eng._stagers[d]._free) for d in (STORE, LOAD)] == [1, 1] and len(eng._events) == 4
-    pooled = eng._stagers[LOAD]._free[0]
+    assert len(eng._tracker._events) == 4
+    # The kernel's id slots, one per direction (the copy engines read descriptors built on the host: no slot).
+    stagers = {d: eng._issuers[d]["kernel"].stager for d in (STORE, LOAD)} if eng.path == "kernel" else None
+    if stagers:
+        assert [len(stagers[d]._free) for d in (STORE, LOAD)] == [1, 1]
+        pooled = stagers[LOAD]._free[0]
     eng.submit_load(99, [1, 2, 3], [1, 2, 3])
     eng.wait([99])
     (res,) = eng.get_finished()
     assert res.ok and res.num_bytes == 3 * spec.bytes_per_block and res.seconds > 0
-    assert list(eng._stagers[LOAD]._free) == [pooled]
+    assert len(eng._tracker._events) == 4
+    if stagers:
+        assert list(stagers[LOAD]._free) == [pooled]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_public_calls_run_on_the_caches_device_whichever_is_current():
+    """Caches on cuda:1 while cuda:0 is current: 32 gathers queue behind a long sleep on cuda:1's stream, each with
+    other ids. Their launches and slot guards must be on cuda:1's stream (a guard on cuda:0's would let a slot be
+    reused while its launch still waits), so every host block holds what its own call asked for."""
+    caches = make_caches("block_first", 2, 64, PAGE, torch.bfloat16, device="cuda:1")
+    spec = to.KVCacheSpec(caches, "block_first")
+    host = torch.full((96, spec.host_block_bytes(1)), SENTINEL, dtype=torch.uint8).pin_memory()
+    rng = np.random.default_rng(4)
+    calls = [(rng.permutation(64)[:3], np.arange(3 * i, 3 * i + 3)) for i in range(32)]
+    with torch.cuda.device(0):
+        to.gather_blocks(spec, [0], host, [95])  # compiles outside the sleep
+        torch.cuda.synchronize(1)
+        with torch.cuda.device(1):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        for g, h in calls:
+            to.gather_blocks(spec, g, host, h)
+        assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    want = torch.full_like(host, SENTINEL)
+    gather_blocks_ref(caches, "block_first", [0], want, [95])
+    for g, h in calls:
+        gather_blocks_ref(caches, "block_first", g, want, h)
+    assert torch.equal(host, want)
 
 
 def test_public_calls_do_not_block_on_a_busy_stream():

@@ -42,7 +42,7 @@ def test_round_trip_realistic(layout, page, layers, f, skip):
     assert torch.equal(host, want)
 
     out, ref = [sentinel_like(c) for c in caches], [sentinel_like(c) for c in caches]
-    to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip)
+    to.scatter_blocks(host, h, out, g, layout=layout, blocks_per_host_block=f, skip=skip)
     scatter_blocks_ref(host, h, ref, layout, g, blocks_per_host_block=f, skip=skip)
     torch.cuda.synchronize()
     assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))

@@ -95,6 +95,7 @@ class FakeCudart:
     def __init__(self, fail_at=None, fail_size=None):
         self.fail_at, self.fail_size, self.calls, self.registered = fail_at, fail_size, 0, {}
         self.lock, self.threads = threading.Lock(), set()
+        self.log = []  # synchronize and unregister calls, in order
 
     def cudaHostRegister(self, ptr, size, flags):
         with self.lock:
@@ -109,11 +110,17 @@ class FakeCudart:
 
     def cudaHostUnregister(self, ptr):
         del self.registered[ptr]
+        self.log.append(("unregister", ptr))
         return 0
+
+    def synchronize(self, device=None):
+        self.log.append(("synchronize", device))
 
 
 def _fake_driver(monkeypatch, fake):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     # The real address check needs a GPU (tested under -m gpu); the fake driver maps nothing.
     monkeypatch.setattr(host_cache, "check_mapped_at_host_address", lambda ranges: None)
 
@@ -153,6 +160,18 @@ def test_threaded_registration_registers_every_chunk_in_address_order(monkeypatc
     assert len(fake.threads) > 1, "the chunks were registered from one thread"
     cache.close()
     assert fake.registered == {}
+
+
+def test_close_synchronizes_every_device_before_unregistering(monkeypatch, make_host_cache):
+    """Transfers still queued against the cache (an engine never shut down) finish before its pages are unlocked:
+    close(), and the finalizer, synchronise every device first."""
+    fake = FakeCudart()
+    _fake_driver(monkeypatch, fake)
+    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    cache = make_host_cache(10_000, 120_000, pin=True)  # two chunks of 6 blocks
+    base = cache.buffer.data_ptr()
+    cache.close()
+    assert fake.log == [("synchronize", 0), ("synchronize", 1), ("unregister", base + 60_000), ("unregister", base)]
 
 
 @pytest.mark.parametrize("cpus,most", [(3, 3), (64, 8)])

@@ -13,6 +13,7 @@ import torch
 
 import triton_offload as to
 from triton_offload.kernels import copy_blocks
+from triton_offload.plan import Direction
 
 from kv_factory import host_buffer, make_caches
 
@@ -65,8 +66,9 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
     spec = to.KVCacheSpec(caches, layout)
     host = host_buffer(spec, 2, 1)
     assert copy_blocks.access_width(spec, host) == width
-    cfg = copy_blocks.launch_config(spec, width, store)
-    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == copy_blocks.tile_bytes(store)
+    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = copy_blocks.launch_config(spec, width, tuning)
+    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
     ptx = compile_ptx(cfg, store, grouped)
     data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
     data_st = re.findall(r"st\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
@@ -87,6 +89,7 @@ def test_real_pages_split_into_whole_chunks(layout, page, dtype, store):
     """Every step of a real model's page moves a full chunk: no step runs partly masked (the 72 KiB MLA page once
     took 3 steps of 32 KiB, the last a quarter full)."""
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
-    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), store)
+    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     assert cfg.n_chunks * cfg.chunk * cfg.elem == spec.max_segment_bytes, cfg
-    assert cfg.rows * cfg.chunk * cfg.elem == copy_blocks.tile_bytes(store)
+    assert cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes

@@ -43,7 +43,7 @@ def round_trip(caches, layout, *, f, skip, n, num_host=None, seed=0, num_ctas=No
 
     host = host_buffer(spec, num_host, f)
     expected = host.clone()
-    to.gather_blocks(caches, layout, g, host, h, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+    to.gather_blocks(caches, g, host, h, layout=layout, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
     gather_blocks_ref(caches, layout, g, expected, h, blocks_per_host_block=f, skip=skip)
     assert torch.equal(host, expected), "host bytes differ from the reference"
     # Independent of the reference: sub-blocks before `skip` and rows not addressed keep the sentinel.
@@ -55,7 +55,7 @@ def round_trip(caches, layout, *, f, skip, n, num_host=None, seed=0, num_ctas=No
 
     out = [sentinel_like(t) for t in caches]
     host_before = host.clone()
-    to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+    to.scatter_blocks(host, h, out, g, layout=layout, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
     assert_loaded_exactly(out, caches, layout, g, "scatter")
     assert torch.equal(host, host_before), "scatter changed its source"
     ref_out = [sentinel_like(t) for t in caches]
@@ -145,7 +145,7 @@ def test_prepared_spec_and_id_kinds():
 def test_empty_transfer_writes_nothing():
     caches = make_caches("mla", 1, 4, PAGES["mla"], torch.float16)
     host = host_buffer(to.KVCacheSpec(caches, "mla"), 2, 1)
-    to.gather_blocks(caches, "mla", [], host, [])
+    to.gather_blocks(caches, [], host, [], layout="mla")
     assert bool((host == SENTINEL).all())
 
 
@@ -208,7 +208,7 @@ def test_groups_match_separate_single_group_transfers():
     for layers, gi, hi, s in (([caches[2], caches[0]], g[:3], h[:2], 1), ([caches[1]], g[3:], h[2:], 0)):
         sub = to.KVCacheSpec(layers, "block_first")
         tmp = host_buffer(sub, 5, f)
-        to.gather_blocks(sub, None, gi, tmp, hi, blocks_per_host_block=f, skip=s)
+        to.gather_blocks(sub, gi, tmp, hi, blocks_per_host_block=f, skip=s)
         for j in range(f):
             separate.view(5, f, -1)[hi, j, : sub.bytes_per_block] = tmp.view(5, f, -1)[hi, j]
     assert torch.equal(host, separate)
@@ -240,24 +240,21 @@ def test_per_call_path_does_not_walk_layers():
 
 
 def test_every_call_form_moves_the_same_bytes():
-    """A prepared spec without a layout, raw tensors with ``layout=``, and the 0.1 positional forms (layout second,
-    None with a spec) all move the same bytes; a layout with a missing argument is a TypeError."""
+    """A prepared spec without a layout and raw tensors with ``layout=`` move the same bytes; the 0.1 positional form
+    (layout second) is gone: a TypeError, nothing written; raw tensors without a layout are a ValueError."""
     caches = make_caches("kv_first", 2, 6, PAGES["kv_first"], torch.bfloat16)
     spec = to.KVCacheSpec(caches, "kv_first")
-    hosts = [host_buffer(spec, 4, 2) for _ in range(4)]
+    hosts = [host_buffer(spec, 4, 2) for _ in range(3)]
     to.gather_blocks(spec, [5, 1, 3], hosts[0], [2, 0], blocks_per_host_block=2, skip=1)
     to.gather_blocks(caches, [5, 1, 3], hosts[1], [2, 0], layout="kv_first", blocks_per_host_block=2, skip=1)
-    to.gather_blocks(caches, "kv_first", [5, 1, 3], hosts[2], [2, 0], blocks_per_host_block=2, skip=1)
-    to.gather_blocks(spec, None, [5, 1, 3], hosts[3], [2, 0], blocks_per_host_block=2, skip=1)
     assert not bool((hosts[0] == SENTINEL).all())
-    assert all(torch.equal(hosts[0], h) for h in hosts[1:])
-    outs = [[sentinel_like(t) for t in caches] for _ in range(3)]
+    assert torch.equal(hosts[0], hosts[1])
+    outs = [[sentinel_like(t) for t in caches] for _ in range(2)]
     to.scatter_blocks(hosts[0], [2, 0], to.KVCacheSpec(outs[0], "kv_first"), [0, 2, 4], blocks_per_host_block=2, skip=1)
     to.scatter_blocks(hosts[0], [2, 0], outs[1], [0, 2, 4], layout="kv_first", blocks_per_host_block=2, skip=1)
-    to.scatter_blocks(hosts[0], [2, 0], outs[2], "kv_first", [0, 2, 4], blocks_per_host_block=2, skip=1)
-    for out in outs[1:]:
-        assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(outs[0], out))
-    with pytest.raises(TypeError, match="gather_blocks takes"):
-        to.gather_blocks(spec, "kv_first", [5], hosts[0], [2], [0])
+    assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(outs[0], outs[1]))
+    with pytest.raises(TypeError):
+        to.gather_blocks(caches, "kv_first", [5, 1, 3], hosts[2], [2, 0], blocks_per_host_block=2, skip=1)
+    assert bool((hosts[2] == SENTINEL).all())
     with pytest.raises(ValueError, match="a layout is required"):
         to.gather_blocks(caches, [5], hosts[0], [2])

@@ -52,12 +52,12 @@ def test_matches_reference(t):
     h = rng.permutation(num_host)[:m]
 
     host, want = host_buffer(spec, num_host, f), host_buffer(spec, num_host, f)
-    to.gather_blocks(caches, layout, g, host, h, blocks_per_host_block=f, skip=skip)
+    to.gather_blocks(caches, g, host, h, layout=layout, blocks_per_host_block=f, skip=skip)
     gather_blocks_ref(caches, layout, g, want, h, blocks_per_host_block=f, skip=skip)
     assert torch.equal(host, want)
 
     out, ref = [sentinel_like(c) for c in caches], [sentinel_like(c) for c in caches]
-    to.scatter_blocks(host, h, out, layout, g, blocks_per_host_block=f, skip=skip)
+    to.scatter_blocks(host, h, out, g, layout=layout, blocks_per_host_block=f, skip=skip)
     scatter_blocks_ref(host, h, ref, layout, g, blocks_per_host_block=f, skip=skip)
     assert all(torch.equal(storage_bytes(a), storage_bytes(b)) for a, b in zip(out, ref))
 

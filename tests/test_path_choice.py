@@ -12,19 +12,22 @@ import torch
 
 import triton_offload as to
 from triton_offload._checks import transfer_path
-from triton_offload.dma import DmaCopier
+from triton_offload.calibrate import calibration_transfers
+from triton_offload.dma import DmaIssuer
 from triton_offload.engine import TransferEngine
 from triton_offload.fast_launch import canary_spec
 from triton_offload.kernels.reference import gather_blocks_ref
-from triton_offload.path_choice import Calibration, PathModel, calibration_transfers, fit
-from triton_offload.transfer import TransferPlanner
+from triton_offload.path_choice import Calibration, PathModel, fit
+from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import SENTINEL, make_caches, random_transfer
 
+STORE, LOAD = Direction.STORE, Direction.LOAD
 
-def _points(model: PathModel, path: str, store: bool, shapes) -> list[dict]:
+
+def _points(model: PathModel, path: str, direction: Direction, shapes) -> list[dict]:
     return [
-        dict(path=path, store=store, bytes=b, descriptors=d, gpu_s=model.gpu_s(b, d), host_s=model.host_s(d))
+        dict(path=path, direction=direction, bytes=b, descriptors=d, gpu_s=model.gpu_s(b, d), host_s=model.host_s(d))
         for b, d in shapes
     ]
 
@@ -32,9 +35,9 @@ def _points(model: PathModel, path: str, store: bool, shapes) -> list[dict]:
 def test_fit_recovers_linear_costs():
     kernel = PathModel(12e-6, 0.02e-9, 0.0, 40e-6, 0.0)
     dma = PathModel(8e-6, 0.018e-9, 3e-9, 6e-6, 0.6e-6)
-    points = _points(kernel, "kernel", True, [(1 << 20, 0), (8 << 20, 0)])
+    points = _points(kernel, "kernel", STORE, [(1 << 20, 0), (8 << 20, 0)])
     # Random ids (a descriptor per block and run) and contiguous ones (fewer, larger), at two sizes.
-    points += _points(dma, "dma", True, [(1 << 20, 640), (8 << 20, 5120), (1 << 20, 40), (8 << 20, 320)])
+    points += _points(dma, "dma", STORE, [(1 << 20, 640), (8 << 20, 5120), (1 << 20, 40), (8 << 20, 320)])
     models = fit(points)
     for got, want in ((models["kernel/store"], kernel), (models["dma/store"], dma)):
         for name in PathModel.__dataclass_fields__:
@@ -48,7 +51,7 @@ def test_fit_of_proportional_bytes_and_descriptors_predicts_calls_of_that_propor
     dma = PathModel(8e-6, 0.018e-9, 3e-9, 6e-6, 0.6e-6)
     per_block = (80 * 8192, 160)  # bytes and descriptors of one block
     shapes = [(n * per_block[0], n * per_block[1]) for n in (16, 128, 16, 128)]
-    model = fit(_points(dma, "dma", False, shapes))["dma/load"]
+    model = fit(_points(dma, "dma", LOAD, shapes))["dma/load"]
     for n in (1, 1024, 5000):
         b, d = n * per_block[0], n * per_block[1]
         assert model.predict(b, d) == pytest.approx(dma.predict(b, d), rel=1e-6)
@@ -56,8 +59,8 @@ def test_fit_of_proportional_bytes_and_descriptors_predicts_calls_of_that_propor
 
 def test_negative_slopes_are_clamped():
     points = [
-        dict(path="kernel", store=True, bytes=1 << 20, descriptors=0, gpu_s=30e-6, host_s=5e-6),
-        dict(path="kernel", store=True, bytes=8 << 20, descriptors=0, gpu_s=20e-6, host_s=5e-6),
+        dict(path="kernel", direction="store", bytes=1 << 20, descriptors=0, gpu_s=30e-6, host_s=5e-6),
+        dict(path="kernel", direction="store", bytes=8 << 20, descriptors=0, gpu_s=20e-6, host_s=5e-6),
     ]
     assert fit(points)["kernel/store"].gpu_per_byte == 0.0
 
@@ -67,13 +70,25 @@ def test_choose_takes_the_lower_prediction_ties_to_the_kernel():
     dma = PathModel(10e-6, 0.9e-9, 0.0, 0.0, 1e-6)
     cal = Calibration({"kernel/store": kernel, "kernel/load": kernel, "dma/store": dma, "dma/load": dma})
     # 1 MB: kernel 1010 us; copy engines 910 us on the GPU, but 100 descriptors are 100 us of host time: dma.
-    assert cal.choose(True, 10**6, 100) == "dma"
+    assert cal.choose(STORE, 10**6, {"kernel": 0, "dma": 100}) == "dma"
     # 2000 descriptors: 2000 us of host time, more than the kernel's 1010 us: kernel.
-    assert cal.choose(False, 10**6, 2000) == "kernel"
+    assert cal.choose(LOAD, 10**6, {"kernel": 0, "dma": 2000}) == "kernel"
     same = Calibration({"kernel/store": kernel, "dma/store": kernel})
-    assert same.choose(True, 10**6, 0) == "kernel"
-    assert Calibration({"kernel/store": kernel}, note="no copy-engine path").choose(True, 10**9, 1) == "kernel"
+    assert same.choose(STORE, 10**6, {"kernel": 0, "dma": 0}) == "kernel"
+    alone = Calibration({"kernel/store": kernel}, note="no copy-engine path")
+    assert alone.choose(STORE, 10**9, {"kernel": 0, "dma": 1}) == "kernel"
     assert "dma/store" in cal.to_dict()["models"] and "ns/descriptor" in cal.describe()
+
+
+def test_a_call_is_priced_as_its_submission_plus_its_copies():
+    """A transfer's copies cannot start before they are submitted: the copy engines' 28 us of host time add to their
+    10 us on the GPU (38 us), which the kernel's 5 + 30 us beats. Priced as the larger of the two (28 us against
+    30 us), the copy engines looked faster."""
+    kernel = PathModel(30e-6, 0.0, 0.0, 5e-6, 0.0)
+    dma = PathModel(10e-6, 0.0, 0.0, 4e-6, 1e-6)
+    assert dma.predict(1 << 20, 24) == pytest.approx(38e-6) and kernel.predict(1 << 20, 0) == pytest.approx(35e-6)
+    cal = Calibration({"kernel/store": kernel, "dma/store": dma})
+    assert cal.choose(STORE, 1 << 20, {"kernel": 0, "dma": 24}) == "kernel"
 
 
 def test_transfer_path_names_the_accepted_paths():
@@ -99,7 +114,7 @@ def test_calibration_transfers_are_valid_and_move_every_group(groups, f):
     canary = canary_spec(spec, 2 * n_max)
     rows = math.ceil(n_max / f) + spec.num_groups
     host = torch.zeros(rows, canary.host_block_bytes(f), dtype=torch.uint8)
-    planner, dma = TransferPlanner(canary, rows, f), DmaCopier(canary, host, f)
+    planner, dma = TransferPlanner(canary, rows, f), DmaIssuer(canary, host, f)
     seen = []
     for n, contiguous, g, h, sizes in calibration_transfers(spec.num_groups, f, n_max, rows, np.random.default_rng(0)):
         seen.append((n, contiguous))
@@ -110,9 +125,9 @@ def test_calibration_transfers_are_valid_and_move_every_group(groups, f):
             if n == n_max:  # every group moves, as a hybrid model's transfers do
                 assert min(sizes) > 0, sizes
         per_group = [n] if sizes is None else sizes
-        for store in (True, False):
-            plan = planner.plan(g, h, store=store, group_sizes=sizes)
-            assert plan.n_blocks == n and plan.n_host == h.size and dma.count(plan) > 0
+        for direction in Direction:
+            plan = planner.plan(g, h, direction=direction, group_sizes=sizes)
+            assert plan.n_blocks == n and plan.n_host == h.size and dma.descriptors(plan) > 0
             assert plan.num_bytes == sum(k * b for k, b in zip(per_group, canary.group_bytes))
     assert seen == [(2, False), (2, True), (n_max, False), (n_max, True)]
 

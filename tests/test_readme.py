@@ -12,7 +12,7 @@ def test_readme_python_examples_run():
     assert len(blocks) >= 2
     namespace: dict = {}
     exec(compile("\n".join(blocks), str(README), "exec"), namespace)  # noqa: S102 - our own documentation
-    assert namespace["engine"]._closed
+    assert namespace["engine"]._tracker._closed, "the example shuts its engine down"
     assert namespace["cache"].buffer is None and namespace["cache1"].buffer is None, "the examples close their caches"
 
 

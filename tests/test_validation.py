@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.transfer import TransferPlanner
+from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
+from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import host_buffer, make_caches, snapshot
 
 PAGE = dict(block_size=2, heads=2, head_dim=4)
+STORE, LOAD = Direction.STORE, Direction.LOAD
 NUM_BLOCKS, NUM_HOST = 8, 5
 
 
@@ -59,9 +61,9 @@ BAD = [
 
 def _call(direction, caches, host, *, g=(1, 4, 6), h=(3, 0), f=2, skip=1, num_ctas=None, layout="kv_first"):
     if direction == "gather":
-        to.gather_blocks(caches, layout, g, host, h, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+        to.gather_blocks(caches, g, host, h, layout=layout, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
     else:
-        to.scatter_blocks(host, h, caches, layout, g, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
+        to.scatter_blocks(host, h, caches, g, layout=layout, blocks_per_host_block=f, skip=skip, num_ctas=num_ctas)
 
 
 def _assert_nothing_written(caches, host, before_caches, before_host):
@@ -112,10 +114,18 @@ def test_duplicate_destinations(setup, direction, kwargs, pattern):
 
 
 def test_duplicate_sources_are_allowed(setup):
-    """Reading a block twice is harmless: repeated GPU ids in a store, repeated host ids in a load."""
+    """Reading a block twice is harmless: repeated GPU ids in a store, repeated host ids in a load, each moving the
+    reference's bytes (GPU block 2 into all three positions; host block 3 into all three GPU blocks)."""
     caches, _, host = setup
+    kw = dict(blocks_per_host_block=2, skip=1)
+    want = host.clone()
+    gather_blocks_ref(caches, "kv_first", [2, 2, 2], want, [3, 0], **kw)
     _call("gather", caches, host, g=[2, 2, 2])
+    assert torch.equal(host, want)
+    want_kv = [c.clone() for c in caches]
+    scatter_blocks_ref(host, [3, 3], want_kv, "kv_first", [1, 4, 6], **kw)
     _call("scatter", caches, host, h=[3, 3])
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(caches), snapshot(want_kv)))
 
 
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
@@ -161,7 +171,7 @@ def test_mismatched_layer_block_counts():
     with pytest.raises(ValueError, match=r"layer 1 has 9 blocks, layer 0 has 8"):
         to.KVCacheSpec(caches, "kv_first")
     with pytest.raises(ValueError, match=r"layer 1 has 9 blocks"):
-        to.gather_blocks(caches, "kv_first", [0], torch.zeros(1, 64, dtype=torch.uint8), [0])
+        to.gather_blocks(caches, [0], torch.zeros(1, 64, dtype=torch.uint8), [0], layout="kv_first")
 
 
 @pytest.mark.parametrize(
@@ -197,7 +207,7 @@ def test_layers_on_different_devices_or_empty():
 def test_prepared_spec_layout_mismatch(setup):
     caches, spec, host = setup
     with pytest.raises(ValueError, match="does not match the prepared spec's 'kv_first'"):
-        to.gather_blocks(spec, "mla", [0], host, [0], blocks_per_host_block=2)
+        to.gather_blocks(spec, [0], host, [0], layout="mla", blocks_per_host_block=2)
 
 
 @pytest.fixture
@@ -230,7 +240,6 @@ def test_bad_grouped_transfer_raises_and_writes_nothing(grouped, direction, case
         if direction == "gather":
             to.gather_blocks(
                 spec,
-                None,
                 call["g"],
                 host,
                 call["h"],
@@ -243,7 +252,6 @@ def test_bad_grouped_transfer_raises_and_writes_nothing(grouped, direction, case
                 host,
                 call["h"],
                 spec,
-                None,
                 call["g"],
                 blocks_per_host_block=2,
                 skip=call["skip"],
@@ -285,15 +293,15 @@ def test_planner_finds_every_duplicate_destination_across_calls():
         n = int(rng.integers(1, 40))
         ids = rng.integers(0, 40, n) if trial % 2 else rng.permutation(40)[:n]
         dup = len(set(ids.tolist())) < n
-        # (store, gpu ids, host ids): the destinations are the host ids of a store, the GPU ids of a load.
-        for store, g, h in ((True, rng.integers(0, 64, n), ids), (False, ids, rng.integers(0, 40, n))):
+        # (direction, gpu ids, host ids): the destinations are the host ids of a store, the GPU ids of a load.
+        for direction, g, h in ((STORE, rng.integers(0, 64, n), ids), (LOAD, ids, rng.integers(0, 40, n))):
             if dup:
                 first = next(int(v) for i, v in enumerate(ids) if v in ids[i + 1 :])
                 with pytest.raises(ValueError, match=rf"holds destination id {first} more than once"):
-                    planner.plan(g, h, store=store)
+                    planner.plan(g, h, direction=direction)
             else:
-                plan = planner.plan(g, h, store=store)
-                assert plan.ids.tolist() == [*g.tolist(), *h.tolist()]
+                plan = planner.plan(g, h, direction=direction)
+                assert (plan.gpu_ids.tolist(), plan.host_ids.tolist()) == (g.tolist(), h.tolist())
 
 
 def test_huge_and_negative_ids_are_out_of_range(setup):
@@ -301,4 +309,4 @@ def test_huge_and_negative_ids_are_out_of_range(setup):
     _, spec, host = setup
     for bad in (-(2**63), -1, 2**62):
         with pytest.raises(ValueError, match=rf"gpu_block_ids\[1\] = {bad} is out of range"):
-            to.plan_transfer(spec, host, [0, bad, 1], [0, 1], blocks_per_host_block=2, skip=1, store=True)
+            to.plan_transfer(spec, host, [0, bad, 1], [0, 1], blocks_per_host_block=2, skip=1, direction=STORE)

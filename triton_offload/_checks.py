@@ -5,11 +5,21 @@ from __future__ import annotations
 import re
 from numbers import Integral
 
-__all__ = ["positive_int", "positive_int_setting", "int_in_range", "TRANSFER_PATHS", "transfer_path"]
+__all__ = [
+    "positive_int",
+    "positive_int_setting",
+    "int_in_range",
+    "TRANSFER_PATHS",
+    "AUTO",
+    "KERNEL",
+    "DMA",
+    "transfer_path",
+]
 
 _DIGITS = re.compile(r"\s*[0-9]+\s*")
 # How a transfer may move (triton_offload/path_choice.py): chosen per call, the Triton kernel, the copy engines.
 TRANSFER_PATHS = ("auto", "kernel", "dma")
+AUTO, KERNEL, DMA = TRANSFER_PATHS
 
 
 def positive_int(value, name: str) -> int:

@@ -1,23 +1,8 @@
-"""The CUDA driver API through ctypes: ``cuMemcpyBatchAsync`` for the copy-engine transfer path
-(:mod:`triton_offload.dma`) and the benchmark's copy-engine baselines, with nothing between them and the driver.
-
-It loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call over arrays built beforehand: the
-driver's own cost, as a C++ caller such as vLLM pays it.
-
-``cuMemcpyBatchAsync`` changed its ABI between CUDA 12.8 and 13.0 (cuda.h of CUDA 13.0, which this was checked against):
-
-* 12.8 (exported as ``cuMemcpyBatchAsync``): ``(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
-  CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream)``;
-* 13.0 (exported as ``cuMemcpyBatchAsync_v2``; cuda.h maps the name to it): the same without ``failIdx``.
-
-The entry point is taken from ``cuGetProcAddress(symbol, cudaVersion, CU_GET_PROC_ADDRESS_DEFAULT)`` with the ABI the
-driver supports (13000 on a CUDA 13 driver, else 12080), falling back to the exported symbol of that ABI; the ctypes
-prototype is chosen to match (:data:`BATCH_ABIS`).
-
-``CUmemcpyAttributes`` (cuda.h, unchanged from 12.8 to 13.x): ``CUmemcpySrcAccessOrder srcAccessOrder`` (an enum, 4
-bytes) at 0, ``CUmemLocation srcLocHint`` ({``CUmemLocationType type``, ``int id``}, 8 bytes) at 4, ``CUmemLocation
-dstLocHint`` at 12, ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned. ``tests/test_cuda_driver.py`` checks
-this layout against cuda.h with a C compiler where the header is installed.
+"""The CUDA driver's ``cuMemcpyBatchAsync`` through ctypes, for the copy-engine transfer path
+(:mod:`triton_offload.dma`): it loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call over
+arrays built beforehand, the driver's own cost as a C++ caller such as vLLM pays it. The entry point's ABI changed
+between CUDA 12.8 and 13.0 (:data:`BATCH_ABIS`; docs/design.md, "The copy-engine path and auto");
+bench/cuda_driver.py adds what only the benchmark's baselines use.
 """
 
 from __future__ import annotations
@@ -38,11 +23,8 @@ __all__ = [
     "HostBatchStandIn",
     "BatchIssuer",
     "CudaDriver",
-    "load_driver",
     "shared_driver",
-    "cuda_version_text",
     "SRC_ACCESS_ORDER_STREAM",
-    "SRC_ACCESS_ORDER_ANY",
     "LOCATION_DEVICE",
     "LOCATION_HOST",
     "FLAG_DEFAULT",
@@ -51,7 +33,6 @@ __all__ = [
 
 # cuda.h enum values.
 SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-SRC_ACCESS_ORDER_ANY = 0x3  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
 LOCATION_HOST = 0x2  # CU_MEM_LOCATION_TYPE_HOST
 FLAG_DEFAULT = 0x0  # CU_MEMCPY_FLAG_DEFAULT
@@ -59,13 +40,8 @@ FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COM
 _GET_PROC_ADDRESS_DEFAULT = 0
 
 
-def cuda_version_text(version: int) -> str:
-    """A driver's CUDA version as cuDriverGetVersion encodes it (1000 * major + 10 * minor) -> ``"major.minor"``."""
-    return f"{version // 1000}.{version % 1000 // 10}"
-
-
 class CudaError(RuntimeError):
-    """A driver call failed, or the driver lacks what a baseline needs; the message names the call."""
+    """A driver call failed, or the driver lacks an entry point; the message names the call."""
 
 
 class CUmemLocation(ctypes.Structure):
@@ -73,6 +49,11 @@ class CUmemLocation(ctypes.Structure):
 
 
 class CUmemcpyAttributes(ctypes.Structure):
+    """cuda.h (unchanged from 12.8 to 13.x): ``CUmemcpySrcAccessOrder srcAccessOrder`` (an enum, 4 bytes) at 0,
+    ``CUmemLocation srcLocHint`` ({``CUmemLocationType type``, ``int id``}, 8 bytes) at 4, ``dstLocHint`` at 12,
+    ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned (``tests/test_cuda_driver.py`` checks it against cuda.h
+    with a C compiler where the header is installed)."""
+
     _fields_ = [
         ("srcAccessOrder", ctypes.c_int),
         ("srcLocHint", CUmemLocation),
@@ -82,6 +63,11 @@ class CUmemcpyAttributes(ctypes.Structure):
 
 
 # cudaVersion to ask cuGetProcAddress for -> (exported symbol of that ABI, whether it takes ``size_t *failIdx``).
+# 12.8 (exported as cuMemcpyBatchAsync): (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+# CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream); 13.0 (exported as
+# cuMemcpyBatchAsync_v2, which cuda.h maps the name to): the same without failIdx. Checked against CUDA 13.0's cuda.h.
+# The entry point comes from cuGetProcAddress(symbol, cudaVersion, CU_GET_PROC_ADDRESS_DEFAULT), falling back to the
+# exported symbol; the ctypes prototype follows the ABI.
 BATCH_ABIS = {13000: ("cuMemcpyBatchAsync_v2", False), 12080: ("cuMemcpyBatchAsync", True)}
 
 
@@ -222,10 +208,10 @@ class BatchIssuer:
 
 
 class CudaDriver:
-    """``libcuda.so.1`` with the calling thread's context checked, and the entry points the baselines use.
+    """``libcuda.so.1`` with the calling thread's context checked, and its ``cuMemcpyBatchAsync`` entry points.
 
     Args:
-        device_index: the CUDA device the benchmark runs on (PyTorch has already initialised it on this thread).
+        device_index: the CUDA device the caller runs on (PyTorch has already initialised it on this thread).
     """
 
     def __init__(self, device_index: int):
@@ -243,7 +229,6 @@ class CudaDriver:
         self._check(self.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.version = version.value
         self._ensure_context()
-        self._memcpy_async = None
 
     def _check(self, err: int, what: str) -> None:
         if err:
@@ -263,10 +248,6 @@ class CudaDriver:
         self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
-    @property
-    def note(self) -> str:
-        return f"driver API via ctypes on libcuda.so.1, CUDA {cuda_version_text(self.version)}"
-
     def _proc(self, symbol: str, cuda_version: int, exported: str) -> int:
         pfn, status = ctypes.c_void_p(), ctypes.c_int(0)
         get = getattr(self.lib, "cuGetProcAddress_v2", None)
@@ -282,32 +263,25 @@ class CudaDriver:
                 f"(cuGetProcAddress status {status.value}, no {exported} symbol)"
             ) from None
 
-    def batch_entry(self, abi: int | None = None) -> tuple[int, bool]:
-        """(address, with_fail_idx) of cuMemcpyBatchAsync: the newest ABI this driver speaks, or the ``abi`` of
-        :data:`BATCH_ABIS` asked for (as a caller built against that CUDA version gets it); CudaError before 12.8."""
-        for cuda_version, (exported, with_fail_idx) in BATCH_ABIS.items():
-            if self.version >= cuda_version and abi in (None, cuda_version):
-                return self._proc("cuMemcpyBatchAsync", cuda_version, exported), with_fail_idx
-        wanted = f"the {abi} ABI of " if abi else ""
-        raise CudaError(f"the driver supports CUDA {self.version}; {wanted}cuMemcpyBatchAsync needs 12.8 (12080)")
+    def batch_entry(self) -> tuple[int, bool]:
+        """(address, with_fail_idx) of cuMemcpyBatchAsync in the newest ABI of :data:`BATCH_ABIS` this driver
+        speaks; CudaError before 12.8."""
+        for cuda_version in BATCH_ABIS:
+            if self.version >= cuda_version:
+                return self.batch_entry_of(cuda_version)
+        raise CudaError(f"the driver supports CUDA {self.version}; cuMemcpyBatchAsync needs 12.8 (12080)")
 
-    def memcpy_async(self):
-        """``cuMemcpyAsync(dst, src, bytes, stream) -> CUresult`` as a ctypes function (one Python call per copy)."""
-        if self._memcpy_async is None:
-            fn = self.lib.cuMemcpyAsync  # unified addressing: the driver infers the direction from the pointers
-            fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            self._memcpy_async = fn
-        return self._memcpy_async
-
-
-def load_driver(device_index: int) -> tuple[CudaDriver | None, str]:
-    """(CudaDriver, description) or (None, why not)."""
-    try:
-        driver = CudaDriver(device_index)
-    except CudaError as exc:
-        return None, str(exc)
-    return driver, driver.note
+    def batch_entry_of(self, cuda_version: int) -> tuple[int, bool]:
+        """(address, with_fail_idx) of cuMemcpyBatchAsync in the ABI of ``cuda_version`` (a key of
+        :data:`BATCH_ABIS`), as a caller built against that CUDA version gets it; CudaError if the driver is
+        older."""
+        exported, with_fail_idx = BATCH_ABIS[cuda_version]
+        if self.version < cuda_version:
+            raise CudaError(
+                f"the driver supports CUDA {self.version}; the {cuda_version} ABI of cuMemcpyBatchAsync needs 12.8 "
+                "(12080)"
+            )
+        return self._proc("cuMemcpyBatchAsync", cuda_version, exported), with_fail_idx
 
 
 _SHARED: dict[int, CudaDriver] = {}

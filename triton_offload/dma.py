@@ -1,34 +1,24 @@
 """The copy-engine path: a transfer as one ``cuMemcpyBatchAsync`` of (src, dst, bytes) descriptors, no SMs used.
-
-Where pages are large the copy engines reach the link's peak and take nothing from the model; where they are small
-the driver's per-descriptor cost dominates (about 0.5-1 us of host time each) and the Triton kernel wins.
-:mod:`triton_offload.path_choice` picks per call; this module builds and issues the descriptors.
-
-Descriptors come from the spec's segments, as the kernel's do: per KV-cache group, a *run* is a segment merged with
-its neighbours where they are adjacent both on the GPU and on the host (K and V of a ``block_first`` block), so a
-block costs one descriptor per run. Runs whose blocks are also adjacent on both sides (GPU block stride and host
-sub-block stride equal to the run's bytes: vLLM's worker-slot layout of unpadded pages) are *coalesced* across
-consecutive GPU blocks that land in consecutive sub-blocks of one host block: contiguous allocations cost few
-descriptors. A descriptor never spans two host blocks, so it stays inside one CUDA host registration (HostCache
-registers whole host blocks per chunk, and a copy-engine copy may not span two registrations). Building is vectorised
-over runs and blocks (NumPy, no Python loop over blocks or layers).
-
-On CPU the same descriptors are replayed by a memmove stand-in for the driver, so the bytes this path would move are
-tested like the kernel's.
+Descriptors come from the spec's segments, merged into *runs* where adjacent on both sides and coalesced across
+consecutive blocks where a run's blocks are adjacent too, never across host blocks (one CUDA registration each);
+docs/design.md ("The copy-engine path and auto") says when this path wins. On CPU the same descriptors are replayed
+by a memmove stand-in for the driver, so the bytes this path would move are tested like the kernel's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from triton_offload._checks import DMA
 from triton_offload.cuda_driver import FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, MemcpyBatchCall
-from triton_offload.kernels.copy_blocks import TransferPlan
 from triton_offload.layouts import KVCacheSpec, Segment
+from triton_offload.plan import Direction, TransferPlan
 
-__all__ = ["GroupRuns", "group_runs", "DmaPlanner", "DmaCopier"]
+__all__ = ["GroupRuns", "group_runs", "DmaPlanner", "DmaIssuer"]
 
 
 @dataclass(frozen=True)
@@ -85,35 +75,26 @@ def group_runs(spec: KVCacheSpec, blocks_per_host_block: int) -> list[GroupRuns]
     return out
 
 
-def _groups_of(plan: TransferPlan, num_groups: int):
-    """(gpu ids, host ids, skip) of each group of a packed plan (see ``copy_blocks.pack_ids``)."""
-    ids, n, m = plan.ids, plan.n_blocks, plan.n_host
-    g, h = ids[:n], ids[n : n + m]
-    if num_groups == 1:
-        yield g, h, plan.skip
-        return
-    table = ids[2 * n + m : 2 * n + m + 3 * num_groups].reshape(num_groups, 3)
-    first_block = table[:, 0].tolist() + [n]
-    first_host = table[:, 2].tolist() + [m]
-    for gi in range(num_groups):
-        yield g[first_block[gi] : first_block[gi + 1]], h[first_host[gi] : first_host[gi + 1]], int(table[gi, 1])
-
-
 class DmaPlanner:
-    """Descriptors of transfers between one spec and one host buffer, f fixed.
+    """Descriptors of transfers between one spec and one host buffer, f fixed. Building is vectorised over runs and
+    blocks (NumPy, no Python loop over blocks or layers).
 
     Args:
         spec: the prepared KV caches.
         host_buffer: (num_host_blocks, row bytes) uint8/int8, already checked against the spec.
         blocks_per_host_block: GPU blocks per host block (f).
+        coalesce: merge adjacent blocks' copies where the layout allows (False: one descriptor per block and run,
+            as a caller that never merges, such as vLLM's own worker, builds them).
     """
 
-    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
+    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, coalesce=True):
         self.spec = spec
         self.f = blocks_per_host_block
         self.host_ptr = host_buffer.data_ptr()
         self.row_bytes = host_buffer.stride(0) * host_buffer.element_size()
         self.groups = group_runs(spec, blocks_per_host_block)
+        if not coalesce:
+            self.groups = [dataclasses.replace(r, coalesce=np.zeros_like(r.coalesce)) for r in self.groups]
         self.coalesces = any(bool(r.coalesce.any()) for r in self.groups)
 
     def _layout(self, g: np.ndarray, h: np.ndarray, skip: int):
@@ -127,7 +108,7 @@ class DmaPlanner:
     def count(self, plan: TransferPlan) -> int:
         """Descriptors :meth:`descriptors` would build for ``plan`` (cheap: no addresses are computed)."""
         total = 0
-        for runs, (g, h, skip) in zip(self.groups, _groups_of(plan, self.spec.num_groups)):
+        for runs, (g, h, skip) in zip(self.groups, plan.groups()):
             if not g.size:
                 continue
             merged = int(runs.coalesce.sum()) if self.coalesces else 0
@@ -138,7 +119,7 @@ class DmaPlanner:
     def descriptors(self, plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, dst, bytes) of every copy of ``plan``, as uint64 arrays: run-major within each group."""
         srcs, dsts, sizes = [], [], []
-        for runs, (g, h, skip) in zip(self.groups, _groups_of(plan, self.spec.num_groups)):
+        for runs, (g, h, skip) in zip(self.groups, plan.groups()):
             if not g.size:
                 continue
             rows, sub, starts = self._layout(g, h, skip)
@@ -158,28 +139,45 @@ class DmaPlanner:
                 dsts.append(host.ravel())
                 sizes.append(nbytes.ravel())
         gpu_addr, host_addr, nbytes = (np.concatenate(a).view(np.uint64) for a in (srcs, dsts, sizes))
-        return (gpu_addr, host_addr, nbytes) if plan.store else (host_addr, gpu_addr, nbytes)
+        return (gpu_addr, host_addr, nbytes) if plan.direction is Direction.STORE else (host_addr, gpu_addr, nbytes)
 
 
-class DmaCopier:
-    """Issues plans as one ``cuMemcpyBatchAsync`` each (CUDA), or replays their descriptors with memmove (CPU).
+class DmaIssuer:
+    """Issues plans as one ``cuMemcpyBatchAsync`` each (CUDA), or replays their descriptors with memmove (CPU): the
+    :class:`~triton_offload.issuer.Issuer` of ``path="dma"``.
 
     Every copy reads its source in stream order (``srcAccessOrder = STREAM``): a store's KV may still be being written
     by work queued before it, a load's host block by an earlier transfer; the batch prefers copy engines that overlap
     with compute.
+
+    Raises:
+        CudaError: on CUDA, the driver has no ``cuMemcpyBatchAsync`` (before 12.8).
     """
 
-    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int):
-        self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block)
+    path = DMA
+
+    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, coalesce=True):
+        self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block, coalesce)
+        self.device = spec.device
         self._batch = BatchIssuer(spec.device, FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
-    def count(self, plan: TransferPlan) -> int:
+    def descriptors(self, plan: TransferPlan) -> int:
         return self.planner.count(plan)
 
-    def issue(self, plan: TransferPlan, stream: int = 0) -> MemcpyBatchCall:
-        """Builds ``plan``'s descriptors and issues them on ``stream`` (a raw CUstream; 0 on CPU, where the copies
-        run now). The returned call holds the descriptor arrays: keep it until the copies have completed."""
+    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None) -> MemcpyBatchCall:
+        """Builds ``plan``'s descriptors and issues them on ``stream`` (None: the current one; on CPU the copies run
+        now). The returned call holds the descriptor arrays, which the driver reads until the copies complete."""
         src, dst, nbytes = self.planner.descriptors(plan)
-        call = self._batch.call(src, dst, nbytes, plan.store, stream)
-        call()
+        if not self._batch.cuda:
+            call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, 0)
+            call()
+            return call
+        # The driver call acts in the current context: the caches' device's, whichever device is current.
+        with torch.cuda.device(self.device):
+            handle = (stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream
+            call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, handle)
+            call()
         return call
+
+    def release(self, keep: MemcpyBatchCall, after=None) -> None:
+        """Nothing to hand back: the descriptor arrays go with the call."""

@@ -1,9 +1,8 @@
-"""The packed host buffer: sized from a byte budget, page-locked on CUDA without the caching allocator.
-
-``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which rounds a request up to a
-power of two (a 65 GiB budget would take 128 GiB) and pins it in one driver call. Instead the buffer is an anonymous
-mapping, touched in parallel (page faults are the cost of a large buffer), then registered with the CUDA driver in
-bounded chunks so no single call holds the driver for long and a failure releases exactly what was registered.
+"""The packed host buffer: sized from a byte budget and page-locked on CUDA without PyTorch's caching host allocator
+(which rounds a request up to a power of two: a 65 GiB budget would take 128 GiB). It is an anonymous mapping,
+touched in parallel (page faults are the cost of a large buffer), then registered with the CUDA driver in bounded
+chunks of whole host blocks, so no single call holds the driver for long and a failure releases exactly what was
+registered.
 """
 
 from __future__ import annotations
@@ -113,9 +112,15 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
 
 def unregister_host_ranges(registered: list[tuple[int, int]]) -> None:
     """Unregisters every ``(address, bytes)`` range in ``registered`` from CUDA, emptying the list. Holds no reference
-    to the owner of the memory, so it can run as its finalizer."""
+    to the owner of the memory, so it can run as its finalizer.
+
+    Every device is synchronised first: a transfer still queued against the memory (an engine that was never shut
+    down) would otherwise read or write pages that are no longer locked.
+    """
     if not registered:
         return
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
     cudart = torch.cuda.cudart()
     while registered:
         ptr, _ = registered.pop()

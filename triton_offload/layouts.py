@@ -1,11 +1,8 @@
-"""GPU KV-cache layouts and their byte segments.
-
-Every layout is named once, in :data:`LAYOUTS`; everything else (segments, sizes, validation) is derived from the
-per-layer tensors themselves: ``data_ptr``, strides and element size. A layer contributes one byte *segment* per
-K/V half (one for MLA and canonical views): a base address, a stride between blocks and the number of bytes one block
-holds. The packed host format (docs/design.md) lays a GPU block out as the concatenation of its segments in layer order,
-K before V, so a prepared :class:`KVCacheSpec` describes everything the kernel moves. :class:`HostSlots` describes the
-other host format the kernel writes, vLLM's worker-slot layout, through the same per-segment host placement.
+"""GPU KV-cache layouts and their byte segments: every layout is named once (:data:`LAYOUTS`), and everything else
+(segments, sizes, validation) is derived from the per-layer tensors' addresses, strides and element sizes. A layer
+contributes one *segment* per K/V half (one for MLA and canonical views), and the packed host format lays a GPU block
+out as its segments in layer order, so a prepared :class:`KVCacheSpec` describes everything the kernel moves;
+:class:`HostSlots` describes the other host format it writes, vLLM's worker slots (docs/design.md, sections 3-4).
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
-"""Scheduler-side bookkeeping of the host KV cache: which key lives in which host block, and which may be evicted.
-
-Each key (a block hash: any hashable, usually ``bytes``) occupies exactly one host block id in ``[0, num_blocks)``.
-A key is in one of two states:
-
-* **storing**: :meth:`OffloadManager.prepare_store` gave it a block and the GPU-to-host copy is in flight. It is not
-  a hit, cannot be loaded, and is never evicted (the copy would land in a block given to another key).
-* **ready**: :meth:`OffloadManager.complete_store` confirmed the copy. It is a hit and can be loaded; it is evictable
-  unless pinned. :meth:`OffloadManager.prepare_load` pins it (a count: two requests may load it at once) until the
-  matching :meth:`OffloadManager.complete_load`, because the host-to-GPU copy reads its block.
-
-Recency follows use: a key takes its place in the eviction order when a request stores it
-(:meth:`~OffloadManager.prepare_store`), loads it (:meth:`~OffloadManager.prepare_load`) or touches it, never when
-its copy completes. A store of an older request that completes late must not make its keys look newer than those a
-later request used meanwhile. So a key is in the policy from ``prepare_store`` on; eviction skips it while its store
-is in flight.
-
-Order within a call: vLLM passes the blocks of a request prefix first, and :meth:`OffloadManager.lookup` counts only
-the *leading* ready keys, so losing the first block of a prefix makes the blocks after it useless while losing the
-last one costs one block. Every call applies its keys to the policy in reverse: the first key of a call ends up the
-most recently used and is evicted last.
-
-Reuse counts once per request (vLLM's rule, which matters for ARC, where a second use moves a key into the
-frequency list T2): a :class:`RequestUse` passed to the calls of one request remembers what that request stored and
-reused, so a request reading or offering again a block it stored itself, or reusing a block twice, counts no new
-reuse; such uses only refresh the key's recency. :meth:`~OffloadManager.finish_request` then makes every key the
-request used recent once more, its prefix head most recent, because the request used all of them until its end.
-
-Costs are O(1) amortised per key (dicts, a free-list stack and the policy's ``OrderedDict``\\ s) because this runs in
-the scheduler's critical path; only :meth:`~OffloadManager.reset` and :meth:`~OffloadManager.snapshot` are O(n).
-Pure Python and stdlib only: no torch, triton or vLLM imports.
+"""Scheduler-side bookkeeping of the host KV cache: which key (a block hash) lives in which host block, whether its
+copy is still in flight (*storing*: not a hit, never evicted) or done (*ready*: a hit, evictable unless a load in
+flight pins it), and which key the eviction policy gives up when the cache is full. docs/design.md (section 8) states
+the rules it keeps: recency follows use, not completion; a call's first key is evicted last; reuse counts once per
+request. O(1) amortised per key and stdlib only, because it runs in the scheduler's critical path.
 """
 
 from __future__ import annotations
@@ -45,7 +19,6 @@ from triton_offload.policies import EvictionPolicy, make_policy
 __all__ = [
     "OffloadManager",
     "StoreAllocation",
-    "PrepareStoreOutput",
     "OffloadEvent",
     "ManagerStats",
     "ManagerSnapshot",
@@ -68,10 +41,6 @@ class StoreAllocation:
     keys_to_store: list[Hashable]
     host_block_ids: list[int]
     evicted_keys: list[Hashable]
-
-
-# The 0.1 name; vLLM's OffloadingManager API has its own ``PrepareStoreOutput``, which the plugin builds from ours.
-PrepareStoreOutput = StoreAllocation
 
 
 @dataclass(frozen=True)

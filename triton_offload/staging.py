@@ -1,23 +1,17 @@
-"""Pinned staging of the kernel's id buffers on CUDA, reused instead of allocated per call.
-
-A transfer's ids are packed on the host straight into a pinned buffer (:class:`IdSlot`), uploaded to its device twin
-with one asynchronous copy on the transfer's stream, and read there by the kernel. A slot is reused only once the
-work that reads it has completed: the engine returns a slot when its job has completed; a public call returns it
-with an event recorded after its launch, which the next taker queries.
+"""Pinned staging of the kernel's id buffers on CUDA, reused instead of allocated per call: a transfer's ids are
+packed straight into a pinned :class:`IdSlot`, uploaded to its device twin with one asynchronous copy, and the slot is
+reused only once the work that reads it has completed (an engine job's end, or a guard event after a public call's
+launch, which the next taker queries).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 __all__ = ["IdSlot", "IdStager"]
-
-T = TypeVar("T")
 
 # The smallest slot: 1024 blocks of one group with their host ids fit; slots grow by powers of two from there.
 _MIN_SLOT = 2048
@@ -75,25 +69,6 @@ class IdStager:
             return IdSlot(capacity, self.device)
         with torch.cuda.stream(self.stream):
             return IdSlot(capacity, self.device)
-
-    def staged(self, plan: Callable[[Callable[[int], np.ndarray]], T]) -> tuple[T, IdSlot]:
-        """``plan(stage)``, where ``stage(size)`` hands out the pinned array of a slot of at least ``size``
-        elements to pack the ids into (a :meth:`~triton_offload.transfer.TransferPlanner.plan` call); returns its
-        result and the slot. If ``plan`` raises, the slot it took is given back (nothing reads it) and the error
-        propagates."""
-        slots: list[IdSlot] = []
-
-        def stage(size: int) -> np.ndarray:
-            slots.append(self.take(size))
-            return slots[-1].host_np
-
-        try:
-            result = plan(stage)
-        except BaseException:
-            for slot in slots:
-                self.give_back(slot)
-            raise
-        return result, slots[0]
 
     def give_back(self, slot: IdSlot, guard: torch.cuda.Event | None = None) -> None:
         """Returns a slot; it is handed out again once ``guard`` (if any) has completed."""

@@ -1,116 +1,15 @@
-"""Eviction policies for the host KV cache: which resident key gives up its block when the cache is full.
-
-A policy only orders keys. The :class:`~triton_offload.manager.OffloadManager` owns blocks, pins and in-flight
-stores; it tells the policy when a key becomes resident (:meth:`insert`, when its store is prepared), is reused
-(:meth:`access`), is used again by a request that already counted it (:meth:`refresh`), is dropped without being
-evicted (:meth:`remove`) or is evicted (:meth:`on_evict`), and asks it for candidates in eviction order
-(:meth:`evict_candidates`), skipping the ones it may not evict (pinned keys, keys whose store is in flight). Every
-operation is O(1) amortised; all state lives in ``OrderedDict``\\ s used as linked lists (LRU end first).
-
-Pure Python on purpose: this runs in the serving scheduler's process, which must not import torch or vLLM for it.
-"""
+"""Adaptive replacement cache (Megiddo & Modha, FAST 2003): keys used twice survive a scan of keys used once; four
+``OrderedDict`` lists, the manager owning capacity (the class docstring says where it differs from the paper)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from itertools import chain, islice
-from typing import Protocol
 
 from triton_offload._checks import positive_int
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "POLICIES", "make_policy", "policy_name"]
-
-
-class EvictionPolicy(Protocol):
-    """The interface the manager drives. ``capacity`` is the most keys that may be resident at once.
-
-    Methods that name a resident key raise ``KeyError`` when it is not resident: the manager never does that, so it
-    is a bug in the caller, not an expected condition.
-    """
-
-    name: str
-    capacity: int
-
-    def insert(self, key: Hashable) -> None:
-        """Makes a key given a block resident (its store may be in flight); it counts as its first use.
-
-        ``ValueError`` if it already is resident or the policy is at capacity.
-        """
-
-    def on_stored(self, key: Hashable) -> None:
-        """A resident key's store completed (it was inserted when the store was prepared); its order is unchanged."""
-
-    def access(self, key: Hashable) -> None:
-        """Records a reuse of a resident key (a load or touch by a request that did not count it yet)."""
-
-    def refresh(self, key: Hashable) -> None:
-        """Makes a resident key the most recently used without counting a reuse (ARC keeps it in its list)."""
-
-    def remove(self, key: Hashable) -> None:
-        """Drops a resident key that is not being evicted (failed store, reset): it leaves no history behind."""
-
-    def on_evict(self, key: Hashable) -> None:
-        """Drops a resident key the manager evicted; a policy may remember it (ARC's ghost lists)."""
-
-    def evict_candidates(self) -> Iterator[Hashable]:
-        """Yields every resident key once, in eviction order, lazily (the first key costs O(1)).
-
-        The caller must stop iterating before it changes the policy (``on_evict`` and the rest): the iterator walks
-        the live lists.
-        """
-
-    def snapshot(self) -> dict[str, object]:
-        """The full internal state as plain values, O(n): for tests and debugging, not the hot path."""
-
-    def __len__(self) -> int:
-        """The number of resident keys."""
-
-    def __contains__(self, key: object) -> bool:
-        """Whether ``key`` is resident (ghost entries are not)."""
-
-
-class LRUPolicy:
-    """Least recently used: evicts the key whose last insert or access is oldest."""
-
-    name = "lru"
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = positive_int(capacity, "eviction policy capacity")
-        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
-
-    def insert(self, key: Hashable) -> None:
-        if key in self._order:
-            raise ValueError(f"key {key!r} is already resident")
-        if len(self._order) >= self.capacity:
-            raise ValueError(f"cannot insert {key!r}: {len(self._order)} keys resident, capacity {self.capacity}")
-        self._order[key] = None
-
-    def on_stored(self, key: Hashable) -> None:
-        pass  # its recency was set when the store was prepared
-
-    def access(self, key: Hashable) -> None:
-        self._order.move_to_end(key)
-
-    refresh = access  # LRU knows only recency
-
-    def remove(self, key: Hashable) -> None:
-        del self._order[key]
-
-    def on_evict(self, key: Hashable) -> None:
-        del self._order[key]
-
-    def evict_candidates(self) -> Iterator[Hashable]:
-        return iter(self._order)
-
-    def snapshot(self) -> dict[str, object]:
-        return {"order": tuple(self._order)}
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
+__all__ = ["ARCPolicy"]
 
 
 class ARCPolicy:
@@ -227,27 +126,3 @@ class ARCPolicy:
 
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
-
-
-POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
-
-
-def policy_name(name: str) -> str:
-    """The canonical (lower-case) name of a policy in :data:`POLICIES`; names are case-insensitive (``"ARC"``).
-
-    Raises:
-        ValueError: not a supported name; the message names it and lists the supported ones.
-    """
-    if not isinstance(name, str) or name.lower() not in POLICIES:
-        raise ValueError(f"unknown eviction policy {name!r}; supported: {', '.join(sorted(POLICIES))}")
-    return name.lower()
-
-
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """Builds the policy registered under ``name`` (see :func:`policy_name`) for ``capacity`` resident keys.
-
-    Raises:
-        ValueError: ``name`` is not a supported policy (the message lists them), or ``capacity`` is not a positive
-            int.
-    """
-    return POLICIES[policy_name(name)](capacity)
