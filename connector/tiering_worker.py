@@ -123,7 +123,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
             raise
         logger.info(
             "triton-offload tiering worker: shared region %s, %d chunks x %d-byte rows, this worker's slot at byte "
-            "%d (%d of %d bytes used); %s; %s; this worker's pages: %s; %s; num_ctas=%s, transfer path %s",
+            "%d (%d of %d bytes used); %s; this worker's pages: %s; %s; %s; num_ctas=%s, transfer path %s",
             name.paths[0],
             num_chunks,
             row,

@@ -319,7 +319,7 @@ def test_region_beyond_available_memory_is_refused_naming_the_key(monkeypatch):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/numa_maps"), reason="needs Linux with NUMA support")
-def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch):
+def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch, caplog):
     """vLLM's constructor touches this worker's slots itself: it runs on a thread of the node's CPUs under a memory
     policy bound to the node (read back with get_mempolicy inside it), the caller's own policy and affinity stay, and
     the worker's pages, read back from numa_maps, are on that node."""
@@ -336,7 +336,8 @@ def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch):
     monkeypatch.setattr(tiering, "SharedOffloadRegion", Recorded)
     config = make_config({"cpu_bytes_to_use": 64 * 4096, "numa_node": 0}, num_groups=2, worker_bytes=sum(PAGES), f=1)
     before = (numa.thread_policy(), os.sched_getaffinity(0))
-    worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches())
+    with caplog.at_level(logging.INFO, logger="triton_offload.connector.tiering_worker"):
+        worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches())
     try:
         node0 = numa.choose_node(0)
         assert seen["policy"] == (numa.MPOL_BIND, (0,)) and seen["thread"] != threading.get_ident()
@@ -344,6 +345,7 @@ def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch):
         assert (numa.thread_policy(), os.sched_getaffinity(0)) == before
         assert set(worker.placement.node_bytes) == {0} and worker.placement.resident >= 64 * 4096
         assert worker.numa.why == "numa_node = 0"
+        assert "bytes used); numa_node = 0; this worker's pages: node 0: " in caplog.text
     finally:
         worker.shutdown()
     assert not os.path.exists(region_file(config.engine_id))
