@@ -360,10 +360,11 @@ class HostCache:
         # The whole mapping (reserved huge pages round it up): it is ours alone.
         self.placement = numa.read_placement(self.buffer.data_ptr(), len(self._mmap) if self._mmap else self.nbytes)
         logger.info(
-            "host cache: %d blocks x %d bytes = %.2f GiB; allocated and touched in %.3f s, %s; %s; memory: %s",
+            "host cache: %d blocks x %d bytes = %.2f GiB at %#x; allocated and touched in %.3f s, %s; %s; memory: %s",
             self.num_blocks,
             host_block_bytes,
             self.nbytes / 2**30,
+            self.buffer.data_ptr(),
             self.alloc_seconds,
             self._pinned_text(),
             self.numa.why,
