@@ -559,3 +559,55 @@ def test_close_unmaps_once_the_last_view_goes():
     del row
     gc.collect()
     assert not mapped(address) and cache.buffer is None
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_pci_address_and_node():
+    """The GPU's PCI address, in sysfs's form, names a device sysfs has; 'auto' says what it found."""
+    bdf = numa.gpu_pci_bus_id(torch.cuda.current_device())
+    assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", bdf), bdf
+    assert os.path.exists(f"/sys/bus/pci/devices/{bdf}/numa_node")
+    choice = choose_node("auto", torch.device("cuda"))
+    assert bdf in choice.why and (choice.bound == (numa.pci_numa_node(bdf) is not None))
+
+
+class RefusingCudart:
+    """The real runtime, except that cudaHostRegister is refused as in Confidential Computing mode."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def cudaHostRegister(self, ptr, size, flags):
+        return 801
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pinning", ["register-refused", "alloc"])
+def test_memory_pinned_at_allocation_moves_bytes_on_cuda(monkeypatch, make_host_cache, pinning):
+    """The real cudaHostAlloc path: registration refused (auto falls back) or skipped (alloc); the cache is pinned,
+    copies through the copy engine both ways are exact, and it is freed at close."""
+    if pinning == "register-refused":
+        real = torch.cuda.cudart()
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart(real))
+    cache = make_host_cache(MIB, num_blocks=64, pinning="auto" if pinning == "register-refused" else "alloc")
+    assert cache.pinned_by == "cudaHostAlloc" and cache.buffer.is_pinned()
+    assert bool(cache.warnings) == (pinning == "register-refused")
+    dev = torch.randint(0, 255, (64, MIB), dtype=torch.uint8, device="cuda")
+    cache.buffer.copy_(dev, non_blocking=True)
+    back = torch.empty_like(dev)
+    back.copy_(cache.buffer, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.buffer, dev.cpu()) and torch.equal(back, dev)
+
+
+@pytest.mark.gpu
+def test_registered_cache_on_cuda_says_where_it_is(make_host_cache):
+    cache = make_host_cache(MIB, num_blocks=64)
+    assert cache.pinned_by == "cudaHostRegister" and cache.placement.resident == 64 * MIB
+    assert "pinned (cudaHostRegister)" in cache.describe() and cache.numa.why.startswith("numa_node = 'auto': GPU ")

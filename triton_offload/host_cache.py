@@ -290,7 +290,8 @@ class HostCache:
             reserved pages fall back to ``"thp"`` with a warning that says how many are free and needed.
         pinning: ``"auto"`` (register; where the driver refuses, allocate pinned memory, with a warning),
             ``"register"`` or ``"alloc"``.
-        device: the device the cache serves (for ``"auto"``, and the CUDA device the pinning threads use).
+        device: the device the cache serves (for ``"auto"``, and the CUDA device the pinning threads use); None: the
+            current CUDA device for a pinned cache.
         sysfs: the root the NUMA topology and huge-page pools are read from.
         host_alloc: what pins memory at allocation (``alloc(nbytes) -> address``, ``free(address)``); None:
             :class:`~triton_offload.host_pages.CudaHostAlloc`.
@@ -332,10 +333,12 @@ class HostCache:
         self.num_blocks = host_blocks_for_budget(cpu_bytes_to_use, host_block_bytes, world_size)
         self.host_block_bytes = host_block_bytes
         self.nbytes = self.num_blocks * host_block_bytes
+        self.pinned = torch.cuda.is_available() if pin is None else pin
         device = None if device is None else torch.device(device)
+        if device is None and self.pinned and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # a pinned cache serves the current GPU
         self.numa = numa_node if isinstance(numa_node, NodeChoice) else choose_node(numa_node, device, sysfs=sysfs)
         numa.check_node_memory(self.numa, self.nbytes, "the host cache", sysfs=sysfs)
-        self.pinned = torch.cuda.is_available() if pin is None else pin
         self.huge_pages, self.pinned_by, self.populated_by, self.warnings = huge_pages, None, None, []
         # Shared with the finalizer, which must not reference self: the ranges are unregistered when the cache is
         # closed *or* dropped. A registration that outlives its munmap makes the driver treat whatever is mapped
