@@ -13,6 +13,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from triton_offload._checks import positive_int, positive_int_setting, transfer_path
+from triton_offload.host_pages import check_settings, huge_pages_setting, pinning_setting
+from triton_offload.numa import numa_setting
 from triton_offload.policies import POLICIES, policy_name
 
 __all__ = ["TritonOffloadConfig", "parse_size", "engine_settings", "OUR_KEYS", "VLLM_KEYS"]
@@ -36,7 +38,9 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 # Keys this spec reads.
-OUR_KEYS = frozenset({"cpu_bytes_to_use", "eviction_policy", "num_ctas", "transfer_path"})
+OUR_KEYS = frozenset(
+    {"cpu_bytes_to_use", "eviction_policy", "num_ctas", "transfer_path", "numa_node", "huge_pages", "pinning"}
+)
 # Keys vLLM's OffloadingConnector reads itself, whatever the spec (block_size becomes blocks_per_chunk).
 VLLM_KEYS = frozenset(
     {
@@ -118,6 +122,10 @@ class TritonOffloadConfig:
             default.
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"`` (triton_offload/path_choice.py); None for the engine's
             default (``"auto"`` on CUDA, ``"kernel"`` on CPU).
+        numa_node: ``"auto"`` (each rank's cache on its GPU's node), a node number, or ``"off"``
+            (triton_offload/numa.py, docs/host-memory.md).
+        huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host_pages.py).
+        pinning: ``"auto"``, ``"register"`` or ``"alloc"`` (how a CUDA host cache is pinned).
     """
 
     cpu_bytes_to_use: int
@@ -125,6 +133,9 @@ class TritonOffloadConfig:
     eviction_policy: str = "lru"
     num_ctas: int | None = None
     transfer_path: str | None = None
+    numa_node: str | int = "auto"
+    huge_pages: str = "thp"
+    pinning: str = "auto"
 
     @classmethod
     def from_extra_config(
@@ -138,8 +149,8 @@ class TritonOffloadConfig:
             gpu_block_tokens: tokens per GPU block, to cross-check ``block_size``; None skips the check.
 
         Raises:
-            ValueError: a missing ``cpu_bytes_to_use`` or a bad value of any key, naming the key and what is
-                accepted.
+            ValueError: a missing ``cpu_bytes_to_use`` or a bad value of any key (or ``huge_pages`` other than
+                ``'thp'`` with ``pinning = 'alloc'``), naming the key and what is accepted.
         """
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
@@ -155,6 +166,10 @@ class TritonOffloadConfig:
                 f"eviction_policy = {policy!r} is not supported; accepted: {', '.join(sorted(POLICIES))}"
             ) from None
         num_ctas, path = engine_settings(extra)
+        numa_node = numa_setting(extra.get("numa_node", "auto"))
+        huge_pages = huge_pages_setting(extra.get("huge_pages", "thp"))
+        pinning = pinning_setting(extra.get("pinning", "auto"))
+        check_settings(huge_pages, pinning)
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
@@ -172,4 +187,4 @@ class TritonOffloadConfig:
                 unknown,
                 sorted(OUR_KEYS | {"block_size"}),
             )
-        return cls(cpu_bytes, f, policy, num_ctas, path)
+        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning)

@@ -39,7 +39,8 @@ class TritonOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``cpu_bytes_to_use`` (required; bytes or ``"40GiB"``, for the whole
     instance), ``block_size`` (tokens per host block, read by vLLM), ``eviction_policy`` (``lru`` | ``arc``),
-    ``num_ctas``, ``transfer_path``. See :class:`~triton_offload.connector.config.TritonOffloadConfig`.
+    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``. See
+    :class:`~triton_offload.connector.config.TritonOffloadConfig`.
     """
 
     @classmethod
@@ -129,5 +130,8 @@ class TritonOffloadingSpec(OffloadingSpec):
                 num_ctas=self.offload_config.num_ctas,
                 transfer_path=self.offload_config.transfer_path,
                 budget_block_bytes=self.budget_block_bytes,
+                numa_node=self.offload_config.numa_node,
+                huge_pages=self.offload_config.huge_pages,
+                pinning=self.offload_config.pinning,
             )
         return self._worker

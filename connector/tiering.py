@@ -38,6 +38,7 @@ from triton_offload.connector.fs_root import check_root_dir, make_private_root_d
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 from triton_offload.host_cache import check_host_memory
+from triton_offload.numa import check_node_memory, choose_node, numa_setting, run_on_node
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
 
@@ -57,6 +58,20 @@ TIERING_KEYS = {
 OUR_TIERING_KEYS = {
     "num_ctas": "programs per transfer launch: the SMs a transfer takes from the model",
     "transfer_path": "'auto' (per call, the faster of the kernel and the copy engines), 'kernel' or 'dma'",
+    "numa_node": "'auto' (each worker's slots on its GPU's node), a node number, or 'off'",
+}
+# Keys of TritonOffloadingSpec that cannot apply to vLLM's shared region, with the reason given when they are set.
+_REFUSED_KEYS = {
+    "huge_pages": (
+        "the region is vLLM's /dev/shm file (tmpfs), mapped by name by the scheduler and every worker: reserved huge "
+        "pages would need hugetlbfs, and its transparent huge pages follow "
+        "/sys/kernel/mm/transparent_hugepage/shmem_enabled. Remove the key (or use TritonOffloadingSpec)"
+    ),
+    "pinning": (
+        "the region must be registered (cudaHostRegister): memory pinned at allocation (cudaHostAlloc) cannot be "
+        "shared with the scheduler's secondary tiers. Remove the key (or use TritonOffloadingSpec, whose pinning = "
+        "'auto' falls back to cudaHostAlloc)"
+    ),
 }
 # Passed by SecondaryTierFactory itself, never from the tier's configuration.
 _FACTORY_ARGS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
@@ -140,6 +155,7 @@ class TritonTieringConfig:
         root_dirs: ``(index in secondary_tiers, root_dir)`` of each file-system (``fs``) tier.
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         object_stores: the object stores of the ``obj`` tiers, checked for reachability at startup.
+        numa_node: ``"auto"``, a node number or ``"off"``: where each worker's slots of the region are placed.
     """
 
     cpu_bytes_to_use: int
@@ -149,6 +165,7 @@ class TritonTieringConfig:
     root_dirs: tuple[tuple[int, str], ...] = ()
     transfer_path: str | None = None
     object_stores: tuple[ObjectStore, ...] = ()
+    numa_node: str | int = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -160,7 +177,8 @@ class TritonTieringConfig:
                 (``root_dir`` for ``fs``) or has one it does not take; an ``fs`` ``root_dir`` that cannot be a
                 directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
                 unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas`` or
-                ``transfer_path``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``).
+                ``transfer_path``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``);
+                a bad ``numa_node``; ``huge_pages`` or ``pinning`` (they cannot apply to the shared region).
         """
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
@@ -175,6 +193,10 @@ class TritonTieringConfig:
                 "TieringOffloadingSpec, CUDA only)"
             )
         num_ctas, path = engine_settings(extra)
+        numa_node = numa_setting(extra.get("numa_node", "auto"))
+        for key, why in _REFUSED_KEYS.items():
+            if key in extra:
+                raise ValueError(f"{key} = {extra[key]!r} is not supported by {TIERING_SPEC_NAME}: {why}")
         threshold = extra.get("store_threshold", 0)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold >= 2:
             raise ValueError(
@@ -207,7 +229,7 @@ class TritonTieringConfig:
             )
         types = tuple(tier_type for tier_type, _, _ in checked)
         stores = tuple(store for _, _, store in checked if store is not None)
-        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores)
+        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node)
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -215,7 +237,8 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
 
     ``kv_connector_extra_config``: every key of vLLM's ``TieringOffloadingSpec`` (``cpu_bytes_to_use``,
     ``eviction_policy``, ``cache_policy_module_path``, ``secondary_tiers``, ``backpressure``, ...; see
-    :data:`TIERING_KEYS` and docs/tiering.md) plus ``num_ctas`` and ``transfer_path`` (:data:`OUR_TIERING_KEYS`).
+    :data:`TIERING_KEYS` and docs/tiering.md) plus ``num_ctas``, ``transfer_path`` and ``numa_node``
+    (:data:`OUR_TIERING_KEYS`).
     """
 
     @classmethod
@@ -294,15 +317,28 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             f"cpu_bytes_to_use = {self.tiering_config.cpu_bytes_to_use} bytes (the CPU tier of the whole instance: "
             f"one /dev/shm region for its {max(1, self.config.parallel.world_size)} worker(s), in host memory)"
         )
-        region = SharedOffloadRegion(
-            engine_id=self._engine_id,
-            num_chunks=self.num_chunks,
-            rank=slot,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-            cpu_page_size=self.cpu_page_size_per_worker,
-            # The worker that creates the region checks it whole against RAM, before sizing the file (whose pages
-            # are host memory: /dev/shm may be larger than what is free).
-            creator_memory_check=lambda nbytes: check_host_memory(nbytes, setting),
+        # vLLM's constructor maps the region and touches this worker's slots itself: it runs on a thread of the
+        # GPU's node, under a memory policy bound to it, so those pages are allocated there (docs/host-memory.md).
+        node = choose_node(self.tiering_config.numa_node, kv_caches.tensors[0].tensor.device)
+        check_node_memory(
+            node,
+            self.num_chunks * self.cpu_page_size_per_worker,
+            "this worker's slots of the shared region",
+        )
+        region = run_on_node(
+            node,
+            lambda: SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=slot,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+                # The worker that creates the region checks it whole against RAM, before sizing the file (whose
+                # pages are host memory: /dev/shm may be larger than what is free).
+                creator_memory_check=lambda nbytes: check_host_memory(nbytes, setting),
+            ),
+            bind_thread=True,
+            name="region",
         )
         name = RegionName(region, take_over=True)
         try:
@@ -315,6 +351,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_ctas=self.tiering_config.num_ctas,
                 transfer_path=self.tiering_config.transfer_path,
+                numa=node,
             )
         except BaseException:
             try:

@@ -23,7 +23,13 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from triton_offload.connector.shm_region import RegionName
 from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
-from triton_offload.host_cache import REGISTER_CHUNK_BYTES, register_host_range, unregister_host_ranges
+from triton_offload.host_cache import (
+    REGISTER_CHUNK_BYTES,
+    RegistrationError,
+    register_host_range,
+    unregister_host_ranges,
+)
+from triton_offload.numa import NodeChoice, read_placement
 
 __all__ = ["TritonTieringWorker"]
 
@@ -46,6 +52,8 @@ class TritonTieringWorker(TritonOffloadingWorker):
         num_ctas: programs per launch; None for the kernel's default.
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         pin: register the region with CUDA (default: when the KV caches are on CUDA).
+        numa: the node this worker's slots were placed on (the spec built the region on it); the registering threads
+            run on its CPUs. None: not bound.
     """
 
     def __init__(
@@ -60,8 +68,10 @@ class TritonTieringWorker(TritonOffloadingWorker):
         num_ctas: int | None = None,
         transfer_path: str | None = None,
         pin: bool | None = None,
+        numa: NodeChoice | None = None,
     ) -> None:
         self.region, self.name = region, name
+        self.numa = numa or NodeChoice("off", None, why="not bound")
         # Unregistered at shutdown, or by the finalizer (which holds no reference to the worker) if it is dropped.
         self._registered: list[tuple[int, int]] = []
         self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
@@ -78,17 +88,34 @@ class TritonTieringWorker(TritonOffloadingWorker):
         base = region.base_tensor
         self.host = torch.as_strided(base, (num_chunks, used), (row, 1), storage_offset=slot_offset)
         self._check_against_vllm_views(kv_caches, slot_offset, row)
+        # Read back before registration: until then this process maps only the pages it touched, its own slots
+        # (registration faults in every worker's).
+        self.placement = read_placement(base.data_ptr(), region.total_size_bytes)
         t0 = time.perf_counter()
         self.pinned = self.kv.device.type == "cuda" if pin is None else pin
         if self.pinned:
             # The kernels dereference the region from the GPU, so pageable memory is not an option (vLLM's DMA worker
             # can fall back; we cannot). Chunks of whole rows: no transfer straddles two registrations.
             chunk = max(1, REGISTER_CHUNK_BYTES // row) * row
-            self._registered.extend(
-                register_host_range(
-                    base.data_ptr(), region.total_size_bytes, chunk_bytes=chunk, what="shared offload region"
+            try:
+                ranges = register_host_range(
+                    base.data_ptr(),
+                    region.total_size_bytes,
+                    chunk_bytes=chunk,
+                    what="shared offload region",
+                    cpus=self.numa.cpus,
+                    device=self.kv.device.index if self.kv.device.type == "cuda" else None,
                 )
-            )
+            except RegistrationError as e:
+                # Never a crash loop of retries: one clear stop at startup.
+                raise RuntimeError(
+                    f"{e}. TritonTieringOffloadingSpec cannot run without it: its kernels read the region through "
+                    "the registration, and memory pinned at allocation (cudaHostAlloc, what TritonOffloadingSpec "
+                    "falls back to with pinning = 'auto') cannot be shared with the scheduler's tiers. Where "
+                    "cudaHostRegister is refused (Confidential Computing mode, some containers), use "
+                    "spec_name TritonOffloadingSpec"
+                ) from e
+            self._registered.extend(ranges)
         try:
             self._start_engine(self.host, num_ctas, transfer_path)
         except BaseException:
@@ -96,13 +123,15 @@ class TritonTieringWorker(TritonOffloadingWorker):
             raise
         logger.info(
             "triton-offload tiering worker: shared region %s, %d chunks x %d-byte rows, this worker's slot at byte "
-            "%d (%d of %d bytes used); %s; %s; num_ctas=%s, transfer path %s",
+            "%d (%d of %d bytes used); %s; this worker's pages: %s; %s; %s; num_ctas=%s, transfer path %s",
             name.paths[0],
             num_chunks,
             row,
             slot_offset,
             used,
             slot_bytes,
+            self.numa.why,
+            self.placement.describe(),
             f"pinned in {len(self._registered)} chunk(s) in {time.perf_counter() - t0:.3f} s"
             if self.pinned
             else "pageable (no CUDA)",

@@ -86,6 +86,8 @@ class TritonOffloadingWorker(OffloadingWorker):
         num_ctas: programs per launch; None for the kernel's default.
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         budget_block_bytes: the bytes per host block the budget was divided by; a larger packed block is warned of.
+        numa_node, huge_pages, pinning: where and how the host cache is allocated and pinned (:class:`HostCache`;
+            ``"auto"`` places it on the node of this rank's GPU).
     """
 
     # Test hook: a subclass may name another engine class (the spec's ``_worker_class`` picks the subclass).
@@ -102,6 +104,9 @@ class TritonOffloadingWorker(OffloadingWorker):
         num_ctas: int | None = None,
         transfer_path: str | None = None,
         budget_block_bytes: int | None = None,
+        numa_node: str | int = "auto",
+        huge_pages: str = "thp",
+        pinning: str = "auto",
     ) -> None:
         self.kv = canonical_kv_spec(kv_caches)
         self.blocks_per_host_block = f = blocks_per_host_block
@@ -114,17 +119,30 @@ class TritonOffloadingWorker(OffloadingWorker):
                 budget_block_bytes,
             )
         # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
-        self.host_cache = HostCache(host_block_bytes, num_blocks=num_host_blocks, pin=self.kv.device.type == "cuda")
-        self._start_engine(self.host_cache.buffer, num_ctas, transfer_path)
+        self.host_cache = HostCache(
+            host_block_bytes,
+            num_blocks=num_host_blocks,
+            pin=self.kv.device.type == "cuda",
+            numa_node=numa_node,
+            huge_pages=huge_pages,
+            pinning=pinning,
+            device=self.kv.device,
+        )
+        try:
+            self._start_engine(self.host_cache.buffer, num_ctas, transfer_path)
+        except BaseException:
+            self.host_cache.close()
+            raise
         logger.info(
             "triton-offload worker: host cache %.3f GiB = %d blocks x %d bytes (%d GPU blocks of %d bytes each), "
-            "%s; %s; num_ctas=%s, transfer path %s",
+            "%s (%s); %s; num_ctas=%s, transfer path %s",
             self.host_cache.nbytes / 2**30,
             num_host_blocks,
             host_block_bytes,
             f,
             self.kv.bytes_per_block,
             "pinned" if self.host_cache.pinned else "pageable (no CUDA)",
+            self.host_cache.describe(),
             self.kv,
             "kernel default" if num_ctas is None else num_ctas,
             self.engine.path,

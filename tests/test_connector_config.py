@@ -69,6 +69,19 @@ def test_defaults_and_full_config():
         cfg.num_ctas = 3  # frozen: parsed once, never changed
 
 
+def test_host_memory_settings_default_and_parse():
+    """numa_node, huge_pages and pinning (docs/host-memory.md): defaults, and the forms accepted."""
+    cfg = parse({"cpu_bytes_to_use": 1})
+    assert (cfg.numa_node, cfg.huge_pages, cfg.pinning) == ("auto", "thp", "auto")
+    cfg = parse({"cpu_bytes_to_use": 1, "numa_node": "1", "huge_pages": "2mib", "pinning": " Register"})
+    assert (cfg.numa_node, cfg.huge_pages, cfg.pinning) == (1, "2MiB", "register")
+    cfg = parse({"cpu_bytes_to_use": 1, "numa_node": 0, "huge_pages": "1GiB"})
+    assert (cfg.numa_node, cfg.huge_pages) == (0, "1GiB")
+    cfg = parse({"cpu_bytes_to_use": 1, "numa_node": "OFF", "huge_pages": "off", "pinning": "auto"})
+    assert cfg == TritonOffloadConfig(1, numa_node="off", huge_pages="off", pinning="auto")
+    assert parse({"cpu_bytes_to_use": 1, "pinning": "alloc"}).pinning == "alloc"
+
+
 def test_integers_written_as_strings_are_read_as_vllm_reads_block_size():
     """JSON on a command line often quotes numbers: vLLM reads its own block_size "64" with int(), and num_ctas "4"
     is read the same way."""
@@ -97,6 +110,29 @@ def test_integers_written_as_strings_are_read_as_vllm_reads_block_size():
             1,
             "transfer_path = 'copy' must be one of 'auto', 'kernel', 'dma'",
             id="bad-path",
+        ),
+        pytest.param({"cpu_bytes_to_use": 1, "numa_node": "near"}, 1, "numa_node = 'near' is not a NUMA", id="numa"),
+        pytest.param({"cpu_bytes_to_use": 1, "numa_node": -1}, 1, "numa_node = -1 is not a NUMA", id="numa-neg"),
+        pytest.param({"cpu_bytes_to_use": 1, "numa_node": True}, 1, "numa_node = True is not", id="numa-bool"),
+        pytest.param({"cpu_bytes_to_use": 1, "numa_node": 1.0}, 1, "numa_node = 1.0 is not", id="numa-float"),
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "huge_pages": "4MiB"},
+            1,
+            "huge_pages = '4MiB' is not a huge-page setting; expected one of 'thp', '2MiB', '1GiB', 'off'",
+            id="huge-pages",
+        ),
+        pytest.param({"cpu_bytes_to_use": 1, "huge_pages": True}, 1, "huge_pages = True is not", id="huge-bool"),
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "pinning": "pin"},
+            1,
+            "pinning = 'pin' is not a pinning setting; expected one of 'auto', 'register', 'alloc'",
+            id="pinning",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "pinning": "alloc", "huge_pages": "2MiB"},
+            1,
+            "huge_pages = '2MiB' cannot apply with pinning = 'alloc'",
+            id="alloc-with-huge-pages",
         ),
     ],
 )

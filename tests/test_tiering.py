@@ -17,6 +17,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -314,6 +315,75 @@ def test_region_beyond_available_memory_is_refused_naming_the_key(monkeypatch):
     assert not os.path.exists(region_file(config.engine_id))
 
 
+# -- where the region's pages go -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/numa_maps"), reason="needs Linux with NUMA support")
+def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch, caplog):
+    """vLLM's constructor touches this worker's slots itself: it runs on a thread of the node's CPUs under a memory
+    policy bound to the node (read back with get_mempolicy inside it), the caller's own policy and affinity stay, and
+    the worker's pages, read back from numa_maps, are on that node."""
+    from triton_offload import numa
+    from triton_offload.connector import tiering
+
+    seen = {}
+
+    class Recorded(SharedOffloadRegion):
+        def __init__(self, *args, **kwargs):
+            seen.update(policy=numa.thread_policy(), cpus=os.sched_getaffinity(0), thread=threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tiering, "SharedOffloadRegion", Recorded)
+    config = make_config({"cpu_bytes_to_use": 64 * 4096, "numa_node": 0}, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    before = (numa.thread_policy(), os.sched_getaffinity(0))
+    with caplog.at_level(logging.INFO, logger="triton_offload.connector.tiering_worker"):
+        worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches())
+    try:
+        node0 = numa.choose_node(0)
+        assert seen["policy"] == (numa.MPOL_BIND, (0,)) and seen["thread"] != threading.get_ident()
+        assert seen["cpus"] == set(node0.cpus or os.sched_getaffinity(0))
+        assert (numa.thread_policy(), os.sched_getaffinity(0)) == before
+        assert set(worker.placement.node_bytes) == {0} and worker.placement.resident >= 64 * 4096
+        assert worker.numa.why == "numa_node = 0"
+        assert "bytes used); numa_node = 0; this worker's pages: node 0: " in caplog.text
+    finally:
+        worker.shutdown()
+    assert not os.path.exists(region_file(config.engine_id))
+
+
+def test_a_node_that_does_not_exist_stops_the_worker_before_the_region(monkeypatch):
+    config = make_config({"cpu_bytes_to_use": 8 * 4096, "numa_node": 63}, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    with pytest.raises(ValueError, match=r"numa_node = 63: node 63 does not exist on this machine"):
+        spec.get_worker(kv_caches())
+    assert not os.path.exists(region_file(config.engine_id))
+
+
+def test_refused_registration_stops_the_worker_naming_the_packed_spec(monkeypatch):
+    """cudaHostRegister refused (Confidential Computing mode): the region cannot be pinned at allocation (it is
+    shared with the scheduler's tiers), so startup stops once, saying what to use instead; no file is left."""
+    from triton_offload import host_cache
+    from triton_offload.connector.tiering_worker import TritonTieringWorker
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 801
+
+    monkeypatch.setattr(torch.cuda, "cudart", Refusing)
+    monkeypatch.setattr(host_cache, "check_mapped_at_host_address", lambda ranges: None)
+    init = TritonTieringWorker.__init__
+    monkeypatch.setattr(TritonTieringWorker, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "pin": True}))
+    config = make_config({"cpu_bytes_to_use": 8 * 4096}, num_groups=2, worker_bytes=sum(PAGES), f=1)
+    spec = OffloadingSpecFactory.create_spec(config)
+    with pytest.raises(
+        RuntimeError,
+        match=r"cudaHostRegister failed with CUDA error 801 .* TritonTieringOffloadingSpec cannot run without it: .* "
+        r"use spec_name TritonOffloadingSpec$",
+    ):
+        spec.get_worker(kv_caches())
+    assert not os.path.exists(region_file(config.engine_id))
+
+
 def test_failed_worker_startup_removes_the_region_file():
     """A worker that fails after creating the region (here: tensors larger than the slot vLLM sized) removes it."""
     kv = kv_caches()
@@ -367,6 +437,15 @@ BAD = {
     "no-budget": ({"cpu_bytes_to_use": None}, "needs 'cpu_bytes_to_use'"),
     "bad-budget": ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use = 'lots' is not a size"),
     "tiny-budget": ({"cpu_bytes_to_use": 100}, "cpu_bytes_to_use = 100 bytes is less than one chunk"),
+    "numa-node": ({"numa_node": "near"}, r"numa_node = 'near' is not a NUMA setting; expected 'auto'"),
+    "huge-pages": (
+        {"huge_pages": "2MiB"},
+        r"huge_pages = '2MiB' is not supported by TritonTieringOffloadingSpec: the region is vLLM's /dev/shm file",
+    ),
+    "pinning": (
+        {"pinning": "auto"},
+        r"pinning = 'auto' is not supported by TritonTieringOffloadingSpec: the region must be registered",
+    ),
 }
 
 

@@ -8,7 +8,9 @@ every repeated prompt must equal those of its first (cold) run: a wrong byte loa
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 from importlib.metadata import entry_points
 
 import pytest
@@ -28,18 +30,24 @@ def cached(result: dict) -> dict[str, int]:
     return {p["label"]: p["cached"] for p in result["probes"]}
 
 
+# The host-memory settings (docs/host-memory.md), one family per engine: f1 the defaults but base pages, f2 a node
+# number, reserved 2 MiB pages (where none are free: the documented fallback to THP, with a warning) and pinning by
+# registration only (pinning does nothing without CUDA: parsed and handed to the cache, nothing to pin).
+HOST_MEMORY = {"f1": {"huge_pages": "off"}, "f2": {"numa_node": 0, "huge_pages": "2MiB", "pinning": "register"}}
+
+
 @pytest.fixture(scope="module")
 def f1():
     """Host block = GPU block (32 tokens), 14 host blocks; the spec found by name through the plugin entry point."""
     names = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "triton_offload"]
     assert names, "the vllm.general_plugins entry point is not installed: pip install -e ."
-    return run_driver("f1")
+    return run_driver("f1", "--extra", json.dumps(HOST_MEMORY["f1"]))
 
 
 @pytest.fixture(scope="module")
 def f2():
     """Host block = 2 GPU blocks (64 tokens); the spec found through spec_module_path."""
-    return run_driver("f2", "--spec-module-path", "triton_offload.connector")
+    return run_driver("f2", "--spec-module-path", "triton_offload.connector", "--extra", json.dumps(HOST_MEMORY["f2"]))
 
 
 def test_every_repeated_prompt_gives_the_cold_tokens(f1, f2):
@@ -111,3 +119,23 @@ def test_startup_is_logged_once_per_process(f1):
 
     assert ("pinned" if torch.cuda.is_available() else "pageable (no CUDA)") in log
     assert "num_ctas=kernel default" in log
+
+
+def test_host_memory_settings_reach_the_cache_and_its_pages_are_read_back(f1, f2):
+    """Each worker says where its host cache is, read back from numa_maps: f1 (numa_node 'auto' without a GPU: not
+    bound by us; base pages), f2 (bound to node 0, policy bind:0; reserved 2 MiB pages, or where none are free the
+    one-line fallback warning with the counts)."""
+    line = re.compile(r"triton-offload worker: host cache .*")
+    (w1,), (w2,) = line.findall(f1["log"]), line.findall(f2["log"])
+    assert "numa_node = 'auto' without a GPU (cpu): not bound" in w1 and ", base pages;" in w1
+    # The policy shown is whatever applies: vLLM's CPU worker binds its whole process (numa_maps shows the task's
+    # policy for a mapping without its own), which the read-back reports instead of assuming.
+    assert re.search(r"memory: node \d+: [\d.]+ [KMG]iB \(100\.0%\); policy \S+; 4 KiB pages\)", w1), w1
+    assert "numa_node = 0; memory: node 0: " in w2 and "(100.0%); policy bind:0" in w2, w2
+    fallback = re.search(
+        r"huge_pages = '2MiB': \d+ free 2MiB page\(s\) on node 0 \(\d+ reserved\), \d+ needed", f2["log"]
+    )
+    reserved = "2MiB reserved huge pages" in w2 and "2048 KiB pages" in w2
+    assert reserved != bool(fallback), "either the reserved pages were used, or the fallback was announced"
+    if fallback:
+        assert "transparent huge pages advised" in w2 and "falling back to transparent huge pages" in f2["log"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import stat
 
 import pytest
@@ -34,29 +35,34 @@ def run_engine(
     )
 
 
-def a_then_b(model: pathlib.Path, root: pathlib.Path, block_size: int, writer: str) -> tuple[dict, dict]:
+def a_then_b(
+    model: pathlib.Path, root: pathlib.Path, block_size: int, writer: str, numa_node: str | int | None = None
+) -> tuple[dict, dict]:
     chunks = 192 // block_size
-    a = run_engine(model, root, block_size, "--spec", writer, "--wait-stored", str(chunks))
+    ours = [] if numa_node is None else ["--extra", json.dumps({"numa_node": numa_node})]
+    a = run_engine(
+        model, root, block_size, "--spec", writer, "--wait-stored", str(chunks), *(ours * (writer == "ours"))
+    )
     assert len(a["stored"][0]) == chunks, f"A's chunks did not all reach the fs tier: {a['stored'][0]}"
-    b = run_engine(model, root, block_size, env=vllm_harness.KEEP_WORKER_TOTALS)  # test_b_... reads its totals
+    b = run_engine(model, root, block_size, *ours, env=vllm_harness.KEEP_WORKER_TOTALS)  # test_b_... reads its totals
     return a, b
 
 
-CASES = {
-    "ours-f1": (32, "ours"),  # host block (chunk) = GPU block
-    "ours-f2": (64, "ours"),  # chunk = 2 GPU blocks
-    "native-f2": (64, "native"),  # A writes vLLM's native layout
+CASES = {  # block size, A's spec, the numa_node of our engines (None: the default, 'auto')
+    "ours-f1": (32, "ours", None),  # host block (chunk) = GPU block
+    "ours-f2": (64, "ours", 0),  # chunk = 2 GPU blocks
+    "native-f2": (64, "native", "off"),  # A writes vLLM's native layout
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tiny_model, tmp_path_factory):
     """The case's name, A's and B's results and the world-readable directory that holds the (missing) root_dir."""
-    block_size, writer = CASES[request.param]
+    block_size, writer, numa_node = CASES[request.param]
     shared = tmp_path_factory.mktemp(request.param) / "shared"
     shared.mkdir()
     shared.chmod(0o755)
-    a, b = a_then_b(tiny_model, shared / "kv" / "cache", block_size, writer)
+    a, b = a_then_b(tiny_model, shared / "kv" / "cache", block_size, writer, numa_node)
     return request.param, a, b, shared
 
 
@@ -70,6 +76,23 @@ def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
     assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:fs}"] == 192 // a["block_size"]
     assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
     assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}" in b["log"]
+
+
+def test_worker_says_where_its_slots_are(pair):
+    """B's worker (ours in every case) names its numa_node choice and its pages read back from numa_maps: bound to
+    node 0 under ours-f2, 'off' under native-f2, 'auto' without a GPU (not bound) under ours-f1."""
+    name, _, b, _ = pair
+    why = {
+        "ours-f1": "numa_node = 'auto' without a GPU (cpu): not bound",
+        "ours-f2": "numa_node = 0",
+        "native-f2": "numa_node = 'off': not bound (the kernel's default policy)",
+    }[name]
+    (line,) = re.findall(r"triton-offload tiering worker: shared region .*", b["log"])
+    assert f"; {why}; this worker's pages: node " in line, line
+    if name == "ours-f2":
+        assert "this worker's pages: node 0: " in line and re.search(
+            r"this worker's pages: node 0: [^;]*; policy", line
+        )
 
 
 def test_no_region_file_is_left_after_the_engines_exit(pair):
