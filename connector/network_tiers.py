@@ -22,6 +22,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from triton_offload._checks import positive_int
+from triton_offload.connector.config import describe_unknown
 
 __all__ = ["NIXL_INSTALL", "ObjectStore", "check_network_tier", "check_reachable", "where"]
 
@@ -122,8 +123,8 @@ def _check_p2p(
 ) -> None:
     if ignored:
         raise ValueError(
-            f"{where(i)} (type {tier_type!r}) has unknown key(s) {ignored} (vLLM's p2p tier would ignore them "
-            f"silently); it accepts {list(accepted)}"
+            f"{where(i)} (type {tier_type!r}) has unknown key(s) {describe_unknown(ignored, accepted)} (vLLM's p2p "
+            f"tier would ignore them silently); it accepts {list(accepted)}"
         )
     if backpressure or "backpressure" in tier:
         raise ValueError(
@@ -164,7 +165,10 @@ def _check_obj(i: int, tier_type: str, tier_cls: type, tier: Mapping[str, Any]) 
         )
     unknown = sorted(set(store) - set(accepted))
     if unknown:
-        raise ValueError(f"{where(i, 'store_config')} has unknown key(s) {unknown}; it accepts {accepted}")
+        raise ValueError(
+            f"{where(i, 'store_config')} has unknown key(s) {describe_unknown(unknown, accepted)}; it accepts "
+            f"{accepted}"
+        )
     for key in ("bucket", "endpoint_override"):
         if not isinstance(store.get(key), str) or not store[key]:
             raise ValueError(

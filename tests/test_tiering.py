@@ -354,7 +354,7 @@ BAD = {
     "unknown-tier": ({"secondary_tiers": [{**FS, "type": "nfs"}]}, T0 + r"\['type'\] = 'nfs' is not a usable"),
     "no-root-dir": ({"secondary_tiers": [{"type": "fs"}]}, T0 + r" \(type 'fs'\) needs 'root_dir'"),
     "no-type": ({"secondary_tiers": [{"root_dir": "/x"}]}, T0 + r"\['type'\] is missing"),
-    "typo": ({"secondary_tiers": [{**FS, "rootdir": 1}]}, r"unknown key\(s\) \['rootdir'\]"),
+    "typo": ({"secondary_tiers": [{**FS, "rootdir": 1}]}, r"unknown key\(s\) 'rootdir' \(did you mean 'root_dir'\?\)"),
     "not-a-list": ({"secondary_tiers": FS}, r"\['secondary_tiers'\] = .* must be a list"),
     "not-a-dict": ({"secondary_tiers": ["fs"]}, T0 + " = 'fs' must be a dict"),
     "bp-no-cls": ({"secondary_tiers": [{**FS, "backpressure": {}}]}, T0 + r"\['backpressure'\] .* 'backpressure_cls'"),
@@ -498,7 +498,10 @@ STORE = {"bucket": "kvcache", "endpoint_override": "127.0.0.1:9000", "access_key
 OBJ = {"type": "ObjectStoreTier", "module_path": "triton_offload.connector.obj_tier", "store_config": STORE}
 EMA = {"backpressure_cls": "EMABackpressureDetector"}
 BAD_NETWORK = {
-    "p2p-typo": ({"secondary_tiers": [{**P2P, "prot": 5702}]}, r"unknown key\(s\) \['prot'\] \(vLLM's p2p tier would"),
+    "p2p-typo": (
+        {"secondary_tiers": [{**P2P, "prot": 5702}]},
+        r"unknown key\(s\) 'prot' \(did you mean 'port'\?\) \(vLLM's p2p tier would",
+    ),
     "p2p-port": ({"secondary_tiers": [{**P2P, "port": 70000}]}, T0 + r"\['port'\] = 70000 must be a TCP port"),
     "p2p-port-str": ({"secondary_tiers": [{**P2P, "port": "5701"}]}, r"\['port'\] = '5701' must be a TCP port"),
     "p2p-host": ({"secondary_tiers": [{**P2P, "host": ""}]}, T0 + r"\['host'\] = '' must be the address"),
@@ -514,7 +517,8 @@ BAD_NETWORK = {
     ),
     "obj-store-typo": (
         {"secondary_tiers": [{**OBJ, "store_config": {**STORE, "endpoint": "x"}}]},
-        r"\['store_config'\] has unknown key\(s\) \['endpoint'\]; it accepts \['bucket', ",
+        r"\['store_config'\] has unknown key\(s\) 'endpoint' \(did you mean 'endpoint_override'\?\); "
+        r"it accepts \['bucket', ",
     ),
     "obj-no-endpoint": (
         {"secondary_tiers": [{**OBJ, "store_config": {"bucket": "kvcache"}}]},
@@ -529,7 +533,7 @@ BAD_NETWORK = {
         r"\['endpoint_override'\] = 'h:99999' is not host\[:port\]",
     ),
     "obj-io-threads": ({"secondary_tiers": [{**OBJ, "io_threads": 0}]}, r"\['io_threads'\] = 0 must be a positive int"),
-    "obj-typo": ({"secondary_tiers": [{**OBJ, "bucket": "kvcache"}]}, r"unknown key\(s\) \['bucket'\]"),
+    "obj-typo": ({"secondary_tiers": [{**OBJ, "bucket": "kvcache"}]}, r"unknown key\(s\) 'bucket'"),
 }
 
 
