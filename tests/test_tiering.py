@@ -556,14 +556,20 @@ def test_network_tiers_need_nixl(monkeypatch, tier):
     from triton_offload.connector import network_tiers
 
     monkeypatch.setattr(network_tiers, "_nixl_installed", lambda: False)
-    message = rf"\(type '{tier['type']}'\) needs NIXL, which is not installed: pip install nixl==1.5.1 nixl-cu12==1.5.1"
+    message = (
+        rf"\(type '{tier['type']}'\) needs NIXL, which is not installed: "
+        r"pip install --no-deps nixl==1\.5\.1 nixl-cu12==1\.5\.1"
+    )
     _assert_refused({"secondary_tiers": [tier]}, message)
 
 
 def test_good_network_tiers_are_parsed_with_the_object_store_to_check(nixl_installed):
     from triton_offload.connector.network_tiers import ObjectStore
 
-    https = {**OBJ, "store_config": {**STORE, "endpoint_override": "s3.example", "scheme": "https"}}
+    https = {
+        **OBJ,
+        "store_config": {**STORE, "endpoint_override": "s3.example", "scheme": "https", "secret_key": "pw9"},
+    }
     extra = {"cpu_bytes_to_use": "1MiB", "secondary_tiers": [P2P, {"type": "p2p"}, OBJ, https]}
     spec = OffloadingSpecFactory.create_spec(make_config(extra, worker_bytes=sum(PAGES), f=1))
     where = "kv_connector_extra_config['secondary_tiers'][{}]".format
@@ -572,6 +578,8 @@ def test_good_network_tiers_are_parsed_with_the_object_store_to_check(nixl_insta
         ObjectStore(where(2), "http://127.0.0.1:9000", "127.0.0.1", 9000),
         ObjectStore(where(3), "https://s3.example", "s3.example", 443),
     )
+    assert dict(spec.tiering_config.object_stores[1].store_config) == https["store_config"], "for the credentials check"
+    assert "pw9" not in repr(spec.tiering_config), "store_config (credentials) is never printed"
 
 
 def test_vllm_obj_tier_is_refused_before_0_33_naming_ours(nixl_installed):
