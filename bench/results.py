@@ -3,7 +3,8 @@
 Torch-free, so ``bench_manager.py`` (a scheduler-side, CPU-only benchmark) shares it with ``bench_transfer.py``.
 
 Every results file is one JSON object: ``benchmark`` (``transfer`` or ``manager``), ``mode``, ``complete`` (false
-while a run is still writing, or when it was killed), the machine and version fields, ``args``, and ``rows``: a list
+while a run is still writing, or when it was killed), the machine and version fields, the ``commit`` it measured and
+whether the checkout was ``dirty`` (:func:`source_info`), ``args``, and ``rows``: a list
 of flat dicts with the same keys in every row of a file (:data:`ROW_KEYS` for the transfer benchmark). The file is
 rewritten whole (write to a temporary name, then rename) after every group of rows, so a run killed at any point
 leaves valid JSON holding everything measured up to its last completed group.
@@ -29,6 +30,7 @@ __all__ = [
     "by_case",
     "fill_relative",
     "machine_info",
+    "source_info",
     "slug",
     "result_stem",
     "write_json",
@@ -101,8 +103,32 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def source_info(repo: str | os.PathLike | None = None) -> dict:
+    """The code a results file measured: ``commit`` (``git rev-parse HEAD`` of the checkout, ``"unknown"`` without git
+    or outside a checkout) and ``dirty`` (whether tracked files differed from that commit when the run started, so
+    the numbers may come from code no commit holds; None when unknown). ``git diff --stat <commit> -- <paths>`` later
+    says whether the measured code changed since."""
+    import subprocess
+
+    cwd = pathlib.Path(repo) if repo is not None else pathlib.Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": "unknown", "dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
 def machine_info() -> dict:
-    """The fields every results file carries about where and when it was made."""
+    """The fields every results file carries about where and when it was made, and from which code
+    (:func:`source_info`)."""
     return {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -110,6 +136,7 @@ def machine_info() -> dict:
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
+        **source_info(),
     }
 
 

@@ -14,6 +14,7 @@ Importing this package does not import vLLM: the core never needs it, and the co
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 __all__ = [
@@ -62,12 +63,20 @@ def register() -> None:
     safe to call more than once.
 
     vLLM calls general plugins once per process, sometimes more than once, and ``register_spec`` refuses a name
-    that is already taken, so an existing registration is left as it is.
+    that is already taken, so an existing registration is left as it is. In the front-end process it also makes
+    vLLM check our configuration as soon as it has built its own, before the model loads
+    (:mod:`~triton_offload.connector.preflight`).
     """
     _require_vllm()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     route_logs_through_vllm()
+    if "vllm.engine.arg_utils" in sys.modules:
+        # The front-end process (vLLM calls this from EngineArgs, which builds the engine's config there): check our
+        # configuration once that config is built, before any engine process loads the model (preflight.py).
+        from triton_offload.connector.preflight import install
+
+        install()
     for name, module in _SPECS.items():
         if name in getattr(OffloadingSpecFactory, "_registry", {}):
             continue

@@ -1,23 +1,40 @@
 """The plugin's configuration: ``kv_connector_extra_config`` parsed once into a frozen dataclass.
 
 No vLLM import here: the parsing is plain Python so it can be tested and reused without vLLM installed.
+
+Keys are checked as vLLM checks its own configuration: an unknown key is an error (vLLM's config classes forbid
+extra fields, and an unknown engine argument stops ``vllm serve``), with a "did you mean" from the keys the spec
+reads; ``"unknown_keys": "warn"`` turns that into a warning, for keys a newer vLLM may add.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from triton_offload._checks import positive_int, positive_int_setting, transfer_path
+from triton_offload.connector import SPEC_NAME
 from triton_offload.host_pages import check_settings, huge_pages_setting, pinning_setting
 from triton_offload.numa import numa_setting
 from triton_offload.policies import POLICIES, policy_name
 
-__all__ = ["TritonOffloadConfig", "parse_size", "engine_settings", "OUR_KEYS", "VLLM_KEYS"]
+__all__ = [
+    "TritonOffloadConfig",
+    "parse_size",
+    "engine_settings",
+    "check_keys",
+    "missing_key",
+    "did_you_mean",
+    "describe_unknown",
+    "OUR_KEYS",
+    "VLLM_KEYS",
+    "UNKNOWN_KEYS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +71,79 @@ VLLM_KEYS = frozenset(
         "sync_load_budget_bytes",
     }
 )
+# What to do with a key the spec does not read: "error" (the default, as vLLM does with unknown config fields) or
+# "warn" (logged and ignored: for keys of a newer vLLM, or a configuration shared with vLLM's own specs).
+UNKNOWN_KEYS = "unknown_keys"
+_UNKNOWN_KEY_MODES = ("error", "warn")
+# Keys of vLLM's own CPUOffloadingSpec that no spec of ours reads: named as such when they turn up.
+_VLLM_CPU_SPEC_KEYS = frozenset({"store_threshold", "max_tracker_size"})
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str | None:
+    """The known key ``key`` is most likely a misspelling of (difflib's closest match), or None."""
+    known = sorted(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.7)
+    if close:
+        return close[0]
+    # A shortened name ("endpoint" for "endpoint_override") scores low on similarity but is as likely a slip.
+    extended = [k for k in known if len(key) >= 4 and k.startswith(key)]
+    return extended[0] if len(extended) == 1 else None
+
+
+def describe_unknown(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """``'eviction_polcy' (did you mean 'eviction_policy'?), 'foo'``: unknown keys for a message, each with the known
+    key it most likely misspells."""
+    known = list(known)
+    described = []
+    for key in unknown:
+        guess = did_you_mean(str(key), known)
+        if guess is not None:
+            described.append(f"{key!r} (did you mean {guess!r}?)")
+        elif key in _VLLM_CPU_SPEC_KEYS:
+            described.append(f"{key!r} (a key of vLLM's CPUOffloadingSpec)")
+        else:
+            described.append(repr(key))
+    return ", ".join(described)
+
+
+def check_keys(extra: Mapping[str, Any], known: Iterable[str], spec_name: str, where: str = "") -> None:
+    """Refuses (or, with ``"unknown_keys": "warn"``, logs) the keys of ``extra`` outside ``known``.
+
+    Args:
+        extra: a ``kv_connector_extra_config`` (or one of its nested dicts).
+        known: the keys the spec reads there (vLLM's connector's keys included).
+        spec_name: the spec, as messages name it.
+        where: how messages name ``extra`` (default: ``kv_connector_extra_config``).
+
+    Raises:
+        ValueError: an unknown key while ``unknown_keys`` is ``"error"`` (the default), naming each with its closest
+            known key ("did you mean ...?") and listing the keys the spec reads; a bad ``unknown_keys``.
+    """
+    known = set(known) | {UNKNOWN_KEYS}
+    mode = extra.get(UNKNOWN_KEYS, "error")
+    if mode not in _UNKNOWN_KEY_MODES:
+        raise ValueError(f"{UNKNOWN_KEYS} = {mode!r} must be one of {', '.join(map(repr, _UNKNOWN_KEY_MODES))}")
+    unknown = sorted(set(extra) - known)
+    if not unknown:
+        return
+    message = (
+        f"{where or 'kv_connector_extra_config'} has key(s) {spec_name} does not read: "
+        f"{describe_unknown(unknown, known)}. "
+        f"It reads: {', '.join(sorted(known))}"
+    )
+    if mode == "error":
+        raise ValueError(
+            f'{message}. Fix the key, or set "{UNKNOWN_KEYS}": "warn" to run with it ignored (a warning names it)'
+        )
+    logger.warning("%s; ignored (%s = 'warn')", message, UNKNOWN_KEYS)
+
+
+def missing_key(key: str, extra: Mapping[str, Any], what: str) -> str:
+    """The message for a required ``key`` absent from ``extra``: ``what`` it is, and the present key that looks like
+    a misspelling of it, if any."""
+    close = [k for k in extra if isinstance(k, str) and did_you_mean(k, [key]) == key]
+    hint = f" (found {close[0]!r}: a misspelling of {key!r}?)" if close else ""
+    return f"kv_connector_extra_config needs {key!r}: {what}{hint}"
 
 
 def engine_settings(extra: Mapping[str, Any]) -> tuple[int | None, str | None]:
@@ -141,7 +231,8 @@ class TritonOffloadConfig:
     def from_extra_config(
         cls, extra: Mapping[str, Any], *, blocks_per_host_block: int, gpu_block_tokens: int | None = None
     ) -> TritonOffloadConfig:
-        """Parses and checks the keys; unknown keys are logged as ignored (a typo must not pass silently).
+        """Parses and checks the keys; an unknown key is an error, or a warning with ``"unknown_keys": "warn"``
+        (:func:`check_keys`: a typo must not pass silently).
 
         Args:
             extra: ``kv_connector_extra_config`` as vLLM passes it to the spec.
@@ -149,13 +240,17 @@ class TritonOffloadConfig:
             gpu_block_tokens: tokens per GPU block, to cross-check ``block_size``; None skips the check.
 
         Raises:
-            ValueError: a missing ``cpu_bytes_to_use`` or a bad value of any key (or ``huge_pages`` other than
-                ``'thp'`` with ``pinning = 'alloc'``), naming the key and what is accepted.
+            ValueError: a missing ``cpu_bytes_to_use``, a bad value of any key (or ``huge_pages`` other than
+                ``'thp'`` with ``pinning = 'alloc'``) or an unknown key, naming the key and what is accepted.
         """
+        check_keys(extra, OUR_KEYS | VLLM_KEYS, SPEC_NAME)
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
-                "kv_connector_extra_config needs 'cpu_bytes_to_use': the host cache budget for the whole instance, "
-                "in bytes or as a string such as '40GiB'"
+                missing_key(
+                    "cpu_bytes_to_use",
+                    extra,
+                    "the host cache budget for the whole instance, in bytes or as a string such as '40GiB'",
+                )
             )
         cpu_bytes = parse_size(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
         policy = extra.get("eviction_policy", "lru")
@@ -179,12 +274,5 @@ class TritonOffloadConfig:
             raise ValueError(
                 f"block_size = {block_size!r} tokens, but vLLM passed blocks_per_chunk = {f} for GPU blocks of "
                 f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
-            )
-        unknown = sorted(set(extra) - OUR_KEYS - VLLM_KEYS)
-        if unknown:
-            logger.warning(
-                "kv_connector_extra_config keys ignored by TritonOffloadingSpec: %s (it reads %s)",
-                unknown,
-                sorted(OUR_KEYS | {"block_size"}),
             )
         return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning)

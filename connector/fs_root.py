@@ -5,7 +5,8 @@ vLLM's ``fs`` tier creates a missing ``root_dir`` and the directories below it w
 the usual 022) and writes its block files 0644, so any local user could read other tenants' conversations. Here a
 missing ``root_dir`` (and every directory created on the way to it) is created 0700 first: nothing below it is
 reachable by anyone but its owner, whatever modes vLLM uses inside. An existing ``root_dir`` is left as it is, with a
-warning when its group or others have access. No vLLM import: plain paths.
+warning when its group or others have access; one this process cannot write is refused, naming the permission,
+before anything is built. No vLLM import: plain paths.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ def _split_existing(path: str) -> tuple[str, list[str]]:
 
 
 def check_root_dir(value: Any, where: str) -> str:
-    """``value`` as a path that is, or can become, a directory: every part of it that exists is a directory.
+    """``value`` as a path that is, or can become, a directory this process can write: every part of it that exists
+    is a directory, and the deepest existing one (``root_dir`` itself, or where it would be created) is writable.
 
-    Side-effect free (also run where the configuration is only read). A path the filesystem refuses to create (one
-    under ``/proc``, a read-only mount) passes here and is refused by :func:`make_private_root_dir`.
+    Side-effect free (also run where the configuration is only read, before the model loads). A path the filesystem
+    refuses to create for other reasons (one under ``/proc``) passes here and is refused by
+    :func:`make_private_root_dir`.
 
     Raises:
-        ValueError: not a non-empty path, or a path that is a file or passes through one; the message names
-            ``where``, the value and the offending part.
+        ValueError: not a non-empty path, a path that is a file or passes through one, or one whose deepest existing
+            directory this process cannot write (naming the path, this process's user, the directory's owner and
+            mode); the message names ``where`` and the value.
     """
     try:
         path = os.fspath(value)
@@ -52,7 +56,44 @@ def check_root_dir(value: Any, where: str) -> str:
     if not os.path.isdir(existing):
         part = f"passes through {existing!r}, which is" if missing else "is"
         raise ValueError(f"{where} = {value!r} {part} not a directory: the fs tier needs a directory for its files")
+    if not _writable(existing):
+        job = "create it below" if missing else "write its block files below"
+        raise ValueError(
+            f"{where} = {value!r}: {existing!r} is not writable and searchable by this process ({_whom()}; it is "
+            f"{_owner_and_mode(existing)}), so the fs tier cannot {job} it. Give the user vLLM runs as write and "
+            "search permission on it (the one service user every instance sharing it runs as: docs/tiering.md, "
+            "'Security and trust model'), or choose a directory it owns"
+        )
     return path
+
+
+def _writable(path: str) -> bool:
+    """Whether this process may create entries in the directory ``path`` (write and search permission), as the kernel
+    decides for its effective ids; also False on a read-only filesystem."""
+    effective = os.access in os.supports_effective_ids
+    return os.access(path, os.W_OK | os.X_OK, effective_ids=effective)
+
+
+def _whom() -> str:
+    uid = os.geteuid()
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _owner_and_mode(path: str) -> str:
+    st = os.stat(path)
+    try:
+        import pwd
+
+        owner = f"{st.st_uid} ({pwd.getpwuid(st.st_uid).pw_name})"
+    except (ImportError, KeyError):
+        owner = str(st.st_uid)
+    readonly = ", on a read-only filesystem" if os.statvfs(path).f_flag & os.ST_RDONLY else ""
+    return f"owned by uid {owner}, mode {stat.S_IMODE(st.st_mode):04o}{readonly}"
 
 
 def make_private_root_dir(path: str, where: str) -> None:

@@ -32,10 +32,11 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from triton_offload.manager import OffloadManager, RequestUse
 
-__all__ = ["HostBlocksSpec", "TritonOffloadingManager", "METRICS"]
+__all__ = ["HostBlocksSpec", "TritonOffloadingManager", "METRICS", "VLLM_TRANSFER_COUNTERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,16 @@ METRICS = {
     "cached_blocks": "vllm:triton_offload_cached_blocks",
 }
 _COUNTERS = ("hit_blocks", "stored_blocks", "evicted_blocks")
+# vLLM's own transfer counters, which its connector fills from the workers' results (vLLM >= 0.32: declared for every
+# offloading spec). vLLM creates a metric's series only when a stats report names it, so the first report from this
+# manager names these at zero too: every counter a user looks for is in /metrics from the first engine step, before
+# its first hit, eviction or load.
+VLLM_TRANSFER_COUNTERS = (
+    "vllm:kv_offload_load_bytes",
+    "vllm:kv_offload_load_time",
+    "vllm:kv_offload_store_bytes",
+    "vllm:kv_offload_store_time",
+)
 
 _LOOKUP = {"ready": LookupResult.HIT, "storing": LookupResult.HIT_PENDING, None: LookupResult.MISS}
 
@@ -87,6 +98,7 @@ class TritonOffloadingManager(OffloadingManager):
         # Ours, not the inner manager's: they must survive reset_cache, which replaces the inner manager.
         self._totals = dict.fromkeys(_COUNTERS, 0)
         self._reported = dict.fromkeys(_COUNTERS, 0)
+        self._announced = False  # whether a stats report has named every counter (at zero) yet
 
     # -- loads ---------------------------------------------------------------------------------------------------
 
@@ -105,6 +117,11 @@ class TritonOffloadingManager(OffloadingManager):
             block_ids = [where[key] for key in keys]
         self._totals["hit_blocks"] += len(keys)
         return HostBlocksSpec(block_ids)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        # Every hit of this spec comes from host memory: vLLM's metrics count it under source="host", as they do for
+        # its own CPU spec (the default would be "external_unspecified").
+        return CacheHitSource.HOST
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._manager.touch(_prefix_order(list(keys), req_context), self._request_use(req_context))
@@ -165,8 +182,12 @@ class TritonOffloadingManager(OffloadingManager):
         stats = OffloadingConnectorStats()
         for name in _COUNTERS:
             delta = self._totals[name] - self._reported[name]
-            if delta:
+            if delta or not self._announced:
                 stats.increase_counter(METRICS[name], delta)
+        if not self._announced:
+            for name in VLLM_TRANSFER_COUNTERS:
+                stats.increase_counter(name, 0)
+            self._announced = True
         self._reported = dict(self._totals)
         stats.set_gauge(METRICS["cached_blocks"], self._manager.num_cached)
         return stats

@@ -17,17 +17,18 @@ import sys
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
 from triton_offload._checks import positive_int
+from triton_offload.connector.config import describe_unknown
 
 __all__ = ["NIXL_INSTALL", "ObjectStore", "check_network_tier", "check_reachable", "where"]
 
 logger = logging.getLogger(__name__)
 
-NIXL_INSTALL = "pip install nixl==1.5.1 nixl-cu12==1.5.1"
+NIXL_INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 # Bound on the TCP connect that checks an object store at startup.
 REACH_TIMEOUT_S = 5.0
 _P2P = ("vllm.v1.kv_offload.tiering.p2p.manager", "P2PSecondaryTierManager")
@@ -48,12 +49,15 @@ class ObjectStore:
         where: the tier, as messages name it.
         url: ``scheme://endpoint_override``.
         host, port: what the check connects to (the scheme's port when the endpoint has none).
+        store_config: the tier's ``store_config`` items (credentials included: never printed), for the request that
+            checks them (:mod:`~triton_offload.connector.s3_probe`); empty: a TCP connect only.
     """
 
     where: str
     url: str
     host: str
     port: int
+    store_config: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
 
 
 def _subclass_of(tier_cls: type, base: tuple[str, str]) -> bool:
@@ -122,8 +126,8 @@ def _check_p2p(
 ) -> None:
     if ignored:
         raise ValueError(
-            f"{where(i)} (type {tier_type!r}) has unknown key(s) {ignored} (vLLM's p2p tier would ignore them "
-            f"silently); it accepts {list(accepted)}"
+            f"{where(i)} (type {tier_type!r}) has unknown key(s) {describe_unknown(ignored, accepted)} (vLLM's p2p "
+            f"tier would ignore them silently); it accepts {list(accepted)}"
         )
     if backpressure or "backpressure" in tier:
         raise ValueError(
@@ -146,6 +150,12 @@ def _check_p2p(
         raise ValueError(f"{where(i, 'backends')} = {backends!r} must be a list of NIXL backend names, e.g. ['UCX']")
     if tier.get("num_threads") is not None:
         positive_int(tier["num_threads"], where(i, "num_threads"))
+    pause = tier.get("progress_pause_us")  # P2PTier's (p2p_tier.py); vLLM's own tier has no such key
+    if pause is not None and (isinstance(pause, bool) or not isinstance(pause, Integral) or pause < 0):
+        raise ValueError(
+            f"{where(i, 'progress_pause_us')} = {pause!r} must be an int >= 0: microseconds NIXL's progress thread "
+            "pauses between idle polls (0: no pause)"
+        )
     timeout = tier.get("unbound_store_timeout_s")
     if timeout is not None and not _positive_number(timeout):
         raise ValueError(f"{where(i, 'unbound_store_timeout_s')} = {timeout!r} must be a positive number of seconds")
@@ -164,7 +174,10 @@ def _check_obj(i: int, tier_type: str, tier_cls: type, tier: Mapping[str, Any]) 
         )
     unknown = sorted(set(store) - set(accepted))
     if unknown:
-        raise ValueError(f"{where(i, 'store_config')} has unknown key(s) {unknown}; it accepts {accepted}")
+        raise ValueError(
+            f"{where(i, 'store_config')} has unknown key(s) {describe_unknown(unknown, accepted)}; it accepts "
+            f"{accepted}"
+        )
     for key in ("bucket", "endpoint_override"):
         if not isinstance(store.get(key), str) or not store[key]:
             raise ValueError(
@@ -190,7 +203,7 @@ def _check_obj(i: int, tier_type: str, tier_cls: type, tier: Mapping[str, Any]) 
         ) from e
     if not host:
         raise ValueError(f"{where(i, 'store_config')}['endpoint_override'] = {endpoint!r} has no host")
-    return ObjectStore(where(i), url, host, port)
+    return ObjectStore(where(i), url, host, port, tuple(sorted(store.items())))
 
 
 def _refuse_vllm032_obj(i: int, tier_type: str, tier_cls: type) -> None:
@@ -207,13 +220,19 @@ def _refuse_vllm032_obj(i: int, tier_type: str, tier_cls: type) -> None:
 
 
 def check_reachable(stores: tuple[ObjectStore, ...], timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Connects to each object store once (TCP, at most ``timeout_s`` each) before vLLM builds its tier.
+    """Connects to each object store once (TCP, at most ``timeout_s`` each) before vLLM builds its tier, then asks it
+    for a missing object with the tier's credentials (:func:`~triton_offload.connector.s3_probe.probe_store`: a
+    warning when the tier has none).
 
     A store reached through a proxy (``https_proxy`` / ``http_proxy`` apply to it) is left to vLLM's own probe.
 
     Raises:
         ConnectionError: naming the tier, the endpoint and the OS error.
+        PermissionError: the store refuses the tier's credentials (HTTP 403), naming the endpoint and the key id.
+        ValueError: the bucket does not exist, or the store refuses the request otherwise.
     """
+    from triton_offload.connector.s3_probe import probe_store
+
     proxies = urllib.request.getproxies()
     for store in stores:
         scheme = urllib.parse.urlsplit(store.url).scheme
@@ -228,3 +247,5 @@ def check_reachable(stores: tuple[ObjectStore, ...], timeout_s: float = REACH_TI
                 f"{store.host}:{store.port} with a {timeout_s:g} s timeout). Check store_config's endpoint_override "
                 "and scheme, and that the store listens there"
             ) from e
+        if store.store_config:
+            probe_store(store.where, store.url, dict(store.store_config))

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from triton_offload.connector import route_logs_through_vllm
 from triton_offload.connector.config import TritonOffloadConfig
 from triton_offload.connector.manager import METRICS, TritonOffloadingManager
+from triton_offload.connector.preflight import host_memory_note
 from triton_offload.host_cache import check_host_memory, host_blocks_for_budget
 
 __all__ = ["TritonOffloadingSpec"]
@@ -118,11 +119,14 @@ class TritonOffloadingSpec(OffloadingSpec):
             # This rank's share, checked when it is allocated: ranks on one machine allocate one after another or at
             # once, so each sees what the others left (or will take).
             world_size = max(1, self.config.parallel.world_size)
-            check_host_memory(
-                self.num_host_blocks * self.budget_block_bytes,
-                f"cpu_bytes_to_use = {self.offload_config.cpu_bytes_to_use} bytes (for the whole instance; this "
-                f"rank's share, 1/{world_size})",
-            )
+            try:
+                check_host_memory(
+                    self.num_host_blocks * self.budget_block_bytes,
+                    f"cpu_bytes_to_use = {self.offload_config.cpu_bytes_to_use} bytes (for the whole instance; this "
+                    f"rank's share, 1/{world_size})",
+                )
+            except ValueError as e:
+                raise ValueError(f"{e}{host_memory_note(kv_caches)}") from None
             self._worker = self._worker_class()(
                 kv_caches,
                 num_host_blocks=self.num_host_blocks,

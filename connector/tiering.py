@@ -33,9 +33,18 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
-from triton_offload.connector.config import VLLM_KEYS, engine_settings, parse_size
+from triton_offload.connector.config import (
+    VLLM_KEYS,
+    check_keys,
+    describe_unknown,
+    did_you_mean,
+    engine_settings,
+    missing_key,
+    parse_size,
+)
 from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
+from triton_offload.connector.preflight import host_memory_note
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 from triton_offload.host_cache import check_host_memory
 from triton_offload.numa import check_node_memory, choose_node, numa_setting, run_on_node
@@ -112,15 +121,18 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
     given = set(tier) - _TIER_META_KEYS
     missing = [n for n in required if n not in given]
     if missing:
+        slips = {k: did_you_mean(k, missing) for k in given.difference(named)}
+        found = [f"found {k!r}: a misspelling of {m!r}?" for k, m in sorted(slips.items()) if m is not None]
         raise ValueError(
             f"{where(i)} (type {tier_type!r}) needs {', '.join(repr(m) for m in missing)}"
             + (": the directory shared by every instance that reads these blocks" if missing == ["root_dir"] else "")
+            + (f" ({'; '.join(found)})" if found else "")
         )
     unknown = sorted(given.difference(named))
     if unknown and not takes_any:
         raise ValueError(
-            f"{where(i)} (type {tier_type!r}) has unknown key(s) {unknown}; it accepts {sorted(named)} plus "
-            "'backpressure' and 'module_path'"
+            f"{where(i)} (type {tier_type!r}) has unknown key(s) {describe_unknown(unknown, named)}; it accepts "
+            f"{sorted(named)} plus 'backpressure' and 'module_path'"
         )
     # vLLM merges the top-level default under the tier's own settings, then requires a detector class.
     own = _check_backpressure(tier.get("backpressure"), where(i, "backpressure"))
@@ -135,6 +147,13 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
     if issubclass(tier_cls, FileSystemTierManager):
         root_dir = check_root_dir(tier["root_dir"], where(i, "root_dir"))
     return tier_type, root_dir, store
+
+
+def _check_region_memory(nbytes: int, setting: str, kv_caches: CanonicalKVCaches) -> None:
+    try:
+        check_host_memory(nbytes, setting)
+    except ValueError as e:
+        raise ValueError(f"{e}{host_memory_note(kv_caches)}") from None
 
 
 def _tier_types() -> list[str]:
@@ -178,12 +197,18 @@ class TritonTieringConfig:
                 directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
                 unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas`` or
                 ``transfer_path``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``);
-                a bad ``numa_node``; ``huge_pages`` or ``pinning`` (they cannot apply to the shared region).
+                a bad ``numa_node``; ``huge_pages`` or ``pinning`` (they cannot apply to the shared region); a key
+                this spec does not read (``config.check_keys``: unless ``"unknown_keys": "warn"``).
         """
+        # TritonOffloadingSpec's keys that cannot apply here are known: they are refused below with the reason.
+        check_keys(extra, set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | set(_REFUSED_KEYS) | VLLM_KEYS, TIERING_SPEC_NAME)
         if extra.get("cpu_bytes_to_use") is None:
             raise ValueError(
-                "kv_connector_extra_config needs 'cpu_bytes_to_use': the CPU primary tier for the whole instance, in "
-                "bytes or as a string such as '40GiB'"
+                missing_key(
+                    "cpu_bytes_to_use",
+                    extra,
+                    "the CPU primary tier for the whole instance, in bytes or as a string such as '40GiB'",
+                )
             )
         cpu_bytes = parse_size(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
         if extra.get("canonical_layout"):
@@ -218,15 +243,6 @@ class TritonTieringConfig:
         default_bp = _check_backpressure(extra.get("backpressure"), "kv_connector_extra_config['backpressure']")
         checked = [_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers)]
         root_dirs = tuple((i, root) for i, (_, root, _) in enumerate(checked) if root is not None)
-        known = set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | VLLM_KEYS
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            logger.warning(
-                "kv_connector_extra_config keys ignored by %s: %s (it reads %s)",
-                TIERING_SPEC_NAME,
-                unknown,
-                sorted(set(TIERING_KEYS) | set(OUR_TIERING_KEYS)),
-            )
         types = tuple(tier_type for tier_type, _, _ in checked)
         stores = tuple(store for _, _, store in checked if store is not None)
         return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node)
@@ -335,7 +351,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 cpu_page_size=self.cpu_page_size_per_worker,
                 # The worker that creates the region checks it whole against RAM, before sizing the file (whose
                 # pages are host memory: /dev/shm may be larger than what is free).
-                creator_memory_check=lambda nbytes: check_host_memory(nbytes, setting),
+                creator_memory_check=lambda nbytes: _check_region_memory(nbytes, setting, kv_caches),
             ),
             bind_thread=True,
             name="region",

@@ -29,7 +29,11 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_configs import ctx, finished, key, offloading_config, submit_load  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
-from triton_offload.connector.manager import HostBlocksSpec, TritonOffloadingManager  # noqa: E402
+from triton_offload.connector.manager import (  # noqa: E402
+    VLLM_TRANSFER_COUNTERS,
+    HostBlocksSpec,
+    TritonOffloadingManager,
+)
 from triton_offload.connector.spec import TritonOffloadingSpec  # noqa: E402
 from triton_offload.engine import JobResult as EngineResult  # noqa: E402
 
@@ -215,11 +219,14 @@ def test_stats_report_deltas_and_counters_survive_reset():
     m.complete_store(m.prepare_store([key(0), key(1)], rc).keys_to_store, rc)
     m.prepare_load([key(0)], rc)
     first = m.get_stats().reduce()
+    zeros = dict.fromkeys(VLLM_TRANSFER_COUNTERS, 0)
     assert first == {
         "vllm:triton_offload_hit_blocks": 1,
         "vllm:triton_offload_stored_blocks": 2,
+        "vllm:triton_offload_evicted_blocks": 0,
         "vllm:triton_offload_cached_blocks": 2,
-    }
+        **zeros,
+    }, "the first report names every counter, at zero where nothing happened yet"
     assert m.get_stats().reduce() == {"vllm:triton_offload_cached_blocks": 2}, "counters are reported as deltas"
     m.reset_cache()
     assert m.counters == {
@@ -230,7 +237,31 @@ def test_stats_report_deltas_and_counters_survive_reset():
         "host_blocks": 2,
     }
     assert m.config_info() == [{"triton_offload_host_blocks": 2}]
-    assert set(TritonOffloadingSpec.build_metric_definitions({})) >= set(first)
+    assert set(TritonOffloadingSpec.build_metric_definitions({})) >= set(first) - set(zeros)
+
+
+def test_the_first_stats_report_names_every_counter_at_zero():
+    """vLLM creates a metric's series only when a stats report names it: without this, /metrics would show no hit,
+    eviction or load-bytes series until the first hit, eviction or load. Every name reported must be one vLLM's
+    metrics declare for this spec (an undeclared one fails an assertion in vLLM's front end)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import get_connector_metric_definitions
+
+    first = TritonOffloadingManager(4).get_stats().reduce()
+    declared = {**TritonOffloadingSpec.build_metric_definitions({}), **get_connector_metric_definitions()}
+    assert set(first) <= set(declared)
+    assert {k: v for k, v in first.items() if k != "vllm:triton_offload_cached_blocks"} == {
+        "vllm:triton_offload_hit_blocks": 0,
+        "vllm:triton_offload_stored_blocks": 0,
+        "vllm:triton_offload_evicted_blocks": 0,
+        **dict.fromkeys(VLLM_TRANSFER_COUNTERS, 0),
+    }
+
+
+def test_hits_are_labelled_as_host_memory():
+    """vLLM's prompt_tokens_cached_by_source asks the manager where each loaded key came from."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert TritonOffloadingManager(1).get_load_source(key(0), ctx()) is CacheHitSource.HOST
 
 
 def test_host_spec_survives_pickling():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -141,11 +142,51 @@ def test_bad_values_name_the_key(extra, f, match):
         parse(extra, f=f)
 
 
-def test_unknown_keys_are_logged_not_dropped_silently(caplog):
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "eviction_polcy": "arc"},
+            "'eviction_polcy' (did you mean 'eviction_policy'?)",
+            id="misspelt-optional",
+        ),
+        pytest.param(
+            {"cpu_byte_to_use": "1GiB"}, "'cpu_byte_to_use' (did you mean 'cpu_bytes_to_use'?)", id="misspelt-required"
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "store_threshold": 2},
+            "'store_threshold' (a key of vLLM's CPUOffloadingSpec)",
+            id="cpu-spec-key",
+        ),
+        pytest.param({"cpu_bytes_to_use": 1, "colour": "red"}, "does not read: 'colour'. It reads: ", id="unknown"),
+    ],
+)
+def test_an_unknown_key_is_an_error_naming_the_key_it_misspells(extra, match):
+    """vLLM's own config classes forbid extra fields: a typo here would otherwise run with the default (LRU for a
+    misspelt eviction_policy)."""
+    with pytest.raises(ValueError, match=re.escape(match)) as info:
+        parse(extra)
+    assert "kv_connector_extra_config has key(s) TritonOffloadingSpec does not read" in str(info.value)
+    assert '"unknown_keys": "warn"' in str(info.value), "the message says how to run with the key ignored"
+
+
+def test_unknown_keys_warn_is_a_warning_naming_the_key(caplog):
+    extra = {"cpu_bytes_to_use": 1, "eviction_polcy": "arc", "spec_name": "x", "unknown_keys": "warn"}
     with caplog.at_level(logging.WARNING, logger="triton_offload.connector.config"):
-        parse({"cpu_bytes_to_use": 1, "eviction_polcy": "arc", "spec_name": "x", "offload_prompt_only": False})
-    assert "eviction_polcy" in caplog.text
-    assert "spec_name" not in caplog.text and "offload_prompt_only" not in caplog.text, "vLLM's own keys are known"
+        cfg = parse({**extra, "offload_prompt_only": False})
+    assert cfg.eviction_policy == "lru", "the misspelt key is ignored, as the warning says"
+    assert "'eviction_polcy' (did you mean 'eviction_policy'?)" in caplog.text and "ignored" in caplog.text
+    assert "(did you mean 'eviction_policy'?). It reads" in caplog.text, "vLLM's own keys (spec_name, ...) are known"
+
+
+def test_a_missing_required_key_names_its_misspelling_when_unknown_keys_only_warn():
+    with pytest.raises(ValueError, match=re.escape("(found 'cpu_byte_to_use': a misspelling of 'cpu_bytes_to_use'?)")):
+        parse({"cpu_byte_to_use": "1GiB", "unknown_keys": "warn"})
+
+
+def test_unknown_keys_accepts_error_or_warn_only():
+    with pytest.raises(ValueError, match="unknown_keys = 'ignore' must be one of 'error', 'warn'"):
+        parse({"cpu_bytes_to_use": 1, "unknown_keys": "ignore"})
 
 
 def test_block_size_is_not_checked_without_gpu_block_size():

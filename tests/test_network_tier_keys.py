@@ -53,8 +53,8 @@ def nixl_installed(monkeypatch):
 def test_p2p_typo_message_lists_the_constructors_keys_in_order(tier, accepted):
     extra = {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{**tier, "host": "127.0.0.1", "prot": 5702}]}
     message = (
-        f"kv_connector_extra_config['secondary_tiers'][0] (type {tier['type']!r}) has unknown key(s) ['prot'] "
-        f"(vLLM's p2p tier would ignore them silently); it accepts {accepted}"
+        f"kv_connector_extra_config['secondary_tiers'][0] (type {tier['type']!r}) has unknown key(s) 'prot' "
+        f"(did you mean 'port'?) (vLLM's p2p tier would ignore them silently); it accepts {accepted}"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         TritonTieringConfig.from_extra_config(extra)

@@ -424,7 +424,7 @@ BAD = {
     "unknown-tier": ({"secondary_tiers": [{**FS, "type": "nfs"}]}, T0 + r"\['type'\] = 'nfs' is not a usable"),
     "no-root-dir": ({"secondary_tiers": [{"type": "fs"}]}, T0 + r" \(type 'fs'\) needs 'root_dir'"),
     "no-type": ({"secondary_tiers": [{"root_dir": "/x"}]}, T0 + r"\['type'\] is missing"),
-    "typo": ({"secondary_tiers": [{**FS, "rootdir": 1}]}, r"unknown key\(s\) \['rootdir'\]"),
+    "typo": ({"secondary_tiers": [{**FS, "rootdir": 1}]}, r"unknown key\(s\) 'rootdir' \(did you mean 'root_dir'\?\)"),
     "not-a-list": ({"secondary_tiers": FS}, r"\['secondary_tiers'\] = .* must be a list"),
     "not-a-dict": ({"secondary_tiers": ["fs"]}, T0 + " = 'fs' must be a dict"),
     "bp-no-cls": ({"secondary_tiers": [{**FS, "backpressure": {}}]}, T0 + r"\['backpressure'\] .* 'backpressure_cls'"),
@@ -577,7 +577,10 @@ STORE = {"bucket": "kvcache", "endpoint_override": "127.0.0.1:9000", "access_key
 OBJ = {"type": "ObjectStoreTier", "module_path": "triton_offload.connector.obj_tier", "store_config": STORE}
 EMA = {"backpressure_cls": "EMABackpressureDetector"}
 BAD_NETWORK = {
-    "p2p-typo": ({"secondary_tiers": [{**P2P, "prot": 5702}]}, r"unknown key\(s\) \['prot'\] \(vLLM's p2p tier would"),
+    "p2p-typo": (
+        {"secondary_tiers": [{**P2P, "prot": 5702}]},
+        r"unknown key\(s\) 'prot' \(did you mean 'port'\?\) \(vLLM's p2p tier would",
+    ),
     "p2p-port": ({"secondary_tiers": [{**P2P, "port": 70000}]}, T0 + r"\['port'\] = 70000 must be a TCP port"),
     "p2p-port-str": ({"secondary_tiers": [{**P2P, "port": "5701"}]}, r"\['port'\] = '5701' must be a TCP port"),
     "p2p-host": ({"secondary_tiers": [{**P2P, "host": ""}]}, T0 + r"\['host'\] = '' must be the address"),
@@ -593,7 +596,8 @@ BAD_NETWORK = {
     ),
     "obj-store-typo": (
         {"secondary_tiers": [{**OBJ, "store_config": {**STORE, "endpoint": "x"}}]},
-        r"\['store_config'\] has unknown key\(s\) \['endpoint'\]; it accepts \['bucket', ",
+        r"\['store_config'\] has unknown key\(s\) 'endpoint' \(did you mean 'endpoint_override'\?\); "
+        r"it accepts \['bucket', ",
     ),
     "obj-no-endpoint": (
         {"secondary_tiers": [{**OBJ, "store_config": {"bucket": "kvcache"}}]},
@@ -608,7 +612,7 @@ BAD_NETWORK = {
         r"\['endpoint_override'\] = 'h:99999' is not host\[:port\]",
     ),
     "obj-io-threads": ({"secondary_tiers": [{**OBJ, "io_threads": 0}]}, r"\['io_threads'\] = 0 must be a positive int"),
-    "obj-typo": ({"secondary_tiers": [{**OBJ, "bucket": "kvcache"}]}, r"unknown key\(s\) \['bucket'\]"),
+    "obj-typo": ({"secondary_tiers": [{**OBJ, "bucket": "kvcache"}]}, r"unknown key\(s\) 'bucket'"),
 }
 
 
@@ -631,14 +635,20 @@ def test_network_tiers_need_nixl(monkeypatch, tier):
     from triton_offload.connector import network_tiers
 
     monkeypatch.setattr(network_tiers, "_nixl_installed", lambda: False)
-    message = rf"\(type '{tier['type']}'\) needs NIXL, which is not installed: pip install nixl==1.5.1 nixl-cu12==1.5.1"
+    message = (
+        rf"\(type '{tier['type']}'\) needs NIXL, which is not installed: "
+        r"pip install --no-deps nixl==1\.5\.1 nixl-cu12==1\.5\.1"
+    )
     _assert_refused({"secondary_tiers": [tier]}, message)
 
 
 def test_good_network_tiers_are_parsed_with_the_object_store_to_check(nixl_installed):
     from triton_offload.connector.network_tiers import ObjectStore
 
-    https = {**OBJ, "store_config": {**STORE, "endpoint_override": "s3.example", "scheme": "https"}}
+    https = {
+        **OBJ,
+        "store_config": {**STORE, "endpoint_override": "s3.example", "scheme": "https", "secret_key": "pw9"},
+    }
     extra = {"cpu_bytes_to_use": "1MiB", "secondary_tiers": [P2P, {"type": "p2p"}, OBJ, https]}
     spec = OffloadingSpecFactory.create_spec(make_config(extra, worker_bytes=sum(PAGES), f=1))
     where = "kv_connector_extra_config['secondary_tiers'][{}]".format
@@ -647,6 +657,8 @@ def test_good_network_tiers_are_parsed_with_the_object_store_to_check(nixl_insta
         ObjectStore(where(2), "http://127.0.0.1:9000", "127.0.0.1", 9000),
         ObjectStore(where(3), "https://s3.example", "s3.example", 443),
     )
+    assert dict(spec.tiering_config.object_stores[1].store_config) == https["store_config"], "for the credentials check"
+    assert "pw9" not in repr(spec.tiering_config), "store_config (credentials) is never printed"
 
 
 def test_vllm_obj_tier_is_refused_before_0_33_naming_ours(nixl_installed):

@@ -8,6 +8,8 @@ A's greedy tokens. The tier is :class:`triton_offload.connector.obj_tier.ObjectS
 its first finished transfer; this is it with vLLM 0.33's two changes), so its object names are vLLM 0.33's, which are
 the ``fs`` tier's file names under the tier's ``prefix``: the test checks that, and that each object holds exactly the
 bytes of the file (one chunk row of the CPU tier). An endpoint nobody listens on stops the engine at startup, naming it.
+The tier entry is docs/tiering.md's recipe, read from the page; the S3 server is started as the recipe starts it
+(tests/test_readme.py checks the two agree).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 import pytest
 import vllm_harness
+from doc_recipes import recipe_json
 from vllm_harness import (
     GPU_BLOCK,
     GPU_BLOCK_BYTES,
@@ -32,12 +35,15 @@ from vllm_harness import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.obj.manager")]
-pytest.importorskip("nixl._api", reason="the obj tier needs NIXL: pip install nixl==1.5.1 nixl-cu12==1.5.1")
-pytest.importorskip("moto.server", reason="the test's S3 server: pip install 'moto[s3,server]'")
+pytest.importorskip("nixl._api", reason="the obj tier needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
+pytest.importorskip("moto.server", reason="the test's S3 server: pip install 'moto[s3]' flask flask-cors")
 boto3 = pytest.importorskip("boto3")
 
-BUCKET, PREFIX = "kvcache", "fleet"
-CREDENTIALS = {"access_key": "test-key", "secret_key": "test-secret", "region": "us-east-1"}
+# docs/tiering.md's recipe: the tier entry a user copies, read from the page (its endpoint replaced by the test's).
+RECIPE = recipe_json("obj-tier")
+RECIPE_ENDPOINT = "127.0.0.1:9000"
+BUCKET, PREFIX = RECIPE["store_config"]["bucket"], RECIPE["prefix"]
+CREDENTIALS = {k: RECIPE["store_config"][k] for k in ("access_key", "secret_key", "region")}
 BLOCK_SIZE = 2 * GPU_BLOCK  # a chunk (object) of 2 GPU blocks
 CHUNKS = 192 // BLOCK_SIZE
 
@@ -76,14 +82,9 @@ def client_args(endpoint: str) -> dict:
 
 
 def obj_tier(endpoint: str) -> dict:
-    return {
-        "type": "ObjectStoreTier",
-        "module_path": "triton_offload.connector.obj_tier",
-        "store_config": {"bucket": BUCKET, "endpoint_override": endpoint, "scheme": "http", **CREDENTIALS},
-        "prefix": PREFIX,
-        "io_threads": 2,
-        "locality": "REMOTE",
-    }
+    """The recipe's tier entry for the store at ``endpoint``."""
+    assert RECIPE["store_config"]["endpoint_override"] == RECIPE_ENDPOINT, "the recipe's endpoint changed"
+    return {**RECIPE, "store_config": {**RECIPE["store_config"], "endpoint_override": endpoint}}
 
 
 @pytest.fixture(scope="module")

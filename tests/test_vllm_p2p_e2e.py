@@ -2,7 +2,10 @@
 every engine with ``TritonTieringOffloadingSpec``: a consumer gets a producer's prefix from the producer's CPU tier,
 and falls back to computing it when the peer is refused, absent, or killed in the middle of the fetch.
 
-Engines (tests/vllm_tiering_driver.py, one process each; each binds a port the kernel picked, retried if lost):
+Every engine's tier is docs/tiering.md's loopback recipe, read from the page (``P2PTier``: vLLM's p2p tier with NIXL's
+progress thread paused and 0.33's ZMQ linger), on a port of its own; A3 runs it with a test-only stall
+(tests/vllm_p2p_tiers.py). Engines (tests/vllm_tiering_driver.py, one process each; each binds a port the kernel
+picked, retried if lost):
 
 - A1 (chunk = 1 GPU block) and A3 (chunk = 3 GPU blocks) serve prompts cold, so that our worker stores them into
   their CPU tier, print their tokens, and keep serving peers, the driver stepping their engine every 10 ms, until
@@ -30,6 +33,7 @@ import threading
 import time
 
 import pytest
+from doc_recipes import recipe_env, recipe_json
 from vllm_harness import (
     GPU_BLOCK,
     GPU_BLOCK_BYTES,
@@ -42,10 +46,10 @@ from vllm_harness import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.p2p.manager")]
-pytest.importorskip("nixl._api", reason="the p2p tier needs NIXL: pip install nixl==1.5.1 nixl-cu12==1.5.1")
+pytest.importorskip("nixl._api", reason="the p2p tier needs NIXL: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
 
 # UCX's TCP transport on loopback only: nothing leaves this machine, and no shared-memory transport files.
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+UCX_ENV = recipe_env("p2p-env")  # the recipe's: {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 # vLLM's in-process engine. With a p2p tier, vLLM's multiprocess engine core steps back to back for as long as it
 # lives (the tier always reports pending work, to be polled), its worker spinning on the step queue: about two cores
 # here. For the same reason it never finishes a graceful shutdown: vLLM kills it after
@@ -56,27 +60,34 @@ FALLBACK_BOUND_S = 30.0  # a refused, absent or killed peer costs a request at m
 STARTUP_S = 300
 
 
-def tier(port: int) -> list[dict]:
-    return [
-        {
-            "type": "TestP2PTier",  # vLLM's p2p tier (tests/vllm_p2p_tiers.py)
-            "module_path": "vllm_p2p_tiers",
-            "host": "127.0.0.1",
-            "port": port,
-            "backends": ["UCX"],
-            "num_threads": 1,
-        }
-    ]
+# docs/tiering.md's loopback recipe, read from the page: the tier entry and a request's kv_transfer_params.
+RECIPE_TIER, RECIPE_REQUEST = recipe_json("p2p-tier"), recipe_json("p2p-request")
+# The producer that must die mid-fetch runs the recipe's tier with a test-only stall (tests/vllm_p2p_tiers.py).
+STALLING = {"type": "TestP2PTier", "module_path": "vllm_p2p_tiers"}
+
+
+def tier(port: int, *, stalls: bool = False) -> list[dict]:
+    """The recipe's tier entry on ``port`` (with the test-only stall for the producer that is killed mid-fetch)."""
+    return [{**RECIPE_TIER, "port": port, **(STALLING if stalls else {})}]
 
 
 def fetch(prompt: int, kv_request_id: str, port: int) -> dict:
-    """A request whose prefix comes from the engine at 127.0.0.1:``port`` (vLLM's symmetric p2p)."""
-    source = {"kv_request_id": kv_request_id, "remote_host": "127.0.0.1", "remote_port": port}
+    """A request whose prefix comes from the engine at 127.0.0.1:``port`` (vLLM's symmetric p2p): the recipe's
+    ``kv_transfer_params`` with this request's id and the peer's port."""
+    source = {**RECIPE_REQUEST["remote_kv_source"], "kv_request_id": kv_request_id, "remote_port": port}
     return {"prompt": prompt, "kv_transfer_params": {"remote_kv_source": source}}
 
 
 def start(
-    name: str, model: pathlib.Path, block_size: int, requests: list[dict], tmp: pathlib.Path, *, serve: bool, env: dict
+    name: str,
+    model: pathlib.Path,
+    block_size: int,
+    requests: list[dict],
+    tmp: pathlib.Path,
+    *,
+    serve: bool,
+    env: dict,
+    stalls: bool = False,
 ) -> tuple[Background, dict, int]:
     """Starts an engine with a p2p tier on a fresh port and waits for its result; returns it with the port.
 
@@ -85,7 +96,14 @@ def start(
     """
     for attempt in range(3):
         port = free_port()
-        args = ["--model", str(model), "--block-size", str(block_size), "--tiers", json.dumps(tier(port))]
+        args = [
+            "--model",
+            str(model),
+            "--block-size",
+            str(block_size),
+            "--tiers",
+            json.dumps(tier(port, stalls=stalls)),
+        ]
         args += ["--requests", json.dumps(requests)]
         if serve:
             args += ["--serve-until", str(tmp / f"{name}.stop")]
@@ -110,7 +128,7 @@ def run(tiny_model, tmp_path_factory):
     try:
         a1, a1_out, a1_port = start("A1", tiny_model, GPU_BLOCK, prompts, tmp, serve=True, env=env)
         engines.append(a1)
-        a3, a3_out, a3_port = start("A3", tiny_model, 3 * GPU_BLOCK, prompts[:3], tmp, serve=True, env=env)
+        a3, a3_out, a3_port = start("A3", tiny_model, 3 * GPU_BLOCK, prompts[:3], tmp, serve=True, env=env, stalls=True)
         engines.append(a3)
         dead_port = free_port()  # nobody listens there
 
@@ -174,7 +192,7 @@ def test_a_consumer_gets_the_producers_prefix_over_p2p_with_its_tokens(run, cons
     assert first["tokens"] == tokens(run["A1"])[1], "greedy tokens differ: the KV fetched is not the producer's"
     metrics = b["metrics"]
     assert metrics["vllm:prompt_tokens_cached_by_source{source=p2p}"] == HIT
-    assert metrics["vllm:kv_offload_tiering_chunk_hits{tier=1:TestP2PTier}"] == found
+    assert metrics["vllm:kv_offload_tiering_chunk_hits{tier=1:P2PTier}"] == found
     # Fetched into the CPU tier by NIXL, then to the GPU by our kernel: one load job of 6 GPU blocks, nothing else.
     assert "'load_jobs': 1," in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}," in b["log"]
 
@@ -208,7 +226,7 @@ def test_a_producer_killed_mid_fetch_leaves_the_consumer_computing_the_prompt(ru
     killed = run["A3"]["killed"]
     assert killed["kv_request_id"] == "stall-b3-3", "A3 stalled in another fetch than this request's"
     assert stalled["span"][0] < killed["at"] < stalled["span"][1], "A3 was not killed while B3 waited on it"
-    assert b3["metrics"]["vllm:kv_offload_tiering_promotion_job_failures{tier=1:TestP2PTier}"] == 1
+    assert b3["metrics"]["vllm:kv_offload_tiering_promotion_job_failures{tier=1:P2PTier}"] == 1
 
 
 def test_no_shm_file_outlives_its_engine(run):
