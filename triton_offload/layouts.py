@@ -1,8 +1,10 @@
 """GPU KV-cache layouts and their byte segments: every layout is named once (:data:`LAYOUTS`), and everything else
 (segments, sizes, validation) is derived from the per-layer tensors' addresses, strides and element sizes. A layer
 contributes one *segment* per K/V half (one for MLA and canonical views), and the packed host format lays a GPU block
-out as its segments in layer order, so a prepared :class:`KVCacheSpec` describes everything the kernel moves;
-:class:`HostSlots` describes the other host format it writes, vLLM's worker slots (docs/design.md, sections 3-4).
+out as its segments in layer order, so a prepared :class:`KVCacheSpec` describes everything the kernel moves. The
+packed rows come in two shapes (one row per key, sized for the largest group; or one region per group in each row,
+``group_regions``), and :class:`HostSlots` describes the other host format it writes, vLLM's worker slots
+(docs/design.md, sections 3-4).
 """
 
 from __future__ import annotations
@@ -97,8 +99,10 @@ class Segment:
 
     On the host, the run of the GPU block at sub-block ``j`` of a host block of ``f`` sub-blocks starts at
     ``f * host_region + j * host_stride + host_offset`` in the host block's row. Packed format: ``host_region = 0``,
-    ``host_stride`` the bytes of a packed sub-block (all layers); :class:`HostSlots`: ``host_region`` the bytes of the
-    regions before this one per sub-block, ``host_stride`` the region's page.
+    ``host_stride`` the bytes of a packed sub-block (the largest group's); packed with ``group_regions``:
+    ``host_region`` the bytes per GPU block of the groups before this one, ``host_stride`` its own group's bytes;
+    :class:`HostSlots`: ``host_region`` the bytes of the regions before this one per sub-block, ``host_stride`` the
+    region's page.
 
     Attributes:
         layer: index of the layer tensor it comes from.
@@ -166,11 +170,16 @@ def _layer_runs(t: torch.Tensor, i: int, layout: Layout) -> list[tuple[int, int,
 
 
 def _group_segments(
-    runs: list[list[tuple[int, int, int]]], pages: list[int], groups: list[list[int]], host_slots: HostSlots | None
+    runs: list[list[tuple[int, int, int]]],
+    pages: list[int],
+    groups: list[list[int]],
+    host_slots: HostSlots | None,
+    group_regions: bool = False,
 ) -> tuple[tuple[Segment, ...], ...]:
     """Each group's segments in packed order (its layers in the order given, K before V), with their host placement:
-    packed (one sub-block of the largest group's bytes, the layers side by side) or ``host_slots``. ``pages[i]`` is
-    entry i's bytes per block (the sum of its runs)."""
+    packed (one sub-block of the largest group's bytes, the layers side by side), packed in a region of their own
+    group per row (``group_regions``: sub-blocks of the group's own bytes) or ``host_slots``. ``pages[i]`` is entry
+    i's bytes per block (the sum of its runs)."""
     for gi, layers in enumerate(groups):
         if not layers:
             raise ValueError(f"group {gi} is empty: every group needs at least one layer")
@@ -178,9 +187,12 @@ def _group_segments(
             raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(runs)})")
     if host_slots is not None and len(host_slots.regions) != len(runs):
         raise ValueError(f"host_slots names a region for {len(host_slots.regions)} entries, but there are {len(runs)}")
-    packed_stride = max(sum(pages[i] for i in layers) for layers in groups)
+    if host_slots is not None and group_regions:
+        raise ValueError("host_slots and group_regions are two host layouts: give one")
+    group_bytes = [sum(pages[i] for i in layers) for layers in groups]
+    packed_stride = max(group_bytes)
     out = []
-    for layers in groups:
+    for gi, layers in enumerate(groups):
         offset, segs = 0, []
         for i in layers:
             if host_slots is not None:
@@ -192,6 +204,9 @@ def _group_segments(
                         f"entry {i} moves {pages[i]} bytes per block, more than the "
                         f"{host_stride}-byte page of its host region {region}"
                     )
+            elif group_regions:
+                # The group's own region of the row: f sub-blocks of exactly its bytes, after the earlier groups'.
+                host_stride, host_region = group_bytes[gi], sum(group_bytes[:gi])
             else:
                 host_stride, host_region = packed_stride, 0
             for base, stride, nbytes in runs[i]:
@@ -215,9 +230,14 @@ class KVCacheSpec:
         groups: KV-cache groups (vLLM's hybrid-model groups), as lists of indices into ``kv_caches``. A GPU block
             of group g holds exactly the layers of group g, and its packed host sub-block holds those layers in
             the order given. Every group's sub-block has the same stride on the host, ``bytes_per_block``, the
-            largest group's. Default: one group of all layers in order.
+            largest group's (unless ``group_regions``). Default: one group of all layers in order.
         host_slots: lay the host rows out as vLLM's worker slots (:class:`HostSlots`, one region index per entry
             of ``kv_caches``) instead of the packed format. The GPU side and the bytes moved are the same.
+        group_regions: packed rows with one region per group: a row (host block) holds ``f`` sub-blocks of each
+            group's own bytes, group after group, and a host block id names one key *per group* (the caller keeps a
+            block pool per group: the same id in two groups is two keys, in two regions of one row). A key then
+            costs exactly its group's bytes, however unequal the groups (docs/design.md, "Per-group regions"). With
+            one group it is the plain packed format.
     """
 
     def __init__(
@@ -227,6 +247,7 @@ class KVCacheSpec:
         *,
         groups: Sequence[Sequence[int]] | None = None,
         host_slots: HostSlots | None = None,
+        group_regions: bool = False,
     ):
         self.layout = resolve_layout(layout)
         if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
@@ -249,8 +270,9 @@ class KVCacheSpec:
         self.groups = tuple(tuple(g) for g in groups)
         self.num_groups = len(groups)
         self.host_slots = host_slots
+        self.group_regions = bool(group_regions) and len(groups) > 1  # one group: the plain packed format
         pages = [sum(nbytes for _, _, nbytes in layer_runs) for layer_runs in runs]
-        self.group_segments = _group_segments(runs, pages, groups, host_slots)
+        self.group_segments = _group_segments(runs, pages, groups, host_slots, self.group_regions)
         # Rows per group in the kernel's segment table: the largest group's segment count (others are padded).
         self.segments_per_group = max(len(segs) for segs in self.group_segments)
         self.segments = tuple(s for segs in self.group_segments for s in segs)
@@ -270,11 +292,21 @@ class KVCacheSpec:
         )
 
     def host_block_bytes(self, blocks_per_host_block: int = 1) -> int:
-        """Bytes of one host block holding ``blocks_per_host_block`` GPU blocks of all layers (with
-        :class:`HostSlots`: every region, ``f * sum(pages)``)."""
+        """Bytes of one host block (a row of the host buffer) holding ``blocks_per_host_block`` GPU blocks of all
+        layers (with :class:`HostSlots`: every region, ``f * sum(pages)``; with ``group_regions``: every group's
+        region, ``f * sum(group_bytes)``)."""
         if self.host_slots is not None:
             return blocks_per_host_block * sum(self.host_slots.pages)
+        if self.group_regions:
+            return blocks_per_host_block * sum(self.group_bytes)
         return blocks_per_host_block * self.bytes_per_block
+
+    def key_bytes(self, blocks_per_host_block: int = 1) -> tuple[int, ...]:
+        """Host bytes one key of each group occupies: its whole row, except with ``group_regions``, where a row
+        holds one key per group and a key occupies its group's region (``f * group_bytes[g]``)."""
+        if self.group_regions:
+            return tuple(blocks_per_host_block * b for b in self.group_bytes)
+        return (self.host_block_bytes(blocks_per_host_block),) * self.num_groups
 
     @property
     def page_bytes(self) -> tuple[int, ...]:
@@ -288,6 +320,7 @@ class KVCacheSpec:
             f"page_bytes={pages if len(pages) > 1 else pages[0]}, bytes_per_block={self.bytes_per_block}, "
             f"groups={self.num_groups}, "
             f"{'' if self.host_slots is None else 'host=worker slots, '}"
+            f"{'host=group regions ' + str(list(self.group_bytes)) + ', ' if self.group_regions else ''}"
             f"device={self.device})"
         )
 
