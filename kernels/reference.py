@@ -55,18 +55,21 @@ def _block_bytes(kv_caches, layers, layout: Layout) -> int:
     return sum(p[0].numel() * p.element_size() for i in layers for p in _parts(kv_caches[i], layout))
 
 
-def _group_region_view(host_buffer, f: int, kv_caches, groups, gi: int, layout: Layout) -> torch.Tensor:
-    """(num_host_blocks, f, group bytes) byte view of group ``gi``'s region in rows with one region per group: the
-    region follows f sub-blocks of every earlier group's bytes."""
+def _group_region_view(host_buffer, f: int, kv_caches, groups, gi: int, layout: Layout, regions) -> torch.Tensor:
+    """(num_host_blocks, f, region bytes) byte view of group ``gi``'s region in rows with host regions: a region's
+    sub-block is the largest of its groups' blocks, and it follows f sub-blocks of every earlier region."""
     sizes = [_block_bytes(kv_caches, layers, layout) for layers in groups]
-    start = f * sum(sizes[:gi])
-    return host_buffer.view(torch.uint8)[:, start : start + f * sizes[gi]].unflatten(1, (f, sizes[gi]))
+    count = max(regions) + 1
+    region_bytes = [max(b for b, r in zip(sizes, regions) if r == k) for k in range(count)]
+    r = regions[gi]
+    start = f * sum(region_bytes[:r])
+    return host_buffer.view(torch.uint8)[:, start : start + f * region_bytes[r]].unflatten(1, (f, region_bytes[r]))
 
 
 def _destinations(layers, host_buffer, f, slots: HostSlots | None, region: torch.Tensor | None = None):
     """Per group: where each layer's bytes of a block go, as (layer indices, host view) pairs; each host view is
     (num_host_blocks, f, bytes) and the layers' bytes are laid side by side at its start. Packed: all the group's
-    layers share the packed sub-block (``region``: the group's own region of the row). Worker slots: each layer
+    layers share the packed sub-block (``region``: the group's region of the row). Worker slots: each layer
     starts its own region's sub-block."""
     if region is not None:
         return [(list(layers), region)]
@@ -91,11 +94,12 @@ def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_
         g0, h0 = g0 + n, h0 + m
 
 
-def _region(host_buffer, f, kv_caches, groups, gi, layout, group_regions: bool):
-    """Group ``gi``'s region of the rows with ``group_regions`` (several groups), else None."""
-    if not group_regions or groups is None or len(groups) < 2:
+def _region(host_buffer, f, kv_caches, groups, gi, layout, group_regions):
+    """Group ``gi``'s region of the rows with host regions (``group_regions``, one region number per group), else
+    None (the plain packed format)."""
+    if group_regions is None or groups is None or set(group_regions) == {0}:
         return None
-    return _group_region_view(host_buffer, f, kv_caches, groups, gi, layout)
+    return _group_region_view(host_buffer, f, kv_caches, groups, gi, layout, list(group_regions))
 
 
 def gather_blocks_ref(
@@ -110,7 +114,7 @@ def gather_blocks_ref(
     groups: Sequence[Sequence[int]] | None = None,
     group_sizes: Sequence[int] | None = None,
     host_slots: HostSlots | None = None,
-    group_regions: bool = False,
+    group_regions: Sequence[int] | None = None,
 ) -> None:
     """Reference of :func:`triton_offload.gather_blocks` (``groups``, ``host_slots`` and ``group_regions`` as in
     :class:`KVCacheSpec`)."""
@@ -145,7 +149,7 @@ def scatter_blocks_ref(
     groups: Sequence[Sequence[int]] | None = None,
     group_sizes: Sequence[int] | None = None,
     host_slots: HostSlots | None = None,
-    group_regions: bool = False,
+    group_regions: Sequence[int] | None = None,
 ) -> None:
     """Reference of :func:`triton_offload.scatter_blocks` (``groups``, ``host_slots`` and ``group_regions`` as in
     :class:`KVCacheSpec`)."""

@@ -43,7 +43,7 @@ def _spec(kind: str):
     caches = make_caches("canonical", 3, 16, dict(page_bytes=32, pad=pad), torch.int8, seed=4)
     groups = [[0, 1], [2]] if kind != "slots" else None
     slots = HostSlots((32 + pad,) * 3, (0, 1, 2)) if kind.startswith("slots") else None
-    regions = kind == "group-regions"  # unequal groups (64 and 32 bytes), each in its own region of a row
+    regions = (0, 1) if kind == "group-regions" else None  # unequal groups (64, 32 bytes), a region each
     spec = to.KVCacheSpec(caches, "canonical", groups=groups, host_slots=slots, group_regions=regions)
     ref = dict(groups=spec.groups if groups else None, host_slots=slots, group_regions=regions)
     return caches, spec, "canonical", ref

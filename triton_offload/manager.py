@@ -134,8 +134,8 @@ class OffloadManager:
         enable_events: record :class:`OffloadEvent`\\ s for :meth:`take_events`.
         pools: independent block pools, each of ``num_blocks`` blocks with ids ``[0, num_blocks)`` of its own and an
             eviction policy of its own: a key only ever takes a block of its pool and only evicts keys of its pool.
-            For host rows with one region per KV-cache group (``KVCacheSpec(group_regions=True)``), where block id
-            ``i`` names region g of row ``i`` for a key of group g.
+            For host rows with several regions (``KVCacheSpec(group_regions=...)``), where block id ``i`` of pool
+            r names region r of row ``i``.
         pool_of: the pool of a key (required with several pools).
 
     Raises:

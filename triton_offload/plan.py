@@ -239,7 +239,7 @@ class TransferPlanner:
 
     def _check_ids(self, direction: Direction, g: np.ndarray, h: np.ndarray, sizes, host_counts) -> None:
         """Ranges of both arrays, and distinct destinations (sources may repeat; two writers of one block would
-        race). With per-group regions (``spec.group_regions``), host ids are distinct per group."""
+        race). With host regions (``spec.group_regions``), host ids are distinct per region."""
         n, m = g.size, h.size
         with self._lock:
             # Both arrays side by side in a scratch buffer kept between calls: one reduction then takes both maxima,
@@ -257,11 +257,12 @@ class TransferPlanner:
             if top[1] >= self.num_host_blocks:
                 _check_range(h, "host_block_ids", self.num_host_blocks)
             if direction is _STORE:
-                if self.spec.group_regions and len(sizes) > 1:
-                    # A row holds one key per group (its regions): an id repeated in two groups names two keys.
-                    # Per group, destinations are distinct: offset each group's ids into a range of its own.
-                    limit = self.num_host_blocks * len(sizes)
-                    owner = np.repeat(np.arange(len(sizes), dtype=np.int64) * self.num_host_blocks, host_counts)
+                regions = self.spec.group_regions
+                if regions is not None:
+                    # A row holds one key per region: an id repeated in two regions names two keys. Per region,
+                    # destinations are distinct: offset each group's ids into a range of its region's.
+                    limit = self.num_host_blocks * self.spec.num_regions
+                    owner = np.repeat(np.asarray(regions, dtype=np.int64) * self.num_host_blocks, host_counts)
                     self._check_unique(both[n:] + owner, "host_block_ids", limit, self.num_host_blocks)
                 else:
                     self._check_unique(both[n:], "host_block_ids", self.num_host_blocks)
@@ -287,7 +288,7 @@ class TransferPlanner:
             dup = int(ids[int(np.argmax(seen != ramp))])
             where = ""
             if modulo is not None:
-                dup, where = dup % modulo, f" in KV-cache group {dup // modulo}"
+                dup, where = dup % modulo, f" in host region {dup // modulo}"
             raise ValueError(
                 f"{name} holds destination id {dup} more than once{where}: each destination is written once"
             )
