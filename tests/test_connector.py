@@ -235,6 +235,7 @@ def test_stats_report_deltas_and_counters_survive_reset():
         "evicted_blocks": 0,
         "cached_blocks": 0,
         "host_blocks": 2,
+        "host_keys": 2,
     }
     assert m.config_info() == [{"triton_offload_host_blocks": 2}]
     assert set(TritonOffloadingSpec.build_metric_definitions({})) >= set(first) - set(zeros)
