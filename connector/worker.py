@@ -250,7 +250,9 @@ class TritonOffloadingWorker(OffloadingWorker):
             raise TypeError(f"expected the host block ids of TritonOffloadingSpec's manager, got {spec!r}")
         return spec.block_ids
 
-    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool) -> bool:
+    def _submit(
+        self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool, expedited: bool = False
+    ) -> bool:
         f = self.blocks_per_host_block
         # block_indices[g] is the position of group g's first GPU block in its request: mid host block when the
         # device prefix cache already holds part of a host block (loads) or the leading blocks are null (stores).
@@ -265,8 +267,19 @@ class TritonOffloadingWorker(OffloadingWorker):
                 skips,
                 self._host_ids(host).tolist(),
             )
-        submit = self.engine.submit_store if store else self.engine.submit_load
-        submit(job_id, gpu.block_ids, self._host_ids(host), skip=skips, group_sizes=list(gpu.group_sizes))
+        if store:
+            self.engine.submit_store(
+                job_id, gpu.block_ids, self._host_ids(host), skip=skips, group_sizes=list(gpu.group_sizes)
+            )
+        else:
+            self.engine.submit_load(
+                job_id,
+                gpu.block_ids,
+                self._host_ids(host),
+                skip=skips,
+                group_sizes=list(gpu.group_sizes),
+                expedited=expedited,
+            )
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -275,9 +288,11 @@ class TritonOffloadingWorker(OffloadingWorker):
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        # vLLM 0.33 marks sync loads expedited and waits for them before the forward pass. Our loads have their own
-        # stream and never queue behind stores; they do queue behind earlier loads, which vLLM also waits for.
-        return self._submit(job_id, dst_spec, src_spec, store=False)
+        # vLLM 0.33 marks a synchronous load (budgeted by sync_load_budget_bytes) expedited and then waits for it, and
+        # only for it (worker.wait(sync job ids)), before the step's forward pass. It goes on a lane of its own, as
+        # vLLM's own worker gives it a handler and stream of their own: on the load lane it would wait for every
+        # asynchronous load submitted earlier, and the whole step with it. vLLM 0.32 never passes the flag.
+        return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
 
     def get_finished(self) -> list[TransferResult]:
         out = []
