@@ -1,7 +1,8 @@
 """Hybrid-model KV caches as vLLM 0.33 lays them out, for the plugin's capacity and byte tests: a ``KVCacheConfig``
 of several KV-cache groups (full attention, sliding window, Mamba state), one flat allocation viewed per layer by vLLM's
 own ``create_kv_cache_views``, groups overlaid on the same bytes (vLLM's HMA), on bytes of their own (the layout of
-vLLM's #56871), or packed side by side in every block (DeepSeek-V4's path). Imports vLLM 0.33's KV cache layouts."""
+vLLM's #56871), or packed side by side in every block (DeepSeek-V4's path). The views need vLLM 0.33's KV cache
+layouts; the configs alone (``HybridKV(..., views=False)``) work with vLLM 0.32 too."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
     SlidingWindowSpec,
-    create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -71,7 +71,7 @@ class HybridKV:
         names: per group, its layer names.
     """
 
-    def __init__(self, case: Case, num_blocks: int, seed: int = 0, device: str = "cpu"):
+    def __init__(self, case: Case, num_blocks: int, seed: int = 0, device: str = "cpu", views: bool = True):
         self.case, self.num_blocks = case, num_blocks
         self.names = [[f"g{gi}l{i}" for i in range(n)] for gi, (_, n) in enumerate(case.groups)]
         pages = [spec.page_size_bytes for spec, _ in case.groups]
@@ -97,12 +97,15 @@ class HybridKV:
                 offset += n * page
         else:
             raise ValueError(case.placement)
-        gen = torch.Generator().manual_seed(seed)
-        self.raw = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=gen).to(device)
+        from vllm.v1.kv_cache_interface import create_kv_cache_views  # vLLM 0.33's layouts
+
         self.views: dict[str, torch.Tensor] = {}
-        for (spec, _), tensor, layout in zip(case.groups, tensors, layouts):
-            for name, view in zip(tensor.layers, create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)):
-                self.views[name] = view
+        if views:
+            gen = torch.Generator().manual_seed(seed)
+            self.raw = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=gen).to(device)
+            for (spec, _), tensor, layout in zip(case.groups, tensors, layouts):
+                made = create_kv_cache_views(self.raw, spec, num_blocks, layout, tensor)
+                self.views.update(zip(tensor.layers, made))
         groups = [KVCacheGroupSpec(names, spec) for (spec, _), names in zip(case.groups, self.names)]
         self.config = KVCacheConfig(num_blocks, tensors, groups)
 
