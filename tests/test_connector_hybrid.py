@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 
 import pytest
 import torch
@@ -277,3 +278,62 @@ def test_the_geometry_is_read_from_vllms_config():
     assert geometry.host_regions(g, "auto") == (0, 0) and geometry.host_regions(g, "per_group") == (0, 1)
     with pytest.raises(ValueError, match="host_regions = 'bogus'"):
         geometry.host_regions(g, "bogus")
+
+
+# -- the tiering spec ----------------------------------------------------------------------------------------------
+
+
+def _tiering(kv: HybridKV, layout: str, budget: int = BUDGET):
+    extra = {"spec_name": plugin.TIERING_SPEC_NAME, "cpu_bytes_to_use": budget, "block_size": F * 16}
+    if layout != "worker_slots":
+        extra["host_layout"] = layout
+    config = offloading_connector.build_offloading_config(vllm_config(extra), kv.config)
+    # A region name of its own per test: vLLM names it after the engine id.
+    config = dataclasses.replace(config, engine_id=f"hybrid-{layout}-{uuid.uuid4().hex[:10]}")
+    geometry.remember(config, kv.config)
+    return OffloadingSpecFactory.create_spec(config)
+
+
+def test_tiering_worker_slots_reserve_every_group_and_packed_rows_do_not():
+    """vLLM's worker-slot rows (the tiering spec's default, byte-compatible with vLLM's own worker) reserve every
+    canonical tensor's page for each key: vLLM's #56871 exactly, 1/G of the keys for G groups on bytes of their own.
+    host_layout = "packed" sizes a row for the largest group, and names what the secondary tiers persist apart."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    from triton_offload.connector.tiering import PACKED_NAMESPACE
+
+    for name, slots_keys, packed_keys in (("2-disjoint", 32, 64), ("4-disjoint", 16, 64), ("1-group", 64, 64)):
+        kv = HybridKV(CASES[name], 4)
+        slots, packed = _tiering(kv, "worker_slots"), _tiering(kv, "packed")
+        assert (slots.num_chunks, packed.num_chunks) == (slots_keys, packed_keys), name
+        assert packed.num_chunks * packed.kv_bytes_per_chunk >= 0.95 * BUDGET
+        assert packed.config.model.name == "tiny" + PACKED_NAMESPACE
+        roots = [FileMapper.from_offloading_spec("/kv", s).base_path for s in (slots, packed)]
+        assert roots[0] != roots[1], "packed rows must never be read as vLLM's worker slots"
+
+
+def test_tiering_packed_rows_round_trip_through_the_shared_region():
+    """The packed layout's worker in vLLM's shared region: keys of both groups stored and loaded back by vLLM's
+    worker role, each block's bytes as they were; the region's file is gone after shutdown."""
+    import os
+
+    kv = HybridKV(CASES["2-disjoint"], 16, seed=9)
+    spec = _tiering(kv, "packed", budget=8 * F * 2048)
+    role = _worker_role(kv, spec)
+    worker = role.worker
+    assert worker.kv.host_slots is None and worker.kv.host_block_bytes(F) == F * 2048
+    region = worker.name.paths[0]
+    before = kv.raw.clone()
+    src, dst = [1, 2, 3, 4], [9, 10, 11, 12]  # group 0: blocks 1, 2 (chunk 0); group 1: blocks 3, 4 (chunk 1)
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    store = TransferJob("r", GPULoadStoreSpec(src, [2, 2], [0, 0]), CPULoadStoreSpec([0, 1]))
+    _run(role, store={0: store})
+    load = TransferJob("r", CPULoadStoreSpec([0, 1]), GPULoadStoreSpec(dst, [2, 2], [0, 0]), sync=True)
+    _run(role, load={1: load})
+    loaded = [kv.block_bytes(g, d) for g, d in enumerate((dst[:2], dst[2:]))]
+    kv.raw.copy_(before)
+    for g, s in enumerate((src[:2], src[2:])):
+        assert torch.equal(loaded[g], kv.block_bytes(g, s)), f"group {g}"
+    role.shutdown()
+    assert not os.path.exists(region)
