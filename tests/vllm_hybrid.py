@@ -32,10 +32,10 @@ def full(page: int = 1024, padded: int | None = None) -> FullAttentionSpec:
     )
 
 
-def sliding(page: int = 1024) -> SlidingWindowSpec:
+def sliding(page: int = 1024, window: int = 2 * BLOCK_TOKENS) -> SlidingWindowSpec:
     head = page // (2 * 2 * BLOCK_TOKENS * 2)
     return SlidingWindowSpec(
-        block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=head, dtype=torch.float16, sliding_window=2 * BLOCK_TOKENS
+        block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=head, dtype=torch.float16, sliding_window=window
     )
 
 
