@@ -84,6 +84,19 @@ def test_a_load_into_blocks_a_pending_store_reads_waits_for_that_store(make_host
     assert ("wait", store_end, "side1") not in cuda.log[since:], "the store was reported complete: nothing to wait for"
 
 
+def test_a_store_waited_for_as_vllm_flushes_it_needs_no_ordering(make_host_cache, caplog):
+    """vLLM's own order: a block whose store is pending is handed out again only after the store is flushed and
+    waited for (jobs_to_flush, then wait), and the load follows in the same step, before any get_finished: no
+    device wait is added and nothing is logged."""
+    eng, cuda, *_ = _engine(make_host_cache)
+    eng.submit_store(1, [5, 6], [0, 1])
+    eng.wait([1])
+    since = len(cuda.log)
+    eng.submit_load(2, [6], [2])
+    assert [ev for ev in cuda.log[since:] if ev[0] == "wait"] == [("wait", "e1", "side1")], "only the compute fence"
+    assert eng.ordered_loads == 0 and "still reads" not in caplog.text
+
+
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
 def test_a_load_overtaking_a_pending_store_of_its_block_corrupts_the_stored_bytes(make_host_cache, guarded):
     """Block 5 holds A; a store of block 5 into host row 0 is pending when a load of host row 1 (B) into block 5 is

@@ -242,6 +242,9 @@ class TransferEngine:
         last = int(self._store_reads[gpu_ids].max())
         if last <= self._stores_done or last not in self._pending_stores:
             return ()
+        if not self._tracker.running(self._pending_stores[last]):
+            # Waited for (vLLM's jobs_to_flush), so complete on the device, with every earlier store of its lane.
+            return ()
         self.ordered_loads += 1
         blocks = gpu_ids[self._store_reads[gpu_ids] > self._stores_done]
         logger.warning(

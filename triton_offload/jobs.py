@@ -233,6 +233,12 @@ class JobTracker:
                 if job.job_id in wanted:
                     self._poll(job, block=True)
 
+    def running(self, job_id: int) -> bool:
+        """Whether job ``job_id`` was submitted and is not known to be finished (not waited for, or not yet seen
+        complete by :meth:`get_finished`)."""
+        job = self._pending_ids.get(job_id)
+        return job is not None and job.result is None
+
     @property
     def num_pending(self) -> int:
         return sum(len(q) for q in self._pending.values())
