@@ -119,10 +119,17 @@ def test_vllm033_reads_a_batch_load_in_any_order_and_a_store_in_stream_order():
     still write it). Here on CPU, where the batch goes to the driver's memmove stand-in, which records the
     attributes it was handed; `dma` keeps stream order both ways."""
     import triton_offload as to
-    from triton_offload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+    from triton_offload.cuda_driver import SRC_ACCESS_ORDER_STREAM
     from triton_offload.host_cache import HostCache
 
-    with bench_modules("serving_methods", "case", "workloads", "verify") as (methods, case, workloads, verify):
+    with bench_modules("serving_methods", "case", "workloads", "verify", "cuda_driver") as (
+        methods,
+        case,
+        workloads,
+        verify,
+        bench_driver,
+    ):
+        SRC_ACCESS_ORDER_ANY = bench_driver.SRC_ACCESS_ORDER_ANY
         w = workloads.WORKLOADS["llama3-8b"].tiny()
         spec = to.KVCacheSpec(workloads.make_caches(w, "block_first", 8, "cpu", seed=1), "block_first")
         cache = HostCache(spec.host_block_bytes(1), num_blocks=8, pin=False)
