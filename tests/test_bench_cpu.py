@@ -1,9 +1,8 @@
-"""The benchmark's CPU mode (bench/bench_transfer.py without CUDA): every method that exists on CPU moves the right
+"""The benchmark's CPU mode (``python -m bench.transfer`` without CUDA): every method that exists on CPU moves the right
 bytes, the CUDA-only baselines' copy plans replay correctly with memmove, no bandwidth number is ever written, and
 a method that moves wrong bytes fails the run instead of reporting anything.
 
-Run as subprocesses with --cpu-check, so the same test holds on a CUDA machine (and the bench's sibling modules
-never land on this process's sys.path)."""
+Run as subprocesses with --cpu-check, so the same test holds on a CUDA machine."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench"
 TIMING_FIELDS = (
     "median_ms", "p20_ms", "p80_ms", "gbps", "call_cpu_us", "fraction_of_peak",
     "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged", "speedup_vs_vllm033",
@@ -36,7 +34,7 @@ def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
 
 def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
     out = tmp_path / "cpu.json"
-    proc = _run([str(BENCH / "bench_transfer.py"), "--quick", "--cpu-check", "--json", str(out)])
+    proc = _run(["-m", "bench.transfer", "--quick", "--cpu-check", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "NO BANDWIDTH IS MEASURED" in proc.stdout
     data = json.loads(out.read_text())
@@ -67,8 +65,8 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
 
 _BROKEN_PLAN = """
 import sys
-sys.path.insert(0, {bench!r})
-import case, bench_transfer
+from bench.common import case
+from bench.transfer import cli
 original = case.TransferCase.copy_plan
 def shifted(self, host_ids):
     src, dst, sizes = original(self, host_ids)
@@ -76,13 +74,13 @@ def shifted(self, host_ids):
     sizes[-1] -= 16  # the last copy stops 16 bytes short: never writes out of bounds, leaves a sentinel tail
     return src, dst, sizes
 case.TransferCase.copy_plan = shifted
-sys.exit(bench_transfer.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
+sys.exit(cli.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
 """
 
 
 def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
     out = tmp_path / "broken.json"
-    proc = _run(["-c", _BROKEN_PLAN.format(bench=str(BENCH), out=str(out))])
+    proc = _run(["-c", _BROKEN_PLAN.format(out=str(out))])
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
     failed = {(f["method"], f["direction"]) for f in data["failures"]}
@@ -96,10 +94,10 @@ def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
 
 
 def test_call_cost_runs_every_step_at_a_tiny_shape(tmp_path):
-    """bench/call_cost.py (the per-call host-time breakdown measured on the GPU) runs end to end and writes its JSON;
-    on CPU it times only the steps before the launch and says so."""
+    """bench.micro.call_cost (the per-call host-time breakdown measured on the GPU) runs end to end and writes its
+    JSON; on CPU it times only the steps before the launch and says so."""
     out = tmp_path / "cost.json"
-    proc = _run([str(BENCH / "call_cost.py"), "--tiny", "--calls", "8", "--json", str(out)], timeout=300)
+    proc = _run(["-m", "bench.micro.call_cost", "--tiny", "--calls", "8", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "the steps before the launch only" in proc.stdout or "NVIDIA" in proc.stdout
     sections = json.loads(out.read_text())["sections"]
