@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import baselines
-from bench.baselines import copy_loop
+from bench.baselines import copies, copy_loop
 from bench.common import case
 from bench.common.env import Env
 
@@ -127,7 +126,7 @@ def test_without_a_compiled_loop_the_python_loop_is_labelled_handicapped():
     src, dst, plan = _plan(12)
     driver = _FakeDriver()
     env = Env(torch.device("cpu"), driver, "fake driver", stream_handle=0x77)
-    run, impl = baselines.issue_each(plan, env, None, "no compiler here")
+    run, impl = copies.issue_each(plan, env, None, "no compiler here")
     assert impl.startswith(copy_loop.PYTHON_ISSUED) and "no compiler here" in impl
     run()
     assert _moved_right(src, dst, plan) and driver.streams == [0x77] * 12
@@ -136,7 +135,7 @@ def test_without_a_compiled_loop_the_python_loop_is_labelled_handicapped():
 def test_with_a_compiled_loop_it_is_used_and_labelled_so(shim_lib):
     src, dst, plan = _plan(12)
     env = Env(torch.device("cpu"), None, "no driver", stream_handle=0x5EED)
-    run, impl = baselines.issue_each(plan, env, shim_lib)
+    run, impl = copies.issue_each(plan, env, shim_lib)
     assert isinstance(run, copy_loop.CompiledCopyLoop) and "C++" in impl and copy_loop.PYTHON_ISSUED not in impl
     run()
     assert _moved_right(src, dst, plan)
@@ -145,4 +144,4 @@ def test_with_a_compiled_loop_it_is_used_and_labelled_so(shim_lib):
 def test_neither_a_compiled_loop_nor_a_driver_means_unavailable():
     env = Env(torch.device("cpu"), None, "libcuda.so.1 missing")
     with pytest.raises(case.Unavailable, match="no compiled helper .*libcuda.so.1 missing"):
-        baselines.issue_each(_plan(2)[2], env, None, "no compiler")
+        copies.issue_each(_plan(2)[2], env, None, "no compiler")

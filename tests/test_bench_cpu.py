@@ -2,7 +2,7 @@
 bytes, the CUDA-only baselines' copy plans replay correctly with memmove, no bandwidth number is ever written, and
 a method that moves wrong bytes fails the run instead of reporting anything.
 
-Run as subprocesses with --cpu-check, so the same test holds on a CUDA machine."""
+Run with --cpu-check (the end to end runs as subprocesses), so the same test holds on a CUDA machine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import json
 import pathlib
 import subprocess
 import sys
+
+from bench_faults import short_uncoalesced_copies
+
+from bench.transfer import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMING_FIELDS = (
@@ -63,29 +67,14 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
             assert r["status"] == "n/a" and "memmove" in r["note"], r
 
 
-_BROKEN_PLAN = """
-import sys
-from bench.common import case
-from bench.transfer import cli
-original = case.TransferCase.copy_plan
-def shifted(self, host_ids):
-    src, dst, sizes = original(self, host_ids)
-    sizes = sizes.copy()
-    sizes[-1] -= 16  # the last copy stops 16 bytes short: never writes out of bounds, leaves a sentinel tail
-    return src, dst, sizes
-case.TransferCase.copy_plan = shifted
-sys.exit(cli.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
-"""
-
-
-def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
+def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path, monkeypatch):
     out = tmp_path / "broken.json"
-    proc = _run(["-c", _BROKEN_PLAN.format(out=str(out))])
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    short_uncoalesced_copies(monkeypatch, 16)  # the last copy of every baseline's transfer
+    assert cli.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", str(out)]) == 1
     data = json.loads(out.read_text())
     failed = {(f["method"], f["direction"]) for f in data["failures"]}
-    # Every method issuing the bench's copy plan; auto's copy-engine path builds its own (triton_offload/dma.py,
-    # tests/test_dma.py) and still passes.
+    # Every method issuing the library's uncoalesced descriptors; auto (the engine's copy-engine path, which asks for
+    # coalescing: triton_offload/dma.py, tests/test_dma.py) still passes.
     assert failed == {(m, d) for m in (CUDA_ONLY - {"auto"}) | {VLLM033} for d in ("store", "load")}
     assert all("differ" in f["note"] for f in data["failures"])
     # The methods whose bytes are right still pass, and still nothing is measured.

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 
-from bench.baselines import vllm033 as sm_copy
 from bench.common import grid, results, workloads
 from bench.transfer import cli as bench_transfer
 from tools.gpu import parts, plan
@@ -189,10 +188,6 @@ def test_each_part_expands_to_valid_benchmark_options():
     assert args["full-70b"]["budget_ms"] == 100.0 and not args["full-70b"]["quick"]
     assert args["extras"]["no_sweep"] and not args["extras"]["no_overhead"]
     assert all(a["json"] == "x.json" for a in args.values())
-
-
-def test_the_time_model_uses_the_sm_copy_threshold():
-    assert parts.SM_COPY_MAX_PAGE_BYTES == sm_copy.MAX_PAGE_BYTES
 
 
 def test_the_time_model_counts_the_default_num_ctas():

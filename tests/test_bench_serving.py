@@ -16,21 +16,24 @@ import sys
 import numpy as np
 import pytest
 import torch
+from bench_faults import short_uncoalesced_copies
 from vllm_harness import VLLM_033
 
+from bench.baselines import ours
 from bench.common import workloads
+from bench.common.case import OffloadTarget
 from bench.common.env import Env
 from bench.serving import blocks as blocks_mod
 from bench.serving import cli as serving
 from bench.serving import config, loop, methods, report
 from bench.serving import model as serving_model
-from tools.gpu import parts
+from triton_offload.engine import TransferEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVING = ("-m", "bench.serving")
 REQUIRED = ("workload", "method", "num_ctas", "byte_check", "step_ms_median", "step_ms_p99", "slowdown_vs_none",
             "load_latency_ms_median", "load_latency_ms_p99", "submit_cpu_us_per_step", "offload_gbps")  # fmt: skip
-OFFLOAD = ("triton", "auto", "vllm033", "dma")
+OFFLOAD = ("triton", "auto", "vllm033", "memcpy_batch")
 
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -61,7 +64,7 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
         for shape in ("prefill-heavy", "decode-heavy"):
             for mode in ("async", "sync"):
                 want = [("none", None), ("triton", 4), ("triton", 2), ("triton", 8), ("auto", None),
-                        ("vllm033", None), ("vllm_native", None), ("dma", None)]  # fmt: skip
+                        ("vllm033", None), ("vllm_native", None), ("memcpy_batch", None)]  # fmt: skip
                 assert {(w, shape, mode, m, c) for m, c in want} <= labels
     assert len(rows) == 3 * 2 * 2 * 8
     for r in rows:
@@ -89,34 +92,17 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
         assert "84 of 84 runs byte-checked pass (12 n/a: cannot run here, not counted)" in proc.stdout
 
 
-_BROKEN = """
-import sys
-import numpy as np
-from bench.serving import cli as serving, methods as serving_methods
-from triton_offload.engine import TransferEngine
-
-store = TransferEngine.submit_store
-def short_store(self, job_id, gpu_ids, host_ids, **kw):  # drops the last block of every store
-    store(self, job_id, gpu_ids[:-1], host_ids[:-1], **kw)
-TransferEngine.submit_store = short_store
-
-plan = serving_methods.copy_plan
-def short_load_plan(runs, host, gpu_ids, host_ids, *, store, **kw):  # the last copy of a load stops 8 bytes short
-    src, dst, sizes = plan(runs, host, gpu_ids, host_ids, store=store, **kw)
-    if not store:
-        sizes = sizes.copy()
-        sizes[-1] -= np.uint64(8)
-    return src, dst, sizes
-serving_methods.copy_plan = short_load_plan
-sys.exit(serving.main(["--cpu-check", "--workloads", "small-page", "--shapes", "prefill-heavy", "--load-modes",
-                       "sync", "--json", {out!r}]))
-"""
-
-
-def test_wrong_bytes_fail_the_run(tmp_path):
+def test_wrong_bytes_fail_the_run(tmp_path, monkeypatch, capsys):
     out = tmp_path / "broken.json"
-    proc = _run(["-c", _BROKEN.format(out=str(out))])
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    store = TransferEngine.submit_store
+
+    def short_store(self, job_id, gpu_ids, host_ids, **kw):  # drops the last block of every store
+        store(self, job_id, gpu_ids[:-1], host_ids[:-1], **kw)
+
+    monkeypatch.setattr(TransferEngine, "submit_store", short_store)
+    short_uncoalesced_copies(monkeypatch, 8, "load")  # the last copy of every baseline's load stops 8 bytes short
+    argv = ["--cpu-check", "--workloads", "small-page", "--shapes", "prefill-heavy", "--load-modes", "sync"]
+    assert serving.main([*argv, "--json", str(out)]) == 1
     data = json.loads(out.read_text())
     by = {r["method"]: r for r in data["rows"]}
     assert by["none"]["byte_check"] == "pass"
@@ -124,10 +110,10 @@ def test_wrong_bytes_fail_the_run(tmp_path):
     assert len(ours) == 4 and all(r["byte_check"] == "fail" for r in ours)
     # The first store is short: its check, when it completed, found its last host block unwritten.
     assert all(r["byte_check_note"].startswith("store job 0: 1 of ") for r in ours), ours
-    for method in ("vllm033", "dma"):  # the first load is 8 bytes short
+    for method in ("vllm033", "memcpy_batch"):  # the first load is 8 bytes short
         assert by[method]["byte_check"] == "fail" and by[method]["byte_check_note"].startswith("load job 1: 1 of ")
     assert len(data["failures"]) == 6
-    assert "FAIL" in proc.stdout
+    assert "FAIL" in capsys.readouterr().out
 
 
 def test_a_setting_that_cannot_run_is_refused_before_anything_runs(tmp_path):
@@ -139,7 +125,7 @@ def test_a_setting_that_cannot_run_is_refused_before_anything_runs(tmp_path):
         proc.stderr
     )
     proc = _run([*SERVING, "--methods", "triton", "nvme"])
-    assert proc.returncode == 2 and "unknown method(s) ['nvme']" in proc.stderr and "'dma'" in proc.stderr
+    assert proc.returncode == 2 and "unknown method(s) ['nvme']" in proc.stderr and "'memcpy_batch'" in proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +202,7 @@ def test_where_loads_and_deferred_stores_go_in_the_step(loop_setup, monkeypatch,
     store first (--defer-stores: the step before's), then the arrival's load. The last step's store goes out after
     the loop, so the host ring still ends complete."""
     loop, methods, setup = loop_setup
-    engine = methods.build_engine(methods.MethodPoint("dma"), setup.target)
+    engine = methods.build_engine(methods.MethodPoint("memcpy_batch"), setup.target)
     order = []
     for name in ("submit_store", "submit_load"):
         real = getattr(engine, name)
@@ -341,28 +327,31 @@ def test_the_block_plan_at_gpu_shapes(workload, shape_name):
 def test_every_default_method_is_registered_and_points_expand():
     assert set(config.DEFAULT_METHODS) <= set(methods.METHODS)
     points = methods.method_points(config.DEFAULT_METHODS, config.TRITON_CTAS)
-    labels = ["none", "triton@4", "triton@2", "triton@8", "auto", "vllm033", "vllm_native", "dma"]
+    labels = ["none", "triton@4", "triton@2", "triton@8", "auto", "vllm033", "vllm_native", "memcpy_batch"]
     assert [p.label for p in points] == labels
-    # parts.py (which cannot import the methods) counts the runs from the plan alike: every point once per
-    # round, and none once more.
+    # tools/gpu/parts.py (which cannot import the methods) counts the runs from the plan alike: every point once per
+    # round, and none once more; and the duplex points from the same list of methods.
     plan = config.FULL_PLAN
     assert plan.runs_per_mode() == len(serving.schedule(points, plan.rounds)) == plan.rounds * len(points) + 1
-    assert parts.DUPLEX_POINTS == len(serving.DUPLEX_POINTS) and set(serving.DUPLEX_POINTS) <= set(points)
+    assert [p.method for p in serving.DUPLEX_POINTS] == list(config.DUPLEX_METHODS)
+    assert set(serving.DUPLEX_POINTS) <= set(points)
     preset = config.PRESETS["decisive"]
     assert preset.runs_per_mode() == len(serving.schedule(methods.method_points(preset.methods, ()), 2))
-    with pytest.raises(ValueError, match=r"unknown method\(s\) \['nvme'\]; supported: \['auto', 'dma', 'none'"):
+    with pytest.raises(
+        ValueError, match=r"unknown method\(s\) \['nvme'\]; supported: \['auto', 'memcpy_batch', 'none'"
+    ):
         methods.method_points(["triton", "nvme"], ())
 
 
 def test_the_triton_method_passes_engine_options_through(monkeypatch):
     """So that a path choice (TransferEngine(..., path=...)) is one registry line away."""
     seen = {}
-    monkeypatch.setattr(methods, "TransferEngine", lambda kv, host, **kw: seen.update(kw) or "engine")
-    target = methods.OffloadTarget("kv", type("Cache", (), {"buffer": "host"})(), None)
-    assert methods.triton_engine(target, 4, path="auto") == "engine"
+    monkeypatch.setattr(ours, "TransferEngine", lambda kv, host, **kw: seen.update(kw) or "engine")
+    target = OffloadTarget("kv", type("Cache", (), {"buffer": "host"})(), None)
+    assert ours.triton_engine(target, 4, path="auto") == "engine"
     assert seen == {"num_ctas": None, "path": "auto"}  # the default num_ctas is passed as a user passes it
     seen.clear()
-    methods.triton_engine(target, 8)
+    ours.triton_engine(target, 8)
     assert seen == {"num_ctas": 8}
 
 
@@ -421,7 +410,7 @@ def test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers(tmp_path)
                 assert r["load_steps_waited_median"] >= 1 and r["load_vs_contiguous"] is None, r
         assert "SM copy load" in rows[("vllm033", None)]["impl"]  # 8 KiB pages
     duplex = {d["method"]: d for d in data["duplex"]}
-    assert set(duplex) == {"triton", "dma"}
+    assert set(duplex) == {"triton", "memcpy_batch"}
     for d in duplex.values():
         assert d["byte_check"] == "pass" and 0.5 < d["ratio"] < 2.5 and 0.2 < d["ratio_vs_contiguous"] < 2.5, d
         assert 1 < d["store_alone_gbps"] < 200 and 1 < d["load_alone_gbps"] < 200, d

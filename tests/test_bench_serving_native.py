@@ -1,5 +1,5 @@
-"""vLLM 0.33's own worker in the serving step loop (``vllm_native``, bench.serving.methods.NativeEngine), on CPU in
-host replay: byte-checked like every method, and a run whose bytes are wrong fails. Runs where vLLM 0.33.0's
+"""vLLM 0.33's own worker in the serving step loop (``vllm_native``, bench.baselines.vllm_native.NativeEngine), on CPU
+in host replay: byte-checked like every method, and a run whose bytes are wrong fails. Runs where vLLM 0.33.0's
 Python code imports (``./dev test`` runs it in the vLLM 0.33 environment); skipped elsewhere."""
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ pytestmark = pytest.mark.skipif(not VLLM_033, reason=f"needs vLLM 0.33.0's Pytho
 
 _RUN = """
 import sys
-from bench.serving import cli as serving, methods as serving_methods
+from bench.serving import cli as serving
+from bench.baselines.vllm_native import NativeEngine
 if {broken!r}:
-    submit = serving_methods.NativeEngine._submit
-    def shifted(self, job_id, store, gpu_ids, host_ids):  # a store lands one host block over
-        if store:
+    submit = NativeEngine._submit
+    def shifted(self, job_id, direction, gpu_ids, host_ids):  # a store lands one host block over
+        if direction == "store":
             host_ids = (host_ids + 1) % self.host.shape[0]
-        submit(self, job_id, store, gpu_ids, host_ids)
-    serving_methods.NativeEngine._submit = shifted
+        submit(self, job_id, direction, gpu_ids, host_ids)
+    NativeEngine._submit = shifted
 sys.exit(serving.main(["--cpu-check", "--methods", "none", "vllm_native", "--workloads", "small-page", "--shapes",
                        "decode-heavy", "--json", {out!r}]))
 """

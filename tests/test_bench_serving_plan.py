@@ -16,6 +16,7 @@ import torch
 from vllm_harness import VLLM_033
 
 from bench.common import verify, workloads
+from bench.common.case import OffloadTarget
 from bench.common.env import Env
 from bench.serving import cli as serving
 from bench.serving import config, methods
@@ -86,10 +87,10 @@ def test_the_command_line_picks_the_plan():
     decisive = config.PRESETS["decisive"]
     assert preset.shapes == decisive.shapes and preset.methods == decisive.methods
     args = ["--workloads", "small-page", "--shapes", "decode-heavy", "--load-modes", "sync", "--rounds", "3",
-            "--steps", "7", "--context", "64", "--methods", "none", "dma"]  # fmt: skip
+            "--steps", "7", "--context", "64", "--methods", "none", "memcpy_batch"]  # fmt: skip
     plan = serving.run_plan(serving.parse_args(args), True)
     assert plan.cases == (("small-page", "decode-heavy"),) and plan.load_modes == ("sync",) and plan.rounds == 3
-    assert plan.methods == ("none", "dma") and plan.runs_per_mode() == 3 * 2 + 1
+    assert plan.methods == ("none", "memcpy_batch") and plan.runs_per_mode() == 3 * 2 + 1
     assert all(s.steps == 7 and s.context == 64 for s in plan.shapes.values())
     assert plan.shape("prefill-heavy").decode == config.GPU_SHAPES["prefill-heavy"].decode
 
@@ -117,7 +118,7 @@ def test_vllm033_reads_a_batch_load_in_any_order_and_a_store_in_stream_order():
     """vLLM 0.33's swap_blocks_batch (kv_offload/cpu/gpu_worker.py, transfer_async: is_src_access_order_any = not
     gpu_to_cpu): a load's host source is read in any order, a store's GPU source in stream order (the compute may
     still write it). Here on CPU, where the batch goes to the driver's memmove stand-in, which records the
-    attributes it was handed; `dma` keeps stream order both ways."""
+    attributes it was handed; `memcpy_batch` keeps stream order both ways."""
     import triton_offload as to
     from bench.baselines.driver import SRC_ACCESS_ORDER_ANY
     from triton_offload.cuda_driver import SRC_ACCESS_ORDER_STREAM
@@ -127,11 +128,12 @@ def test_vllm033_reads_a_batch_load_in_any_order_and_a_store_in_stream_order():
     spec = to.KVCacheSpec(workloads.make_caches(w, "block_first", 8, "cpu", seed=1), "block_first")
     cache = HostCache(spec.host_block_bytes(1), num_blocks=8, pin=False)
     try:
-        target = methods.OffloadTarget(spec, cache, Env(torch.device("cpu"), None, "cpu"))
+        target = OffloadTarget(spec, cache, Env(torch.device("cpu"), None, "cpu"))
         gpu, host = np.array([1, 6, 3]), np.array([0, 2, 5])  # 6 descriptors: below the SM copy's 16
-        for name, load_order in (("vllm033", SRC_ACCESS_ORDER_ANY), ("dma", SRC_ACCESS_ORDER_STREAM)):
+        for name, load_order in (("vllm033", SRC_ACCESS_ORDER_ANY), ("memcpy_batch", SRC_ACCESS_ORDER_STREAM)):
             engine = methods.build_engine(methods.MethodPoint(name), target)
-            calls = engine._batch.stand_in.calls
+            # vllm033's batches, or the library's copy-engine issuer's (memcpy_batch): their memmove stand-in.
+            calls = (engine.issuer.batch if name == "vllm033" else engine.issuer._batch).stand_in.calls
             engine.submit_store(0, gpu, host)
             engine.submit_load(1, np.array([2, 4, 7]), host)
             engine.shutdown()

@@ -162,7 +162,7 @@ def _check_all_cases(mods, w, layout):
     """(status, note, impl) of ``vllm_native`` on every host format and direction of a tiny workload (the CPU check)."""
     session = mods["session"]
     env = Env(torch.device("cpu"), None, "no CUDA")
-    run = session.Session({}, env, [session.MethodSpec("vllm_native", None, mods["baselines"].VllmNative)])
+    run = session.Session({}, env, [session.MethodSpec("vllm_native")])
     group = session.allocate(w.tiny(), layout, 8, ((1, 0), (4, 1)), env.device, 0)
     out = []
     for f, skip in ((1, 0), (4, 1)):
@@ -222,7 +222,7 @@ def test_on_cuda_vllms_paths_and_the_callers_stream_waits_for_vllms(mods):
     batch, each byte-checked; and a timed call ends only when vLLM's own stream has finished the copy."""
     session, baselines = mods["session"], mods["baselines"]
     device, stream, env, meta = session.open_gpu()
-    run = session.Session(meta, env, [session.MethodSpec("vllm_native", None, baselines.VllmNative)], stream)
+    run = session.Session(meta, env, [session.MethodSpec("vllm_native")], stream)
     impls = {}
     for name, layout in (("small-page", "kv_first"), ("llama3-8b", "block_first")):
         group = session.allocate(mods["workloads"].WORKLOADS[name], layout, 256, ((4, 1),), device, 0)
@@ -232,8 +232,8 @@ def test_on_cuda_vllms_paths_and_the_callers_stream_waits_for_vllms(mods):
             assert status == "pass", note
             impls[name, store] = prepared.impl
         case = session.make_case(group, 256, 4, 1, True)
-        prepared = baselines.VllmNative().prepare(case, env)
-        worker = baselines._NATIVE_WORKERS[case.spec][1]
+        prepared = baselines.METHODS["vllm_native"].prepare(case, env)
+        worker = env.held[case.spec]["native"]
         torch.cuda.synchronize()
         worker.poll()  # the check's jobs
         with torch.cuda.stream(stream):

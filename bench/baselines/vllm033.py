@@ -1,5 +1,9 @@
-"""The SM copy the ``vllm033`` baseline loads small pages with, written here from a description of vLLM 0.33's native
-offloading worker (no vLLM code is copied).
+"""``vllm033``: vLLM 0.33's data path, written here from a description of its native offloading worker (no vLLM code
+is copied), once for both benchmarks (:class:`Vllm033`, an :class:`~triton_offload.issuer.Issuer`). Its descriptors
+are the library's, one per run and block (``DmaPlanner(coalesce=False)``), as vLLM builds them. Stores are one
+``cuMemcpyBatchAsync`` that reads its source in stream order (the compute may still write it), no flags; loads read
+theirs in any order (``srcAccessOrder = ANY``: host memory no GPU stream writes meanwhile), as vLLM's
+``swap_blocks_batch`` is called (``transfer_async``: ``is_src_access_order_any = not gpu_to_cpu``).
 
 A load where every descriptor is smaller than 28 KiB, every address and size is a multiple of 8 bytes and there are
 at least 16 descriptors is done by a Triton kernel instead of the copy engines: one (src, dst, bytes) descriptor per
@@ -20,11 +24,30 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from bench.baselines.copies import batch_impl, batch_issuer
+from bench.baselines.driver import SRC_ACCESS_ORDER_ANY
+from bench.baselines.tracked import TrackedEngine
+from bench.common.case import OffloadTarget, Prepared, TransferCase
+from bench.common.env import Env
+from bench.common.grid import VLLM033_MAX_PAGE_BYTES as MAX_PAGE_BYTES  # every descriptor strictly smaller
+from triton_offload.cuda_driver import FLAG_DEFAULT, MemcpyBatchCall, batch_attributes
+from triton_offload.dma import DmaPlanner
 from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
+from triton_offload.plan import Direction, TransferPlan
 
-__all__ = ["MAX_PAGE_BYTES", "MIN_DESCRIPTORS", "ALIGN", "PROGRAMS", "CHUNK_BYTES", "uses_sm_copy", "SmCopy"]
+__all__ = [
+    "MAX_PAGE_BYTES",
+    "MIN_DESCRIPTORS",
+    "ALIGN",
+    "PROGRAMS",
+    "CHUNK_BYTES",
+    "uses_sm_copy",
+    "SmCopy",
+    "Vllm033",
+    "prepare",
+    "engine",
+]
 
-MAX_PAGE_BYTES = 28 * 1024  # every descriptor strictly smaller
 MIN_DESCRIPTORS = 16
 ALIGN = 8  # bytes: every address and size; the kernel moves 8-byte words
 PROGRAMS = 12
@@ -107,3 +130,85 @@ class SmCopy:
         self.kernel[(self.programs,)](
             self.desc_dev, self.desc_dev, self.n, self.rounds, self.n_chunks, CHUNK=self.chunk, num_warps=4
         )
+
+
+class Vllm033:
+    """vLLM 0.33's policy as an :class:`~triton_offload.issuer.Issuer` between one spec and one host buffer.
+
+    Args:
+        spec, host_buffer, blocks_per_host_block: the caches, the packed host buffer and f.
+        env: the machine (its CUDA driver); Unavailable on CUDA without one.
+
+    Attributes:
+        paths: what it issued so far ("SM copy load", "cuMemcpyBatchAsync store", ...).
+    """
+
+    path = "vllm033"
+    on_cpu = "batches run by a memmove stand-in, the SM copy by the interpreter"
+
+    def __init__(self, spec, host_buffer: torch.Tensor, blocks_per_host_block: int, env: Env):
+        self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block, coalesce=False)
+        self.device, self.env = spec.device, env
+        self._batch = None  # the driver's entry point, resolved at the first batch (the SM copy needs none)
+        self._load_attrs = batch_attributes(False, spec.device.index or 0, FLAG_DEFAULT)
+        self._load_attrs.srcAccessOrder = SRC_ACCESS_ORDER_ANY
+        self.paths: set[str] = set()
+
+    @property
+    def batch(self):
+        if self._batch is None:
+            self._batch = batch_issuer(self.device, self.env, FLAG_DEFAULT)
+        return self._batch
+
+    def descriptors(self, plan: TransferPlan) -> int:
+        return self.planner.count(plan)
+
+    def op(self, plan: TransferPlan, stream: int):
+        """``plan``'s transfer, built and not issued (calling it issues it): the SM copy for a load that vLLM would
+        give it, else one batch call on the raw CUstream ``stream`` (0 on CPU)."""
+        src, dst, sizes = self.planner.descriptors(plan)
+        store = plan.direction is Direction.STORE
+        if uses_sm_copy(store, src, dst, sizes):
+            self.paths.add("SM copy load")
+            return SmCopy(src, dst, sizes, self.device)
+        b = self.batch
+        if store:
+            self.paths.add("cuMemcpyBatchAsync store")
+            return b.call(src, dst, sizes, True, stream)
+        self.paths.add("cuMemcpyBatchAsync load (source order ANY)")
+        return MemcpyBatchCall(b.address, b.with_fail_idx, src, dst, sizes, self._load_attrs, stream)
+
+    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None):
+        """Builds ``plan``'s descriptors and issues them on ``stream`` (None: the current one; on CPU they run now);
+        returns the op, which holds the arrays the copies read."""
+        if self.device.type != "cuda":  # the copies run now
+            op = self.op(plan, 0)
+            op()
+            return op
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        # The SM copy's device descriptors belong to the stream that reads them; the driver acts in the caches' device.
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            op = self.op(plan, stream.cuda_stream)
+            op()
+        return op
+
+    def release(self, keep, after=None) -> None:
+        """Nothing to hand back: the arrays go with the op."""
+
+
+def prepare(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:
+    """The transfer benchmark's ``vllm033``: the case's op built once (descriptors, and an SM copy's buffers)."""
+    issuer = Vllm033(case.spec, case.host, case.f, env)
+    op = issuer.op(case.plan(), env.stream_handle)
+    if isinstance(op, SmCopy):
+        where = "compiled" if env.cuda else "Triton interpreter"
+        impl = f"SM copy ({where}): 12 programs, 8-byte words, <= 8 KiB steps, descriptors uploaded per call"
+        return Prepared(op, case.host_ids, impl)
+    order = "" if case.store or not env.cuda else " (source order ANY)"
+    run = lambda issuer=issuer: op()  # noqa: E731 - the default argument keeps the stand-in's callback alive
+    return Prepared(run if not env.cuda else op, case.host_ids, f"batch: {batch_impl(env)}{order}", not env.cuda)
+
+
+def engine(target: OffloadTarget, num_ctas: int | None) -> TrackedEngine:
+    """The serving loop's ``vllm033``: descriptors built per call from the block ids, as vLLM's worker builds them."""
+    return TrackedEngine(target, Vllm033(target.kv, target.host_buffer, 1, target.env), "vllm033")

@@ -47,9 +47,11 @@ import numpy as np
 import torch
 
 from bench.baselines.driver import SRC_ACCESS_ORDER_ANY, memcpy_async
-from bench.common.case import Unavailable
+from bench.baselines.tracked import TrackedEngine
+from bench.common.case import OffloadTarget, Prepared, TransferCase, Unavailable, byte_runs
 from bench.common.env import Env
-from bench.common.grid import VLLM_VERSION  # the release tools/gpu/vllm_bundle.py packs is the one this runs
+from bench.common.grid import NATIVE_WARM_DEPTH, VLLM_VERSION  # the release tools/gpu/vllm_bundle.py packs
+from bench.common.verify import SENTINEL
 from triton_offload.cuda_driver import (
     SRC_ACCESS_ORDER_STREAM,
     CudaDriver,
@@ -58,6 +60,7 @@ from triton_offload.cuda_driver import (
     HostBatchStandIn,
     batch_prototype,
 )
+from triton_offload.plan import Direction, TransferPlan
 
 __all__ = [
     "VLLM_VERSION",
@@ -417,6 +420,15 @@ class NativeWorker:
                 return
         raise KeyError(f"job {job} is not in flight")
 
+    def run(self, store: bool, specs: tuple[object, object]) -> int:
+        """One transfer as a caller on the current stream sees it: :meth:`poll` (as vLLM's connector does every step:
+        finished jobs hand back their streams and buffers), :meth:`submit`, then the current stream waits for it
+        (:meth:`order_after`). Returns the job id."""
+        self.poll()
+        job = self.submit(store, specs)
+        self.order_after(job)
+        return job
+
     def poll(self) -> list:
         """vLLM's ``get_finished()``: the jobs finished since the last poll (``TransferResult``: job_id, success,
         transfer_size, transfer_time), in submission order per direction."""
@@ -495,3 +507,99 @@ class PackedHostView:
 
     def to(self, device) -> torch.Tensor:
         return torch.cat([p.to(device) for p in self.parts], dim=1)
+
+
+def _worker_for(case: TransferCase, env: Env) -> NativeWorker:
+    """The worker of the case's spec and host format, kept for the run (``env.held``), so a case's store and load
+    share one vLLM worker and its region; a new format replaces it (its region freed first)."""
+    held = env.held.setdefault(case.spec, {})
+    key = (case.f, case.host.shape[0])
+    if held.get("native_key") == key:
+        return held["native"]
+    if "native" in held:
+        held.pop("native").shutdown()
+    held["native"] = open_native_worker([r.view for r in case.runs], case.f, case.host.shape[0], env)
+    held["native_key"] = key
+    return held["native"]
+
+
+def prepare(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:
+    """The transfer benchmark's ``vllm_native``: vLLM 0.33's own ``CPUOffloadingWorker`` over the case's KV tensors
+    (one canonical tensor per run), its host region of its own layout at the case's host ids; the scheduler's side
+    (the transfer specs) built once, each call vLLM's ``submit`` and the current stream waiting for it."""
+    worker = _worker_for(case, env)
+    specs = worker.transfer_specs(case.gpu_ids, case.host_ids, case.skip)
+    if env.cuda:
+        worker.warm(case.store, specs, NATIVE_WARM_DEPTH)  # vLLM's pools as a running engine's, before timing
+    impl = f"vLLM {VLLM_VERSION}'s own worker ({worker.vllm.where}): {worker.path(case.store, case.n)}"
+    run = lambda: worker.run(case.store, specs)  # noqa: E731
+    return Prepared(run, case.host_ids, impl, not env.cuda, PackedHostView(worker.host_views, case.f))
+
+
+class NativeIssuer:
+    """vLLM's worker as an :class:`~triton_offload.issuer.Issuer`: a plan becomes vLLM's transfer specs, as its
+    scheduler builds them, submitted to its worker on the issuing stream (vLLM's own stream waits for it, and it for
+    vLLM's: :meth:`NativeWorker.run`)."""
+
+    path = "vllm_native"
+
+    def __init__(self, worker: NativeWorker):
+        self.worker = worker
+
+    def descriptors(self, plan: TransferPlan) -> int:
+        return plan.n_blocks * len(self.worker.page_bytes)
+
+    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None) -> int:
+        gpu_ids, host_ids, skip = next(plan.groups())
+        specs = self.worker.transfer_specs(gpu_ids, host_ids, skip)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return self.worker.run(plan.direction is Direction.STORE, specs)
+
+    def release(self, keep, after=None) -> None:
+        """Nothing to hand back: vLLM recycles its buffers at its next poll."""
+
+
+class NativeEngine(TrackedEngine):
+    """The serving loop's ``vllm_native``: vLLM 0.33's own worker over the same KV caches (one canonical tensor per
+    run, one GPU block per chunk) behind the worker API, tracked as every baseline is.
+
+    vLLM's host region has its own layout (a tensor per run), so the host cache's bytes (the cached prefixes) are
+    mirrored into it once, when the engine is made, and each run starts with the store ring's rows set to the sentinel
+    in it as in the host cache (:meth:`begin_run`, outside the measured steps); the loop's checks read the host blocks
+    from vLLM's region (:meth:`host_rows`).
+
+    Raises:
+        Unavailable: vLLM 0.33.0's code cannot be imported here (the bundle is not built), or no CUDA driver.
+    """
+
+    def __init__(self, target: OffloadTarget):
+        host = target.host_buffer
+        self.worker = open_native_worker([r.view for r in byte_runs(target.kv)], 1, host.shape[0], target.env)
+        super().__init__(target, NativeIssuer(self.worker), "vllm_native")
+        self.region = PackedHostView(self.worker.host_views, 1)
+        self.region.copy_(host)  # the cached prefixes (the store ring is reset by begin_run)
+
+    @property
+    def impl(self) -> str:
+        return f"vllm_native: vLLM's own worker ({self.worker.vllm.where}), swap_blocks_batch -> {self.worker.op}"
+
+    def begin_run(self, ring_rows: int) -> None:
+        """A run starts: the first ``ring_rows`` rows (the store ring) of vLLM's region hold the sentinel, as the
+        loop reset the host cache's."""
+        for part in self.region.parts:
+            part[:ring_rows].fill_(SENTINEL)
+
+    def host_rows(self, host_ids) -> torch.Tensor:
+        """(n, bytes_per_block) uint8: packed host blocks ``host_ids`` as vLLM's region holds them."""
+        ids = torch.from_numpy(np.asarray(host_ids, dtype=np.int64))
+        return torch.cat([part.index_select(0, ids) for part in self.region.parts], dim=1)
+
+    def shutdown(self):
+        try:
+            return super().shutdown()
+        finally:
+            self.worker.shutdown()
+
+
+def engine(target: OffloadTarget, num_ctas: int | None) -> NativeEngine:
+    return NativeEngine(target)

@@ -1,20 +1,19 @@
-"""What every transfer method sees: one case (:class:`TransferCase`), the machine (:class:`Env`), and what a method
-returns once prepared (:class:`Prepared`).
+"""What every transfer method sees: one case (:class:`TransferCase`) and what a method returns once prepared
+(:class:`Prepared`); and what the serving benchmark's engines move blocks between (:class:`OffloadTarget`).
 
 A method ``prepare``s a case once -- descriptor arrays, bound functions, everything that is not the transfer itself --
 and returns a :class:`Prepared` whose ``run()`` issues one transfer asynchronously on the current stream.
 
 Every method moves the same bytes: GPU block ``gpu_ids[i]`` of every layer to packed position ``skip + i`` of the
-host buffer (host block ``host_ids[p // f]``, sub-block ``p % f``), or back. The copy-engine baselines move a block
-as a few contiguous *runs*: one per layer when the layer's K and V of a block are adjacent (block_first, mla), one
-per K and per V when they are not (kv_first). The runs come from the prepared ``KVCacheSpec``'s segments, not from
-layout names.
+host buffer (host block ``host_ids[p // f]``, sub-block ``p % f``), or back. The case is planned and its copies are
+described by the library (:class:`~triton_offload.plan.TransferPlanner`, :class:`~triton_offload.dma.DmaPlanner`):
+a block moves as a few contiguous *runs*, one per layer where the layer's K and V of a block are adjacent
+(block_first, mla), one per K and per V where they are not (kv_first).
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,21 +21,32 @@ import numpy as np
 import torch
 
 import triton_offload as to
-from triton_offload.layouts import Segment
+from bench.common.env import Env
+from triton_offload.dma import DmaPlanner, group_runs
+from triton_offload.host_cache import HostCache
+from triton_offload.plan import Direction, TransferPlan, TransferPlanner
 
-__all__ = ["Run", "runs_of", "TransferCase", "copy_plan", "Prepared", "Unavailable", "memmove_replay"]
+__all__ = ["Run", "byte_runs", "TransferCase", "Prepared", "Unavailable", "memmove_replay", "OffloadTarget"]
 
 
 @dataclass(frozen=True)
-class Run(Segment):
-    """A :class:`~triton_offload.layouts.Segment` (merged with its neighbours where they are adjacent on both sides),
-    with a byte view of it for the checks and the torch baselines.
+class Run:
+    """One run of the library's descriptor planner (:func:`triton_offload.dma.group_runs`: a block's contiguous bytes
+    in one layer) as the checks and the torch baselines see it.
 
     Attributes:
+        layer: the layer it belongs to.
+        host_offset: where it starts in a packed block.
         view: (num_blocks, nbytes) uint8 view of the run in the cache tensor.
     """
 
+    layer: int
+    host_offset: int
     view: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.shape[1]
 
 
 def _byte_view(t: torch.Tensor, base: int, rows: int, row_stride: int, nbytes: int) -> torch.Tensor:
@@ -46,24 +56,16 @@ def _byte_view(t: torch.Tensor, base: int, rows: int, row_stride: int, nbytes: i
     return flat.as_strided((rows, nbytes), (row_stride, 1), base - storage.data_ptr())
 
 
-def runs_of(spec: to.KVCacheSpec) -> list[Run]:
-    """The spec's segments, with segments of one layer merged where they are adjacent both on the GPU and on the host
-    (K and V of a block_first block): the fewest contiguous copies a copy-engine baseline can issue per block."""
-    merged: list[Segment] = []
-    for s in spec.segments:
-        last = merged[-1] if merged else None
-        if (
-            last is not None
-            and last.layer == s.layer
-            and last.block_stride == s.block_stride
-            and last.base + last.nbytes == s.base
-            and last.host_offset + last.nbytes == s.host_offset
-        ):
-            merged[-1] = dataclasses.replace(last, nbytes=last.nbytes + s.nbytes)
-        else:
-            merged.append(s)
-    views = [_byte_view(spec.kv_caches[s.layer], s.base, spec.num_blocks, s.block_stride, s.nbytes) for s in merged]
-    return [Run(**dataclasses.asdict(s), view=v) for s, v in zip(merged, views)]
+def byte_runs(spec: to.KVCacheSpec) -> list[Run]:
+    """The library's runs of the spec (its descriptors' per-block copies), with a byte view of each."""
+    first = {s.base: s for s in spec.segments}  # a run starts where its first segment does
+    out = []
+    for runs in group_runs(spec, 1):
+        for base, stride, nbytes, host_start in zip(*(a.tolist() for a in (runs.base, runs.block_stride, runs.nbytes,
+                                                                            runs.host_start))):  # fmt: skip
+            layer = first[base].layer
+            out.append(Run(layer, host_start, _byte_view(spec.kv_caches[layer], base, spec.num_blocks, stride, nbytes)))
+    return out
 
 
 @dataclass
@@ -72,7 +74,7 @@ class TransferCase:
 
     Attributes:
         spec: the prepared KV caches.
-        runs: :func:`runs_of` the spec.
+        runs: :func:`byte_runs` of the spec.
         host: (num_host_blocks, f * bytes_per_block) uint8 view of the pinned host buffer (row stride = row size).
         gpu_ids: (n,) distinct GPU block ids: the sources of a store, the destinations of a load.
         host_ids: (ceil((skip + n) / f),) distinct random host block ids.
@@ -120,54 +122,21 @@ class TransferCase:
         """Consecutive host ids 1..m: what a method that needs one contiguous host range is given."""
         return np.arange(1, 1 + self.host_ids.size, dtype=np.int64)
 
-    def slots(self, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(host row, sub-block) of each GPU block: position skip + i (the packed format's position rule)."""
-        return slots(host_ids, self.n, self.f, self.skip)
+    def plan(self) -> TransferPlan:
+        """The case as the library plans it (checked by :class:`~triton_offload.plan.TransferPlanner`)."""
+        planner = TransferPlanner(self.spec, self.host.shape[0], self.f)
+        return planner.plan(self.gpu_ids, self.host_ids, direction=Direction(self.direction), skip=self.skip)
 
-    def copy_plan(self, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(src, dst, size) of every contiguous copy, block-major, as uint64 arrays of addresses and byte counts."""
-        return copy_plan(self.runs, self.host, self.gpu_ids, host_ids, f=self.f, skip=self.skip, store=self.store)
+    def copy_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src, dst, bytes) of every contiguous copy, as uint64 arrays: the library's descriptors, one per run and
+        block, run-major (``DmaPlanner(coalesce=False)``), as vLLM's worker builds them."""
+        return DmaPlanner(self.spec, self.host, self.f, coalesce=False).descriptors(self.plan())
 
     def contiguous_host_region(self) -> torch.Tensor:
         """(n, bytes_per_block) view of the host bytes that positions skip..skip+n-1 of :attr:`contiguous_host_ids`
         occupy: one contiguous range because the rows are consecutive and a row is f sub-blocks."""
         start = (int(self.contiguous_host_ids[0]) * self.f + self.skip) * self.bytes_per_block
         return self.host.view(-1)[start : start + self.total_bytes].view(self.n, self.bytes_per_block)
-
-
-def slots(host_ids: np.ndarray, n: int, f: int, skip: int) -> tuple[np.ndarray, np.ndarray]:
-    """(host row, sub-block) of each of n GPU blocks: position skip + i (the packed format's position rule)."""
-    pos = skip + np.arange(n, dtype=np.int64)
-    return host_ids[pos // f], pos % f
-
-
-def copy_plan(
-    runs: list[Run], host: torch.Tensor, gpu_ids: np.ndarray, host_ids: np.ndarray, *, f: int, skip: int, store: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(src, dst, size) of every contiguous copy of a transfer, block-major, as uint64 arrays of addresses and byte
-    counts: vectorised over the runs (no Python loop over blocks or layers), as a worker builds its descriptors.
-
-    Args:
-        runs: :func:`runs_of` the KV caches.
-        host: (num_host_blocks, f * bytes_per_block) uint8 host buffer, rows contiguous.
-        gpu_ids: (n,) GPU block ids; position ``skip + i`` of the host blocks ``host_ids`` holds block ``gpu_ids[i]``.
-    """
-    bytes_per_block = host.shape[1] // f
-    assert host.stride(0) == f * bytes_per_block and host.stride(1) == 1
-    rows, subs = slots(host_ids, gpu_ids.size, f, skip)
-    host_block = host.data_ptr() + rows * host.stride(0) + subs * bytes_per_block  # (n,)
-    base = np.array([r.base for r in runs], dtype=np.int64)
-    stride = np.array([r.block_stride for r in runs], dtype=np.int64)
-    host_off = np.array([r.host_offset for r in runs], dtype=np.int64)
-    gpu = base[None, :] + gpu_ids[:, None] * stride[None, :]  # (n, runs)
-    host_addr = host_block[:, None] + host_off[None, :]
-    sizes = np.broadcast_to(np.array([r.nbytes for r in runs], dtype=np.int64), gpu.shape)
-    src, dst = (gpu, host_addr) if store else (host_addr, gpu)
-    return (
-        src.reshape(-1).astype(np.uint64),
-        dst.reshape(-1).astype(np.uint64),
-        sizes.reshape(-1).astype(np.uint64),
-    )
 
 
 @dataclass
@@ -181,6 +150,9 @@ class Prepared:
         emulated: a CUDA-only method replayed on CPU with memmove: its copy plan is checked, it is never timed.
         host_subs: where the method keeps host blocks when not in ``case.host``: a ``(rows * f, bytes_per_block)``
             table of packed sub-blocks with ``shape``, ``fill_``, ``copy_`` and ``to`` (``vllm_native``'s region).
+        device_ms: for a method that times its own transfers (an engine's jobs, on a stream of its own):
+            ``device_ms(k)`` waits for every call so far and returns the device milliseconds of the last ``k``, which
+            the timer then uses instead of its events; None: the timer's events bracket each call.
     """
 
     run: Callable[[], None]
@@ -188,6 +160,7 @@ class Prepared:
     impl: str
     emulated: bool = False
     host_subs: object | None = None
+    device_ms: Callable[[int], list[float]] | None = None
 
 
 class Unavailable(Exception):
@@ -204,3 +177,22 @@ def memmove_replay(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> Calla
             ctypes.memmove(d, s, n)
 
     return run
+
+
+@dataclass
+class OffloadTarget:
+    """What the serving benchmark's engines move blocks between: one worker's KV caches and its host cache.
+
+    Attributes:
+        kv: the prepared KV caches.
+        host_cache: the pinned (on CUDA) packed host buffer, one GPU block per host block.
+        env: the machine (the CUDA driver for the batch methods).
+    """
+
+    kv: to.KVCacheSpec
+    host_cache: HostCache
+    env: Env
+
+    @property
+    def host_buffer(self) -> torch.Tensor:
+        return self.host_cache.buffer

@@ -9,7 +9,8 @@ import gc
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -42,12 +43,17 @@ class Env:
         driver: the CUDA driver through ctypes, None without CUDA (or when libcuda cannot be used).
         driver_note: which driver, or why not.
         stream_handle: raw handle of the benchmark's (non-default) CUDA stream; 0 on CPU.
+        held: what methods keep between the cases of one run, per spec (held weakly, so it goes with the workload's
+            caches; a value must not reference the spec): auto's calibrations, vLLM's worker.
+        calibrations: what each of auto's calibrations in this run measured and took, for the results file.
     """
 
     device: torch.device
     driver: CudaDriver | None
     driver_note: str
     stream_handle: int = 0
+    held: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    calibrations: list[dict] = field(default_factory=list)
 
     @property
     def cuda(self) -> bool:

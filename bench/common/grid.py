@@ -18,6 +18,7 @@ __all__ = [
     "EXTRAS_BLOCKS",
     "EXTRAS_BASELINES",
     "NATIVE_WARM_DEPTH",
+    "VLLM033_MAX_PAGE_BYTES",
     "CALL_COST_CALLS",
     "PARTS",
     "VLLM_VERSION",
@@ -65,6 +66,10 @@ def host_rows(n: int, f: int, skip: int) -> int:
 # every num_ctas of the sweep and these baselines.
 EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024
 EXTRAS_BASELINES = ("memcpy_batch", "vllm033", "vllm_native")
+
+# vLLM 0.33's load policy (bench/baselines/vllm033.py applies it; the GPU run's time model reads it here): a load takes
+# its SM copy when every descriptor is smaller than this (and 8-byte aligned, and there are at least 16).
+VLLM033_MAX_PAGE_BYTES = 28 * 1024
 
 # Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
 NATIVE_WARM_DEPTH = 16

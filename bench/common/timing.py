@@ -79,8 +79,19 @@ class GpuTimer:
     def _events(self, k: int) -> list[torch.cuda.Event]:
         return [torch.cuda.Event(enable_timing=True) for _ in range(k)]
 
-    def __call__(self, fn: Callable[[], None], budget_ms: float, min_reps: int = 3, max_reps: int = 100) -> Timing:
-        """Warm-up call, one estimate, then as many samples as fit ``budget_ms`` (at least ``min_reps``)."""
+    def __call__(
+        self,
+        fn: Callable[[], None],
+        budget_ms: float,
+        min_reps: int = 3,
+        max_reps: int = 100,
+        device_ms: Callable[[int], list[float]] | None = None,
+    ) -> Timing:
+        """Warm-up call, one estimate, then as many samples as fit ``budget_ms`` (at least ``min_reps``).
+
+        ``device_ms(k)``: for a method that times its own calls (an engine's jobs, on a stream of its own, fenced
+        after this one), the device milliseconds of its last ``k`` calls, taken instead of the events here; the flush
+        and the sleep still run before each call, on this stream, so the engine's stream starts after them too."""
         ms: list[float] = []
         cpu: list[float] = []
         with torch.cuda.stream(self.stream):
@@ -93,7 +104,7 @@ class GpuTimer:
             t1 = time.perf_counter()
             end.record(self.stream)
             end.synchronize()
-            estimate = start.elapsed_time(end)
+            estimate = start.elapsed_time(end) if device_ms is None else device_ms(1)[0]
             if estimate >= budget_ms:
                 # Slow methods (per-block copies at 1024 blocks): the estimate is a sample, take min_reps in all.
                 ms.append(estimate)
@@ -110,5 +121,8 @@ class GpuTimer:
                 cpu.append((time.perf_counter() - t0) * 1e3)
                 ends[i].record(self.stream)
             self.stream.synchronize()
-        ms.extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+        if device_ms is None:
+            ms.extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+        else:
+            ms.extend(device_ms(reps))
         return Timing(ms, cpu)

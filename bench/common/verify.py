@@ -54,9 +54,11 @@ def _describe(got: torch.Tensor, want: torch.Tensor, case: TransferCase, ids: np
 
 
 def _slot_rows(case: TransferCase, host_ids: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Index of each position's sub-block in the (num_host_blocks * f, bytes_per_block) view of the host buffer."""
-    rows, subs = case.slots(host_ids)
-    return torch.from_numpy(rows * case.f + subs).to(device)
+    """Index of each GPU block's sub-block in the (num_host_blocks * f, bytes_per_block) view of the host buffer: the
+    packed format's position rule (block i at position p = skip + i: host block ``host_ids[p // f]``, sub-block
+    ``p % f``), stated here as the check's own, apart from the planners it checks."""
+    pos = case.skip + np.arange(case.n, dtype=np.int64)
+    return torch.from_numpy(host_ids[pos // case.f] * case.f + pos % case.f).to(device)
 
 
 def block_checksums(case: TransferCase) -> torch.Tensor:

@@ -22,7 +22,7 @@ import sys
 import torch
 
 import triton_offload.kernels.copy_blocks as cb
-from bench.baselines import Peak
+from bench.baselines import METHODS
 from bench.common.case import Prepared, TransferCase
 from bench.common.env import Env, open_gpu, release
 from bench.common.report import print_table, say
@@ -100,7 +100,7 @@ def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget
     w, layout = group.workload, group.layout
     case = make_case(group, n, 1, 0, store)
     with stream_ctx():
-        peak = Peak().prepare(case, env)
+        peak = METHODS["peak"].prepare(case, env)
     peak_ms = timer(peak.run, budget_ms).fields()["median_ms"]
     peak_gbps = gbps(case.total_bytes, peak_ms)
     labels = {"workload": w.name, "layout": layout, "blocks": n, "direction": case.direction}

@@ -10,9 +10,9 @@ chunk and decode tokens (decode-heavy: with each decode's attention read of its 
 GPU blocks; the blocks it completed are stored to the host cache, and every few steps an arriving request's cached
 prefix is loaded, synchronously before its step or asynchronously beside the others (vLLM 0.33's default). The same
 loop runs with no offload (``none``), with our TransferEngine (``triton``, ``auto``), with vLLM 0.33's data path
-(``vllm033``), vLLM 0.33's own worker (``vllm_native``) and cuMemcpyBatchAsync both ways (``dma``), in rounds with
-``none`` between them; every job's bytes are checked while it runs. Without CUDA it runs at tiny shapes through the
-Triton interpreter and times nothing. See bench/README.md, "Serving benchmark".
+(``vllm033``), vLLM 0.33's own worker (``vllm_native``) and cuMemcpyBatchAsync both ways (``memcpy_batch``), in
+rounds with ``none`` between them; every job's bytes are checked while it runs. Without CUDA it runs at tiny shapes
+through the Triton interpreter and times nothing. See bench/README.md, "Serving benchmark".
 
 Roles (bench/serving/): this module is the command line and the run; config the shapes, load modes, plans and
 presets, model the compute, blocks the block plan, methods the engines, loop the loop and the byte-exact check, check
@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from bench.baselines import METHODS, SERVING_METHODS
 from bench.common.case import Unavailable
 from bench.common.env import Env, FatalCudaError, environment, open_gpu, print_header, release
 from bench.common.report import say
@@ -37,6 +38,7 @@ from bench.serving.config import (
     CONTIGUOUS_REPEATS,
     CPU_PLAN,
     CPU_SHAPES,
+    DUPLEX_METHODS,
     DUPLEX_REPEATS,
     FULL_PLAN,
     LOAD_MODES,
@@ -47,7 +49,7 @@ from bench.serving.config import (
 )
 from bench.serving.gpu import contiguous_load, duplex
 from bench.serving.loop import LoopRun, Setup, byte_check, host_rows_of, run_loop, setup_workload
-from bench.serving.methods import METHODS, MethodPoint, build_engine, method_points
+from bench.serving.methods import MethodPoint, build_engine, method_points
 from bench.serving.report import (
     count_fields,
     drift_of,
@@ -62,8 +64,8 @@ from bench.serving.report import (
 )
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
-# The methods the duplex figure is measured for (our default and the copy engines), when they are in the run.
-DUPLEX_POINTS = (MethodPoint("triton", DEFAULT_NUM_CTAS), MethodPoint("dma"))
+# The points the duplex figure is measured for, when they are in the run.
+DUPLEX_POINTS = tuple(MethodPoint(m, DEFAULT_NUM_CTAS if METHODS[m].sweeps_ctas else None) for m in DUPLEX_METHODS)
 SUBMIT_TIMING = (
     "wall time (perf_counter) around each submit call on the worker thread: a submit that blocks (a synchronising "
     "copy, a driver lock) takes the thread just as much as one that computes, and the thread CPU clock would hide it"
@@ -99,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "budgeted option (default: both)")  # fmt: skip
     p.add_argument("--layout", choices=("block_first", "kv_first"), default="block_first",
                    help="GPU KV layout (block_first: what vLLM's offloading connector uses)")  # fmt: skip
-    p.add_argument("--methods", nargs="+", metavar="NAME", help=f"subset of {sorted(METHODS)}")
+    p.add_argument("--methods", nargs="+", metavar="NAME", help=f"subset of {sorted(SERVING_METHODS)}")
     p.add_argument("--num-ctas", nargs="+", type=int, metavar="C", help=f"triton's num_ctas besides the default "
                    f"{DEFAULT_NUM_CTAS} (default {list(FULL_PLAN.triton_ctas)})")  # fmt: skip
     p.add_argument("--rounds", type=int, help=f"rounds of every method, none between them (default "

@@ -22,6 +22,7 @@ __all__ = [
     "PRESETS",
     "SERVING_WORKLOADS",
     "DEFAULT_METHODS",
+    "DUPLEX_METHODS",
     "TRITON_CTAS",
     "DEFAULT_ROUNDS",
     "PREFIXES",
@@ -112,8 +113,11 @@ SHAPE_NAMES = tuple(GPU_SHAPES)
 
 # The workloads with model dimensions (workloads.ModelDims); DeepSeek's MLA attention is not modelled.
 SERVING_WORKLOADS = ("llama3-8b", "llama3-70b-tp8", "small-page")
-# Every method of a run, in table order (serving_methods.METHODS holds each of them).
-DEFAULT_METHODS = ("none", "triton", "auto", "vllm033", "vllm_native", "dma")
+# Every method of a run, in table order (bench.baselines.METHODS holds each of them).
+DEFAULT_METHODS = ("none", "triton", "auto", "vllm033", "vllm_native", "memcpy_batch")
+# The methods the duplex figure is measured for, where the run has them: our kernel (at its default num_ctas) and the
+# copy engines.
+DUPLEX_METHODS = ("triton", "memcpy_batch")
 # triton's num_ctas besides the kernel's default in the full run.
 TRITON_CTAS = (2, 8)
 # Rounds of a run: every method once per round, ``none`` first in each and once more at the end, the order reversed

@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 import triton_offload as to
+from bench.common.case import OffloadTarget
 from bench.common.env import Env
 from bench.common.verify import SENTINEL, reference_blocks, where_in_block
 from bench.common.workloads import Workload, make_caches
 from bench.serving.blocks import Blocks
 from bench.serving.check import CHECK_CHUNK, JobChecks, pages_per_block, row_sums
 from bench.serving.config import SYNC, LoopShape, RingSizes, ring_sizes
-from bench.serving.methods import OffloadTarget
 from bench.serving.model import StepModel
 from triton_offload.engine import LOAD, STORE
 from triton_offload.host_cache import HostCache

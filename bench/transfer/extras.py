@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 import triton_offload as to
-from bench.baselines import Triton
+from bench.baselines import METHODS
 from bench.common.case import Prepared, TransferCase
 from bench.common.env import Env
 from bench.common.timing import gbps, quantiles, stats_us
@@ -29,7 +29,7 @@ def cpu_overhead(
     """
     out: dict = {}
     for name, case in cases.items():
-        prepared = Triton(None).prepare(case, env)
+        prepared = METHODS["triton"].prepare(case, env)
         with torch.cuda.stream(stream):
             prepared.run()  # compile outside the timing
             torch.cuda.synchronize()

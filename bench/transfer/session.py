@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import triton_offload as to
-from bench.baselines import METHODS, Triton
-from bench.common.case import Prepared, TransferCase, Unavailable, runs_of
+from bench.baselines import METHODS
+from bench.common.case import Prepared, TransferCase, Unavailable, byte_runs
 from bench.common.env import Env, FatalCudaError
 from bench.common.grid import host_rows
 from bench.common.report import say
@@ -22,7 +21,6 @@ from bench.common.results import BASELINE_ORDER, new_row
 from bench.common.timing import Timing, gbps
 from bench.common.verify import check_method, reference_blocks
 from bench.common.workloads import Workload, make_caches
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 __all__ = [
     "BASELINE_ORDER",
@@ -37,25 +35,23 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A row label of the sweep: the JSON ``method`` and ``num_ctas`` and how to build the method."""
+    """A row label of the sweep: the JSON ``method`` (a name of :data:`bench.baselines.METHODS`) and ``num_ctas``."""
 
     label: str
-    num_ctas: int | None
-    factory: Callable[[], object]
+    num_ctas: int | None = None
 
     @property
     def name(self) -> str:
         return f"triton[{self.num_ctas}]" if self.label == "triton" else self.label
 
-
-def triton_spec(num_ctas: int) -> MethodSpec:
-    """Triton at ``num_ctas``; the default is run as ``num_ctas=None``, the way a user calls it."""
-    return MethodSpec("triton", num_ctas, lambda: Triton(None if num_ctas == DEFAULT_NUM_CTAS else num_ctas))
+    def prepare(self, case: TransferCase, env: Env) -> Prepared:
+        """The method bound to ``case`` (:meth:`bench.baselines.Method.prepare`)."""
+        return METHODS[self.label].prepare(case, env, self.num_ctas)
 
 
 def method_specs(ctas: list[int], baselines=BASELINE_ORDER) -> list[MethodSpec]:
     """Triton at every given num_ctas, then the baselines."""
-    return [triton_spec(c) for c in ctas] + [MethodSpec(name, None, METHODS[name]) for name in baselines]
+    return [MethodSpec("triton", c) for c in ctas] + [MethodSpec(name) for name in baselines]
 
 
 @dataclass
@@ -87,7 +83,7 @@ def allocate(w: Workload, layout: str, n_max: int, host_configs, device: torch.d
     perm = rng.permutation(num_blocks).astype(np.int64)  # random, non-contiguous ids
     g_src, g_dst = perm[:n_max], perm[n_max : 2 * n_max]
     expected = reference_blocks(spec, g_src, device)
-    return Group(w, layout, spec, runs_of(spec), host_flat, staging, g_src, g_dst, expected, rng)
+    return Group(w, layout, spec, byte_runs(spec), host_flat, staging, g_src, g_dst, expected, rng)
 
 
 def make_case(group: Group, n: int, f: int, skip: int, store: bool) -> TransferCase:
@@ -139,11 +135,14 @@ class Session:
     def _verify(self, group: Group, case: TransferCase, ms: MethodSpec) -> tuple[str, str, Prepared | None]:
         try:
             with self.stream_context():  # buffers a method allocates belong to the stream that uses them
-                prepared = ms.factory().prepare(case, self.env)
-                impls = self.impls.setdefault(ms.name, [])
-                if prepared.impl not in impls:
-                    impls.append(prepared.impl)
+                prepared = ms.prepare(case, self.env)
+                engine_timed = prepared.device_ms is not None
+                if not engine_timed:
+                    self._record_impl(ms, prepared)
                 problem = check_method(case, prepared, group.expected[: case.n])
+                if engine_timed:  # an engine's call: waited for and reported, with the path it took
+                    prepared.device_ms(1)
+                    self._record_impl(ms, prepared)
         except Unavailable as exc:
             return "n/a", str(exc), None
         except Exception as exc:  # a CUDA error or an ABI mismatch: the method cannot be trusted, say so loudly
@@ -155,6 +154,11 @@ class Session:
         if prepared.emulated:
             return "n/a", "needs CUDA; its copy plan was replayed with memmove on CPU: bytes correct", prepared
         return "pass", "", prepared
+
+    def _record_impl(self, ms: MethodSpec, prepared: Prepared) -> None:
+        impls = self.impls.setdefault(ms.name, [])
+        if prepared.impl not in impls:
+            impls.append(prepared.impl)
 
     def record_check(self, group: Group, case: TransferCase, ms: MethodSpec, status: str, note: str) -> None:
         entry = {**_labels(group, case, ms), "status": status, "note": note}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.baselines import Auto
 from bench.common.case import TransferCase
 from bench.common.env import Env, FatalCudaError, open_gpu, print_header, release
 from bench.common.grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_LAYOUT, EXTRAS_WORKLOAD, grid
@@ -45,7 +44,7 @@ def _measure(run: Session, group: Group, case: TransferCase, ms: MethodSpec, tim
     if status != "pass":
         return run.row(group, case, ms, impl, status, note)
     try:
-        timing = timer(prepared.run, budget_ms)
+        timing = timer(prepared.run, budget_ms, device_ms=prepared.device_ms)
     except Exception as exc:
         if not run.env.alive():
             raise FatalCudaError(f"timing {ms.name} on {group.workload.name}/{group.layout}: {exc}") from exc
@@ -115,7 +114,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
         cpu_overhead=overhead,
         interference=inter,
         targets=targets,
-        calibrations=Auto.calibrations(),
+        calibrations=env.calibrations,
         fatal=fatal,
     )
     return result, 1 if run.failures else 0
@@ -141,7 +140,7 @@ def run_extras(run: Session, args, env: Env, stream, sweep) -> tuple[dict | None
         overhead = cpu_overhead({"gather": cases["store"], "scatter": cases["load"]}, env, stream, bursts, per_burst)
     if not args.no_interference:
         preparers = {
-            (d, ms.label, ms.num_ctas): (lambda ms=ms, case=case: ms.factory().prepare(case, env))
+            (d, ms.label, ms.num_ctas): (lambda ms=ms, case=case: ms.prepare(case, env))
             for d, case in cases.items()
             for ms in used
             if (ms.label, ms.num_ctas, d) in ok

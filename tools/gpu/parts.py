@@ -43,6 +43,7 @@ from bench.common.grid import (
     NATIVE_WARM_DEPTH,
     PARTS,
     QUICK,
+    VLLM033_MAX_PAGE_BYTES,
     Grid,
     host_rows,
 )
@@ -50,6 +51,7 @@ from bench.common.results import BASELINE_ORDER
 from bench.common.workloads import WORKLOADS
 from bench.serving.config import (
     CONTIGUOUS_REPEATS,
+    DUPLEX_METHODS,
     DUPLEX_REPEATS,
     FULL_PLAN,
     GATE_US,
@@ -110,18 +112,11 @@ LAUNCH_S = 10e-6  # one kernel launch from Python
 KERNELS_PER_LAYER = 6  # the serving step's four products and two KV writes (and the attention read, where there is one)
 CHECK_BPS = 2e9  # the serving byte check: host index + pageable copy up + compare; the prefixes' byte sums
 CHECK_OPS_PER_PAGE = 3  # a per-job check's ops per K or V page of each layer: the id upload, the gather, the sum
-# The duplex is measured for triton at the default and dma, where the run has them. tests/test_bench_serving.py checks
-# the count; the runs per load mode come from the plan (RunPlan.runs_per_mode), which the same test checks.
-DUPLEX_POINTS = 2
 # vLLM's transfer_async per call: per canonical tensor (run) and per descriptor, measured in host replay on the
 # 2-core CI-class VM (10-14 us per tensor at 16-1024 blocks; a GPU machine's host is faster).
 NATIVE_RUN_S = 12e-6
 NATIVE_DESCRIPTOR_S = 0.01e-6
 PIN_BPS = 5e9  # allocating and zeroing pinned host memory
-# sm_copy.MAX_PAGE_BYTES: vllm033 (like vLLM's own worker) loads smaller pages with its SM copy (sm_copy imports
-# Triton, which this module, run before the project is installed, must not; tests/test_bench_runner.py checks that the
-# two agree).
-SM_COPY_MAX_PAGE_BYTES = 28 * 1024
 
 
 def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: bool, page: int, runs: int) -> float:
@@ -133,7 +128,7 @@ def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: 
     if method == "vllm_native":
         host = runs * NATIVE_RUN_S + copies * NATIVE_DESCRIPTOR_S
         return max(host, _transfer_s("vllm033", None, nbytes, copies, store, page, runs))
-    if method == "vllm033" and not store and page < SM_COPY_MAX_PAGE_BYTES:
+    if method == "vllm033" and not store and page < VLLM033_MAX_PAGE_BYTES:
         return nbytes / min(LINK_BPS, 12 * PER_PROGRAM_BPS)
     if method in ("memcpy_batch", "vllm033"):
         return max(link, copies * BATCH_DESCRIPTOR_S)
@@ -239,7 +234,7 @@ def serving_plan_seconds(plan: RunPlan) -> float:
         if name not in seen:  # once per workload: the duplex
             seen.add(name)
             if plan.duplex:
-                duplex = ("triton" in plan.methods) + ("dma" in plan.methods)
+                duplex = sum(m in plan.methods for m in DUPLEX_METHODS)
                 total += duplex * (1 + 3 * DUPLEX_REPEATS) * (GATE_US * 1e-6 + 2 * load)
     return total
 
