@@ -12,7 +12,7 @@ prefix is loaded, synchronously before its step or asynchronously beside the oth
 loop runs with no offload (``none``), with our TransferEngine (``triton``, ``auto``), with vLLM 0.33's data path
 (``vllm033``), vLLM 0.33's own worker (``vllm_native``) and cuMemcpyBatchAsync both ways (``memcpy_batch``), in
 rounds with ``none`` between them; every job's bytes are checked while it runs. Without CUDA it runs at tiny shapes
-through the Triton interpreter and times nothing. See bench/README.md, "Serving benchmark".
+through the Triton interpreter and times nothing. See docs/benchmarks.md, "The serving benchmark".
 
 Roles (bench/serving/): this module is the command line and the run; config the shapes, load modes, plans and
 presets, model the compute, blocks the block plan, methods the engines, loop the loop and the byte-exact check, check
@@ -70,7 +70,7 @@ SUBMIT_TIMING = (
     "wall time (perf_counter) around each submit call on the worker thread: a submit that blocks (a synchronising "
     "copy, a driver lock) takes the thread just as much as one that computes, and the thread CPU clock would hide it"
 )
-# Which vLLM 0.33 behaviour each load mode follows (bench/README.md, "Load modes", says more).
+# Which vLLM 0.33 behaviour each load mode follows (docs/benchmarks.md, "Load modes", says more).
 LOAD_MODE_SOURCES = {
     "async": "vLLM 0.33's default (sync_load_budget_bytes = 0): "
     "OffloadingConnectorScheduler.get_num_new_matched_tokens returns load_async=True (offloading/scheduler.py); "

@@ -36,7 +36,7 @@ __all__ = [
     "ring_sizes",
 ]
 
-# How an arriving request's cached prefix is loaded (bench/README.md, "Load modes"):
+# How an arriving request's cached prefix is loaded (docs/benchmarks.md, "Load modes"):
 # * async: vLLM 0.33's default (``sync_load_budget_bytes`` = 0): the load is submitted after the step's forward pass is
 #   queued, the other requests keep running, and the request joins the batch after the step whose ``get_finished``
 #   reported its load;

@@ -1,7 +1,7 @@
 """The serving step loop and its byte checks: one method's run over one workload's caches, host cache and model.
 
-A step, on the worker thread, as vLLM 0.33's worker runs it with the offloading connector (bench/README.md, "The loop,
-and how it maps onto vLLM's connector", names the vLLM functions):
+A step, on the worker thread, as vLLM 0.33's worker runs it with the offloading connector (docs/benchmarks.md, "The
+loop, and how it maps onto vLLM's connector", names the vLLM functions):
 
 1. (every ``load_every`` steps, from the first) a request arrives whose prefix the host cache holds. ``sync`` loads:
    its load is submitted (after any deferred store) and the worker waits for it before the forward pass; ``async``

@@ -37,7 +37,7 @@ ROW_KEYS = (
     "block_size", "prefill_tokens", "decode_tokens", "context_tokens", "prefix_tokens", "load_every", "steps",
     "rounds", "defer_stores", "byte_check", "byte_check_note", *TIMING_KEYS, *COUNT_KEYS,
 )  # fmt: skip
-"""One row per (workload, shape, load mode, method, num_ctas); see bench/README.md, "Serving benchmark"."""
+"""One row per (workload, shape, load mode, method, num_ctas); see docs/benchmarks.md, "The serving benchmark"."""
 
 # The baselines our methods' load and submit targets compare against, where they ran.
 BASELINES = ("vllm033", "vllm_native")
@@ -245,8 +245,8 @@ def _targets_of(label: str, ours: list[dict], by_group: dict) -> list[dict]:
 
 
 def evaluate_targets(rows: list[dict], duplex_rows: list[dict]) -> list[dict]:
-    """The serving targets (bench/README.md, "Targets"), each over every workload, shape and load mode it applies
-    to: for our kernel at the default num_ctas, and for ``auto`` (what a user gets on CUDA) where it ran. A case
+    """The serving targets (docs/benchmarks.md, "Targets (GPU)"), each over every workload, shape and load mode it
+    applies to: for our kernel at the default num_ctas, and for ``auto`` (what a user gets on CUDA) where it ran. A case
     counts where both sides of a comparison were measured and byte-checked."""
     measured = [r for r in rows if r["byte_check"] == "pass" and r["step_ms_mean"] is not None]
     by_group = {(group_key(r), r["method"]): r for r in measured if r["method"] != "triton"}

@@ -8,7 +8,7 @@ On a CUDA machine, for each workload, layout, transfer size, host-block factor a
 moved by every method in one run on one GPU, each after a byte-exact check on that very case; then the host cost of
 one call and the GEMM slowdown caused by concurrent transfers are measured, and the targets are printed (PASS/FAIL).
 Without CUDA it runs a correctness pass of every method under the Triton interpreter, with tiny shapes of every
-workload, and measures no bandwidth. See bench/README.md.
+workload, and measures no bandwidth. See bench/README.md and docs/benchmarks.md.
 
 Roles (bench/transfer/): this module is the command line; sweep the GPU mode, cpu_check the CPU mode, session the
 state they share, extras the CPU cost and interference, summary the tables and targets; the methods are

@@ -88,7 +88,7 @@ def _per_call(row: dict | None) -> str:
 
 
 def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None) -> list[dict]:
-    """The project's performance targets (listed in bench/README.md, "Output"), each PASS/FAIL (or n/a when not
+    """The project's performance targets (listed in docs/benchmarks.md, "Output"), each PASS/FAIL (or n/a when not
     measured), with the worst case as the detail."""
     targets = []
 

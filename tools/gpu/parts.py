@@ -10,7 +10,7 @@ tests, which ``gpu-tests-slow`` runs), ``python -m bench.serving`` (``serving``:
 ``serving-full``: the default run) and ``python -m bench.micro.call_cost``. tools/gpu/plan.py says what each runs;
 this module only estimates.
 
-The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: bench/README.md;
+The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: docs/gpu-run.md;
 the runner scales the model by what its ledger measured, and uses a part's own measured time once it has one):
 per case and method, the device time of the calls GpuTimer makes (a warm-up, an estimate, then samples until the
 100 ms budget is spent, at least 3, at most 100) at the rates below, plus the flush and sleep before each sample,

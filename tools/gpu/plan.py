@@ -228,8 +228,8 @@ def fingerprint(stage: Stage, root: pathlib.Path = ROOT) -> str:
 # -- the ledger -----------------------------------------------------------------------------------------------------
 
 ENTRY_KEYS = ("outcome", "device", "date", "ran_at", "commit", "seconds", "model_s", "fingerprint")
-# Before any run of the runner: the 2026-11-22 H100 run took about half the model's minutes per part (bench/README.md,
-# "Running on a GPU machine": 1.8/6, 1/1.4, 1.7/3.4, 1.1/2.3, 1.5/3.3, 1/1.7, 0.7/1.2).
+# Before any run of the runner: the 2026-11-22 H100 run took about half the model's minutes per part (docs/gpu-run.md,
+# "The one command of a lease": 1.8/6, 1/1.4, 1.7/3.4, 1.1/2.3, 1.5/3.3, 1/1.7, 0.7/1.2).
 SEED_FACTOR = {"value": 0.5, "from": "the 2026-11-22 H100 run: measured / modelled minutes per part, median ~0.5"}
 
 
