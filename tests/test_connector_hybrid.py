@@ -140,8 +140,8 @@ def test_unequal_mamba_per_group_regions_give_the_state_its_own_bytes():
 
 
 def test_dense_sliding_window_checkpoints_get_a_region_of_their_own():
-    """With dense sliding-window checkpoints (``--prefix-cache-retention-interval`` unset: None) the sliding-window
-    group stores a key per chunk like full attention, so it gets a region of its own."""
+    """With dense sliding-window checkpoints (``prefix_cache_retention_interval`` None; vLLM's default is 0) the
+    sliding-window group stores a key per chunk like full attention, so it gets a region of its own."""
     kv = HybridKV(CASES["2-overlaid-full-sw"], 16)
     _, sparse = _spec(kv)
     _, dense = _spec(kv, retention_interval=None)
