@@ -28,16 +28,21 @@ import torch
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
 
 from permissions import exposed_below  # noqa: E402
-from vllm.v1.kv_offload.base import (  # noqa: E402
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-    GPULoadStoreSpec,
+from tiering_factory import (  # noqa: E402
+    PAGES,
+    SENTINEL,
+    expected_store,
+    kv_caches,
+    make_config,
+    positions,
+    region_file,
+    vllm_views,
 )
+from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_configs import finished, offloading_config, submit_load  # noqa: E402
+from vllm_configs import finished, submit_load  # noqa: E402
 from vllm_harness import free_port  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
@@ -45,87 +50,6 @@ from triton_offload.connector.tiering import TritonTieringConfig, TritonTieringO
 
 pytestmark = pytest.mark.vllm
 plugin.register()  # what vLLM's plugin loader does in each of its processes
-
-SENTINEL = 0x5A
-
-
-def make_config(extra, *, num_groups=1, worker_bytes, f, world_size=1, rank=0, replicated=False, engine_id=None):
-    """An OffloadingConfig as vLLM's connector builds it for the tiering spec."""
-    return offloading_config(
-        {"spec_name": plugin.TIERING_SPEC_NAME, **extra},
-        groups=tuple((g,) for g in range(num_groups)),
-        worker_bytes=worker_bytes,
-        f=f,
-        world_size=world_size,
-        rank=rank,
-        engine_id=engine_id or f"tiertest-{uuid.uuid4().hex[:12]}",
-        replicated=replicated,
-    )
-
-
-def region_file(engine_id: str) -> str:
-    """vLLM's name for an engine's shared region."""
-    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
-
-
-# The model: 4 canonical tensors. Tensor 0 and 1 (group 0) have 512-byte padded pages of which the layers use 384;
-# tensor 2 (group 1) a 256-byte page; tensor 3 is referenced by no group but still takes its place in each slot.
-# Group 1 also reads tensor 0 (HMA groups overlaying one allocation), with a shorter page.
-PAGES = [512, 512, 256, 128]
-
-
-def kv_caches(num_blocks=12, seed=0) -> CanonicalKVCaches:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = [
-        CanonicalKVCacheTensor(torch.randint(-128, 128, (num_blocks, p), dtype=torch.int8, generator=gen), p)
-        for p in PAGES
-    ]
-    refs = [
-        [CanonicalKVCacheRef(0, 384), CanonicalKVCacheRef(1, 384)],
-        [CanonicalKVCacheRef(2, 256), CanonicalKVCacheRef(0, 320)],
-    ]
-    return CanonicalKVCaches(tensors, refs)
-
-
-def vllm_views(config, spec, rank: int) -> tuple[SharedOffloadRegion, list[torch.Tensor]]:
-    """A second mapping of the same region, with vLLM's own per-tensor worker views, in tensor order."""
-    region = SharedOffloadRegion(
-        engine_id=config.engine_id,
-        num_chunks=spec.num_chunks,
-        rank=rank,
-        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-        cpu_page_size=spec.cpu_page_size_per_worker,
-    )
-    f = config.cache.blocks_per_chunk
-    return region, [region.create_next_worker_view(p * f) for p in PAGES]
-
-
-def positions(group_sizes, block_indices, chunk_ids, f):
-    """vLLM's placement of a job's GPU blocks, written out independently of the code under test: for block i of
-    group g, (g, its index in the job's GPU ids, chunk, sub-block), at position p = block_indices[g] % f + i of the
-    group's chunks, chunk chunk_ids[p // f], sub-block p % f."""
-    g0 = c0 = 0
-    for g, (n, first) in enumerate(zip(group_sizes, block_indices)):
-        skip = first % f
-        for i in range(n):
-            p = skip + i
-            yield g, g0 + i, chunk_ids[c0 + p // f], p % f
-        g0, c0 = g0 + n, c0 + (-(-(skip + n) // f) if n else 0)
-
-
-def expected_store(before: torch.Tensor, views, kv, gpu_ids, group_sizes, block_indices, chunk_ids, f):
-    """The whole region after vLLM's worker ran the store: ``before`` with each ref's un-padded page of each block
-    written at its :func:`positions` entry, through vLLM's view of its tensor."""
-    out = before.clone()
-    dsts = [torch.as_strided(out, v.shape, v.stride(), v.storage_offset()) for v in views]  # vLLM's views, over out
-    for g, j, row, sub in positions(group_sizes, block_indices, chunk_ids, f):
-        for ref in kv.group_data_refs[g]:
-            page = kv.tensors[ref.tensor_idx].page_size_bytes
-            dsts[ref.tensor_idx][row, sub * page : sub * page + ref.page_size_bytes] = kv.tensors[
-                ref.tensor_idx
-            ].tensor[gpu_ids[j], : ref.page_size_bytes]
-    return out
-
 
 LAYOUTS = [
     pytest.param(1, 0, False, id="1worker"),
@@ -274,7 +198,8 @@ def test_scheduler_view_sees_the_worker_bytes_and_drops_the_name():
 _KILLED_WORKER = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-from test_tiering import OffloadingSpecFactory, PAGES, kv_caches, make_config
+from tiering_factory import PAGES, kv_caches, make_config
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 config = make_config({{"cpu_bytes_to_use": 4 * sum(PAGES)}}, num_groups=2, worker_bytes=sum(PAGES), f=1,
                      engine_id={engine_id!r})
 worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches())
@@ -287,7 +212,7 @@ def test_killed_worker_leaves_no_region_file():
     """A worker killed before the scheduler mapped the region (SIGKILL: no cleanup code runs) leaves no file."""
     engine_id = f"tiertest-kill-{uuid.uuid4().hex[:8]}"
     path = region_file(engine_id)
-    script = _KILLED_WORKER.format(tests=os.path.dirname(__file__), engine_id=engine_id)
+    script = _KILLED_WORKER.format(tests=os.path.dirname(os.path.dirname(__file__)), engine_id=engine_id)  # tests/
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert "MAPPED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
