@@ -25,7 +25,7 @@ def group():
 def test_the_transfer_benchmarks_vllm033_reads_a_batch_load_in_any_order(group, monkeypatch):
     """vLLM 0.33's swap_blocks_batch (transfer_async: is_src_access_order_any = not gpu_to_cpu): a load's host source
     in any order, a store's GPU source in stream order, in the transfer benchmark as in the serving loop
-    (tests/test_bench_serving_plan.py); the memmove stand-in records the attributes each batch was handed."""
+    (tests/bench/test_bench_serving_plan.py); the memmove stand-in records the attributes each batch was handed."""
     made = []
     real = vllm033.batch_issuer
     monkeypatch.setattr(vllm033, "batch_issuer", lambda *args: made.append(real(*args)) or made[-1])

@@ -1,5 +1,5 @@
 """bench/call_cost.py's switching of the public calls' direct launch (the whole script runs in
-tests/test_bench_cpu.py)."""
+tests/bench/test_bench_cpu.py)."""
 
 from __future__ import annotations
 

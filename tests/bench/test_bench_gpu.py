@@ -14,7 +14,7 @@ import sys
 import pytest
 from vllm_harness import VLLM_033
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """`./dev gpu run OUTDIR` (and `./dev gpu PART OUTDIR`, one stage of it), the GPU machine's one command: without CUDA
 it refuses in one line before installing anything (unless --dry-run, which prints the plan anywhere); with CUDA it
-installs once, then hands over to tools/gpu/run.py (tests/test_gpu_run.py); every part is sized by tools/gpu/parts.py's
-time model to finish in under 8 minutes on an H100."""
+installs once, then hands over to tools/gpu/run.py (tests/bench/test_gpu_run.py); every part is sized by
+tools/gpu/parts.py's time model to finish in under 8 minutes on an H100."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from bench.common import grid, results, workloads
 from bench.transfer import cli as bench_transfer
 from tools.gpu import parts, plan
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _fake_python3(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -29,7 +29,7 @@ from bench.serving import config, loop, methods, report
 from bench.serving import model as serving_model
 from triton_offload.engine import TransferEngine
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SERVING = ("-m", "bench.serving")
 REQUIRED = ("workload", "method", "num_ctas", "byte_check", "step_ms_median", "step_ms_p99", "slowdown_vs_none",
             "load_latency_ms_median", "load_latency_ms_p99", "submit_cpu_us_per_step", "offload_gbps")  # fmt: skip

@@ -12,7 +12,7 @@ import sys
 import pytest
 from vllm_harness import VLLM_033, vllm_version
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not VLLM_033, reason=f"needs vLLM 0.33.0's Python code, found {vllm_version()}")
 

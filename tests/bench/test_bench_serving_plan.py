@@ -23,7 +23,7 @@ from bench.serving import config, methods
 from bench.serving import model as serving_model
 from tools.gpu import parts
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_decisive_preset_fits_three_minutes_on_an_h100_by_the_model():

@@ -24,7 +24,7 @@ import pytest
 from bench.common import results
 from tools.gpu import parts, plan, run, summary
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAFE = re.compile(r"[A-Za-z0-9._-]+")
 DAY = datetime.date(2026, 11, 27)
 
@@ -471,7 +471,7 @@ def test_verdicts_pass_when_the_files_say_so(m, tmp_path):
     ids=["skipped-for-vllm", "skipped-for-cuda", "failed", "errored", "other-skip", "cut-short", "no-tests"],
 )
 def test_the_gpu_test_target(m, tmp_path, cases, complete, verdict):
-    slow = ("pytest", ({"tests/test_bench_gpu.py::t": None},))
+    slow = ("pytest", ({"tests/bench/test_bench_gpu.py::t": None},))
     t = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete)), "gpu-tests-slow": slow})
     assert t["every"]["verdict"] == verdict, t["every"]
     # Without the slow tests' stage, the whole suite was not run: at best not measured.

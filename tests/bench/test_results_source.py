@@ -10,7 +10,7 @@ import pytest
 
 from bench.common import results
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def git(cwd, *args: str) -> str:

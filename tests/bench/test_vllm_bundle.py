@@ -24,7 +24,7 @@ from vllm_harness import VLLM_033, vllm_version
 
 from tools.gpu import vllm_bundle
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 if not VLLM_033:
     pytest.skip(f"builds from an installed vLLM 0.33.0 (.venv-vllm33); found {vllm_version()}", allow_module_level=True)

@@ -1,6 +1,6 @@
 """End to end: a real vLLM engine (CPU platform) offloading through TritonOffloadingSpec.
 
-Each configuration runs once, in a subprocess (tests/vllm_e2e_driver.py), through all its scenarios with one
+Each configuration runs once, in a subprocess (tests/e2e/vllm_e2e_driver.py), through all its scenarios with one
 ``vllm.LLM``; the tests below check its report. Prompts are 200 tokens, so a prompt fully on the host gives 192
 cached tokens (vLLM always recomputes the last prompt token, and offloads whole blocks only). Greedy tokens of
 every repeated prompt must equal those of its first (cold) run: a wrong byte loaded back changes them.

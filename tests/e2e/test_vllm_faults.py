@@ -1,9 +1,9 @@
 """Faults end to end: a real vLLM engine (CPU platform) with a transfer failing on the worker, and a store the
 manager cannot place.
 
-Each scenario runs in a subprocess (tests/vllm_fault_driver.py) with the test-only spec of
-tests/offload_fault_plugin.py, which records what the scheduler's manager and the worker did (one JSON line per event)
-and injects the failure through the worker's documented test hook; nothing in the engine is edited.
+Each scenario runs in a subprocess (tests/e2e/vllm_fault_driver.py) with the test-only spec of
+tests/e2e/offload_fault_plugin.py, which records what the scheduler's manager and the worker did (one JSON line per
+event) and injects the failure through the worker's documented test hook; nothing in the engine is edited.
 """
 
 from __future__ import annotations

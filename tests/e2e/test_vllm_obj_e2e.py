@@ -9,7 +9,7 @@ its first finished transfer; this is it with vLLM 0.33's two changes), so its ob
 the ``fs`` tier's file names under the tier's ``prefix``: the test checks that, and that each object holds exactly the
 bytes of the file (one chunk row of the CPU tier). An endpoint nobody listens on stops the engine at startup, naming it.
 The tier entry is docs/tiering.md's recipe, read from the page; the S3 server is started as the recipe starts it
-(tests/test_readme.py checks the two agree).
+(tests/unit/test_readme.py checks the two agree).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and falls back to computing it when the peer is refused, absent, or killed in th
 
 Every engine's tier is docs/tiering.md's loopback recipe, read from the page (``P2PTier``: vLLM's p2p tier with NIXL's
 progress thread paused and 0.33's ZMQ linger), on a port of its own; A3 runs it with a test-only stall
-(tests/vllm_p2p_tiers.py). Engines (tests/vllm_tiering_driver.py, one process each; each binds a port the kernel
+(tests/e2e/vllm_p2p_tiers.py). Engines (tests/e2e/vllm_tiering_driver.py, one process each; each binds a port the kernel
 picked, retried if lost):
 
 - A1 (chunk = 1 GPU block) and A3 (chunk = 3 GPU blocks) serve prompts cold, so that our worker stores them into
@@ -13,7 +13,7 @@ picked, retried if lost):
 - B1 (chunk = 1), fresh: prompt 1 from A1 (a hit over p2p); prompt 2 from A3, whose chunk size differs (refused at
   the handshake, so computed); prompt 4 from a port nobody listens on (computed).
 - B3 (chunk = 3), fresh: prompt 1 from A3 (a hit); then prompt 3 from A3 with a ``kv_request_id`` that A3 stalls on
-  (tests/vllm_p2p_tiers.py): A3 has submitted its NIXL write to B3 when the test SIGKILLs its process group; B3
+  (tests/e2e/vllm_p2p_tiers.py): A3 has submitted its NIXL write to B3 when the test SIGKILLs its process group; B3
   must compute the prompt itself, promptly.
 
 The consumers' failing requests come after their successful ones on purpose: vLLM's p2p tier (0.32) can lose its
@@ -62,7 +62,7 @@ STARTUP_S = 300
 
 # docs/tiering.md's loopback recipe, read from the page: the tier entry and a request's kv_transfer_params.
 RECIPE_TIER, RECIPE_REQUEST = recipe_json("p2p-tier"), recipe_json("p2p-request")
-# The producer that must die mid-fetch runs the recipe's tier with a test-only stall (tests/vllm_p2p_tiers.py).
+# The producer that must die mid-fetch runs the recipe's tier with a test-only stall (tests/e2e/vllm_p2p_tiers.py).
 STALLING = {"type": "TestP2PTier", "module_path": "vllm_p2p_tiers"}
 
 

@@ -1,6 +1,6 @@
 """Stress end to end: a real vLLM engine (CPU platform) offloading through TritonOffloadingSpec under heavy eviction.
 
-Each configuration runs once, in a subprocess (tests/vllm_stress_driver.py): 320 token-id prompts from a dozen
+Each configuration runs once, in a subprocess (tests/e2e/vllm_stress_driver.py): 320 token-id prompts from a dozen
 shared prefixes with random suffixes, generated in batches of 80, twice, with ``reset_prefix_cache()`` between the
 passes; a host cache of about a quarter of the working set; LRU and ARC, at tensor parallelism 1 and 2. The
 reference is the same engine without the connector, run the same way. About 5 minutes on a 2-core CPU machine.

@@ -3,13 +3,13 @@
 Engine A serves a 200-token prompt cold and exits once its chunks have cascaded GPU -> CPU tier -> files. Engine B,
 a fresh process with an empty CPU tier and the same ``root_dir``, serves the same prompt: its prefix must be promoted
 from the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 GPU blocks of 32, the last prompt
-token is always recomputed), with A's greedy tokens (a wrong byte changes them: tests/vllm_e2e_driver.py's tiny
+token is always recomputed), with A's greedy tokens (a wrong byte changes them: tests/e2e/vllm_e2e_driver.py's tiny
 Llama). A and B run ``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that
 writes vLLM's native layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region
 file must be gone once it exits. Both run with umask 022 and a ``root_dir`` that does not exist yet, under a
 world-readable directory: our spec creates it 0700, so no KV file is readable by other users (vLLM's own spec, as A
 of the native case, leaves them 0644 in 0755 directories, and B then warns). One process per engine:
-tests/vllm_tiering_driver.py.
+tests/e2e/vllm_tiering_driver.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Runs a real vLLM (CPU platform) with TritonOffloadingSpec through scripted scenarios; prints one JSON line.
 
-Used by tests/test_vllm_e2e.py, one subprocess per configuration (vLLM takes ~15 s to start, so each configuration
+Used by tests/e2e/test_vllm_e2e.py, one subprocess per configuration (vLLM takes ~15 s to start, so each configuration
 runs all its scenarios in one ``LLM``). Prints ``E2E_RESULT {json}``: per probe, the cached tokens vLLM reports
 (device prefix cache plus offload hits) and whether the greedy tokens equal those of the prompt's cold run.
 
-    python tests/vllm_e2e_driver.py --config f1    # host block = GPU block, budget of 14 host blocks: eviction
-    python tests/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
-    python tests/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
+From the repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_harness):
+
+    python tests/e2e/vllm_e2e_driver.py --config f1    # host block = GPU block, budget of 14 host blocks: eviction
+    python tests/e2e/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
+    python tests/e2e/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Runs a real vLLM (CPU platform) with the fault-injecting test spec (tests/offload_fault_plugin.py); prints one
+"""Runs a real vLLM (CPU platform) with the fault-injecting test spec (tests/e2e/offload_fault_plugin.py); prints one
 JSON line.
 
-Used by tests/test_vllm_faults.py. Scenarios:
+Used by tests/e2e/test_vllm_faults.py. Scenarios:
 
 * ``no-room``: a host cache of 4 blocks and a prompt of 6 blocks, so the manager cannot place its store
   (``prepare_store`` returns None); then a prompt of 3 blocks, which is stored and loaded back.
@@ -11,7 +11,9 @@ Used by tests/test_vllm_faults.py. Scenarios:
 Prints ``FAULT_RESULT {json}``: per probe, the greedy tokens and the cached tokens vLLM reports, and the exception
 ``generate`` raised, if any. With ``--no-offload`` the same prompts run without the connector (the reference).
 
-    TRITON_OFFLOAD_FAULT_RECORD=/tmp/rec.jsonl python tests/vllm_fault_driver.py --scenario fail-store
+From the repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_harness):
+
+    TRITON_OFFLOAD_FAULT_RECORD=/tmp/rec.jsonl python tests/e2e/vllm_fault_driver.py --scenario fail-store
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ that copies through vLLM's own region views (``SharedOffloadRegion.create_next_w
 tensor, in order) with plain tensor indexing, placing bytes as ``CPUOffloadingWorker`` does for the direct layout:
 sub-block j of chunk c of tensor t at ``view_t[c, j * page_t :]``, of which each ref's un-padded page is copied.
 
-Used by tests/vllm_tiering_driver.py (``--spec native``) to write fs-tier files in vLLM's native layout that a
+Used by tests/e2e/vllm_tiering_driver.py (``--spec native``) to write fs-tier files in vLLM's native layout that a
 ``TritonTieringOffloadingSpec`` instance then reads. Select it with ``spec_name: NativeLayoutTestSpec,
 spec_module_path: vllm_native_tiering`` (this directory on PYTHONPATH).
 """

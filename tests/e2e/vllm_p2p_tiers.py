@@ -1,5 +1,5 @@
 """Test-only subclass of the supported p2p tier (``triton_offload.connector.p2p_tier.P2PTier``: vLLM's p2p tier with
-NIXL's progress thread paused and a bounded ZMQ linger) for the producer of tests/test_vllm_p2p_e2e.py that must die
+NIXL's progress thread paused and a bounded ZMQ linger) for the producer of tests/e2e/test_vllm_p2p_e2e.py that must die
 in the middle of a fetch, loaded as an out-of-tree tier (``{"type": "TestP2PTier", "module_path": "vllm_p2p_tiers",
 ...}``, this directory on PYTHONPATH). The other engines of that test run ``P2PTier`` itself, as docs/tiering.md's
 recipe gives it. One thing differs here:

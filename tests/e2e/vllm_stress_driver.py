@@ -1,15 +1,17 @@
 """Stress run of a real vLLM (CPU platform) with TritonOffloadingSpec under heavy eviction; prints one JSON line.
 
-Used by tests/test_vllm_stress.py, one subprocess per configuration. A few hundred token-id prompts drawn from a dozen
-shared prefixes of different lengths, with random suffixes, are generated in large batches (many requests in
+Used by tests/e2e/test_vllm_stress.py, one subprocess per configuration. A few hundred token-id prompts drawn from a
+dozen shared prefixes of different lengths, with random suffixes, are generated in large batches (many requests in
 flight), twice: pass 2 runs them again in another order after ``reset_prefix_cache()`` empties the device prefix
 cache, so what it finds cached comes from the host. The host cache holds about a quarter of the working set.
 Prints ``STRESS_RESULT {json}``: every prompt's greedy tokens per pass, the cached tokens vLLM reports per pass, and
 vLLM's metrics after each pass. With ``--no-offload`` the same engine runs without the connector: the reference.
 
-    python tests/vllm_stress_driver.py --policy lru
-    python tests/vllm_stress_driver.py --no-offload          # reference outputs
-    python tests/vllm_stress_driver.py --policy arc --tp 2   # tensor parallel: one host cache per rank
+From the repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_harness):
+
+    python tests/e2e/vllm_stress_driver.py --policy lru
+    python tests/e2e/vllm_stress_driver.py --no-offload          # reference outputs
+    python tests/e2e/vllm_stress_driver.py --policy arc --tp 2   # tensor parallel: one host cache per rank
 """
 
 from __future__ import annotations

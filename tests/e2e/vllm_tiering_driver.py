@@ -1,21 +1,22 @@
 """One vLLM engine (CPU platform) with a tiering spec and its secondary tiers: serves prompts, prints one JSON line.
 
-Used by the tiering end-to-end tests, one process per engine, so that engines share nothing but their tiers:
+Used by the tiering end-to-end tests, one process per engine, so that engines share nothing but their tiers (run
+from the repository root with tests/ on PYTHONPATH: the drivers import the shared vllm_harness):
 
     # fs, A: serve the prompt cold, wait until its 3 chunks are files under --root, exit
-    python tests/vllm_tiering_driver.py --model M --root R --block-size 64 --wait-stored 3
+    python tests/e2e/vllm_tiering_driver.py --model M --root R --block-size 64 --wait-stored 3
     # fs, B: a fresh engine (empty CPU tier) on the same files: the prefix comes back from the fs tier
-    python tests/vllm_tiering_driver.py --model M --root R --block-size 64
+    python tests/e2e/vllm_tiering_driver.py --model M --root R --block-size 64
     # p2p, A: serve prompts 1 and 2, print the result, keep serving peers until the file STOP exists
-    python tests/vllm_tiering_driver.py --model M --tiers '[{"type": "p2p", "port": 5701, ...}]' \
+    python tests/e2e/vllm_tiering_driver.py --model M --tiers '[{"type": "p2p", "port": 5701, ...}]' \
         --requests '[{"prompt": 1}, {"prompt": 2}]' --serve-until STOP
     # p2p, B: prompt 1, fetched from A's CPU tier
-    python tests/vllm_tiering_driver.py --model M --tiers '[{"type": "p2p", "port": 5702, ...}]' \
+    python tests/e2e/vllm_tiering_driver.py --model M --tiers '[{"type": "p2p", "port": 5702, ...}]' \
         --requests '[{"prompt": 1, "kv_transfer_params": {"remote_kv_source": {"kv_request_id": "r1",
         "remote_host": "127.0.0.1", "remote_port": 5701}}}]'
 
 ``--spec native`` runs vLLM's own TieringOffloadingSpec with a test-only worker that writes vLLM's native layout
-through its region views (tests/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: per request the greedy
+through its region views (tests/e2e/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: per request the greedy
 tokens, the cached tokens vLLM reports and the seconds it took; the chunks each tier holds (fs: files, obj: objects;
 null for others), the labelled cache-hit metrics and the ``/dev/shm`` files the engine's processes use.
 """
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     if args.serve_until:
         # Serving peers (a p2p producer): the tiers answer them once per engine step. vLLM's multiprocess engine core
         # steps back to back for as long as a p2p tier lives, and its worker spins on the step queue, about two cores
-        # all the time (tests/test_vllm_p2p_e2e.py), which starves the other engines of a test on a 2-core machine.
+        # all the time (tests/e2e/test_vllm_p2p_e2e.py), which starves the other engines of a test on a 2-core machine.
         # So a producer runs vLLM's in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped here.
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             ap.error("--serve-until needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the in-process engine)")

@@ -86,8 +86,9 @@ def test_eviction_order_does_not_depend_on_the_hash_seed():
     processes) and takes a request's prefix tail before its head."""
     orders = []
     for seed in ("0", "4242"):
-        # This directory on the path: the script imports vllm_configs as the tests here do.
-        path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
+        # tests/ on the path: the script imports vllm_configs (a shared factory) as the tests here do.
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path}
         proc = subprocess.run(
             [sys.executable, "-c", _EVICTION_ORDER], capture_output=True, text=True, env=env, timeout=120

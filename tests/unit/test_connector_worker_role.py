@@ -185,7 +185,7 @@ def test_vllm_hands_the_spec_one_tensor_per_layer_or_one_packed_region():
 def test_a_sync_load_completes_while_an_earlier_async_load_is_held_back():
     """vLLM 0.33's worker role submits a synchronous load with ``expedited=True`` and waits for it before the step's
     forward pass: it must not wait behind an asynchronous load submitted earlier. On a simulated device whose load
-    lane is held back (tests/sim_cuda.py), the sync load completes and is waited for; the async one completes once
+    lane is held back (tests/unit/sim_cuda.py), the sync load completes and is waited for; the async one completes once
     released, and only then is its request reported as received."""
     from sim_cuda import deferred, lane_stream
 

@@ -1,6 +1,6 @@
-"""The transfer engine's lanes on CPU, with the job tracker's CUDA calls replaced by stand-ins (as tests/test_jobs.py
-does): an expedited load has a stream of its own and completes while an earlier load is held back; and the ordering
-invariant between the store and load lanes, shown broken and guarded.
+"""The transfer engine's lanes on CPU, with the job tracker's CUDA calls replaced by stand-ins (as
+tests/unit/test_jobs.py does): an expedited load has a stream of its own and completes while an earlier load is held
+back; and the ordering invariant between the store and load lanes, shown broken and guarded.
 
 The invariant (triton_offload/engine.py, where the lanes are made): a GPU block a pending store still reads is not
 overwritten before that store completes. vLLM keeps it (it flushes and waits for such a store before it submits the

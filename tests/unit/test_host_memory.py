@@ -1,6 +1,6 @@
 """Where a host cache's memory goes and what pins it (docs/host-memory.md): NUMA placement read back from the
 kernel, a simulated two-node topology, reserved huge pages and their shortage, and the fallback when CUDA refuses
-registration (the driver faked on CPU, as in tests/test_host_cache.py)."""
+registration (the driver faked on CPU, as in tests/unit/test_host_cache.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Packed rows with host regions (``KVCacheSpec(..., group_regions=...)``): a host row holds f sub-blocks of each
 region's bytes, region after region, and a host id names one key per region; groups may share a region. Against the
 reference and by hand, byte for byte, on CPU under the Triton interpreter; the copy-engine path's descriptors for the
-same layout are checked in tests/test_dma.py."""
+same layout are checked in tests/unit/test_dma.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The host buffer here is what a vLLM worker sees: a strided view of one worker's slot inside wider rows shared with
 other workers, so the bytes around the view (other workers' slots, the padding of each page) must never change.
-The byte placement is checked against vLLM's own ``SharedOffloadRegion`` views in ``tests/test_tiering.py``.
+The byte placement is checked against vLLM's own ``SharedOffloadRegion`` views in ``tests/unit/test_tiering.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the README and the docs say, checked: their Python examples run as written (on CPU, through the
 interpreter), the vLLM examples build their engine under a main guard, the README stays a short read that names the
 commands and the code it measured, and the recipes the end-to-end tests read from docs/tiering.md agree with how the
-tests run them. (The README's quick start itself runs in tests/test_readme_quickstart.py.)"""
+tests run them. (The README's quick start itself runs in tests/e2e/test_readme_quickstart.py.)"""
 
 import ast
 import json
@@ -62,6 +62,24 @@ def test_the_benchmarks_readme_is_a_short_read_whose_links_hold():
     for module in set(re.findall(r"python -m ((?:bench|tools)(?:\.[a-z_]+)+)(?![\w.])", text)):
         path = ROOT.joinpath(*module.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), module
+
+
+def test_the_test_files_the_docs_and_sources_name_exist():
+    """Every path under tests/ that the docs, ``dev`` or the code's comments name (a test file, a folder of a kind, a
+    ``test_bench_*.py`` glob) exists: tests/README.md says which folder holds what, and a file that moves takes its
+    mentions with it."""
+    sources = [README, ROOT / "bench" / "README.md", ROOT / "tests" / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+    sources += [ROOT / "dev", ROOT / "setup.cfg"]
+    for package in ("triton_offload", "kernels", "connector", "bench", "tools"):
+        sources += sorted(p for p in (ROOT / package).rglob("*.py") if "results" not in p.parts)
+    named = {
+        (path.relative_to(ROOT).as_posix(), m)
+        for path in sources
+        for m in re.findall(r"(?<![\w/.-])tests/[\w*/.-]*[\w*]", path.read_text())
+    }
+    assert len(named) >= 30, "the docs lost their references to the tests"
+    missing = sorted((source, name) for source, name in named if not any(ROOT.glob(name)))
+    assert not missing, f"named but not there (source, path): {missing}"
 
 
 def test_the_readme_json_line_is_the_quick_starts_configuration_and_valid():
