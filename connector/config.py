@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload._checks import positive_int, positive_int_setting, transfer_path
+from triton_offload._checks import OFF, integrity_setting, positive_int, positive_int_setting, transfer_path
 from triton_offload.connector import SPEC_NAME
 from triton_offload.host_pages import check_settings, huge_pages_setting, pinning_setting
 from triton_offload.numa import numa_setting
@@ -56,7 +56,16 @@ _UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 # Keys this spec reads.
 OUR_KEYS = frozenset(
-    {"cpu_bytes_to_use", "eviction_policy", "num_ctas", "transfer_path", "numa_node", "huge_pages", "pinning"}
+    {
+        "cpu_bytes_to_use",
+        "eviction_policy",
+        "num_ctas",
+        "transfer_path",
+        "numa_node",
+        "huge_pages",
+        "pinning",
+        "integrity",
+    }
 )
 # Keys vLLM's OffloadingConnector reads itself, whatever the spec (block_size becomes blocks_per_chunk).
 VLLM_KEYS = frozenset(
@@ -216,6 +225,7 @@ class TritonOffloadConfig:
             (triton_offload/numa.py, docs/host-memory.md).
         huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host_pages.py).
         pinning: ``"auto"``, ``"register"`` or ``"alloc"`` (how a CUDA host cache is pinned).
+        integrity: ``"off"``, ``"verify"`` or ``"require"``: the integrity checks (docs/integrity.md).
     """
 
     cpu_bytes_to_use: int
@@ -226,6 +236,7 @@ class TritonOffloadConfig:
     numa_node: str | int = "auto"
     huge_pages: str = "thp"
     pinning: str = "auto"
+    integrity: str = OFF
 
     @classmethod
     def from_extra_config(
@@ -265,6 +276,7 @@ class TritonOffloadConfig:
         huge_pages = huge_pages_setting(extra.get("huge_pages", "thp"))
         pinning = pinning_setting(extra.get("pinning", "auto"))
         check_settings(huge_pages, pinning)
+        checks = integrity_setting(extra.get("integrity", OFF))
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
@@ -275,4 +287,4 @@ class TritonOffloadConfig:
                 f"block_size = {block_size!r} tokens, but vLLM passed blocks_per_chunk = {f} for GPU blocks of "
                 f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
             )
-        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning)
+        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, checks)

@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from triton_offload.integrity import identities_of_keys
 from triton_offload.manager import OffloadManager, RequestUse
 
 __all__ = ["HostBlocksSpec", "TritonOffloadingManager", "METRICS", "VLLM_TRANSFER_COUNTERS"]
@@ -64,10 +65,16 @@ _LOOKUP = {"ready": LookupResult.HIT, "storing": LookupResult.HIT_PENDING, None:
 
 
 class HostBlocksSpec(BlockIDsLoadStoreSpec):
-    """Host block ids in our packed host cache, one per offload key, in the keys' order.
+    """Host block ids in our packed host cache, one per offload key, in the keys' order; with the integrity checks,
+    each key's identity too (:func:`triton_offload.integrity.identities_of_keys`), which the workers mix into the
+    blocks' checksums (docs/integrity.md).
 
-    Small and picklable (a NumPy array): it travels to the workers inside vLLM's connector metadata.
+    Small and picklable (NumPy arrays): it travels to the workers inside vLLM's connector metadata.
     """
+
+    def __init__(self, block_ids, identities=None):
+        super().__init__(block_ids)
+        self.identities = identities
 
 
 class TritonOffloadingManager(OffloadingManager):
@@ -80,6 +87,7 @@ class TritonOffloadingManager(OffloadingManager):
         eviction_policy: ``"lru"`` or ``"arc"``.
         enable_events: report stores and evictions as vLLM ``OffloadingEvent``\\ s.
         info: static facts published through 0.33's ``config_info`` (label name to value).
+        identities: give each host block the identity of its key in the specs (the integrity checks).
     """
 
     def __init__(
@@ -89,8 +97,12 @@ class TritonOffloadingManager(OffloadingManager):
         *,
         enable_events: bool = False,
         info: dict[str, str | int | float | bool] | None = None,
+        identities: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
+        self.identities = identities
+        # Host block id -> key of the blocks pinned by loads: a failed integrity check names host blocks.
+        self._loading: dict[int, OffloadKey] = {}
         self.eviction_policy = eviction_policy
         self.enable_events = enable_events
         self._info = dict(info or {})
@@ -116,7 +128,10 @@ class TritonOffloadingManager(OffloadingManager):
             where = dict(zip(ordered, block_ids))
             block_ids = [where[key] for key in keys]
         self._totals["hit_blocks"] += len(keys)
-        return HostBlocksSpec(block_ids)
+        if not self.identities:
+            return HostBlocksSpec(block_ids)
+        self._loading.update(zip(block_ids, keys))
+        return HostBlocksSpec(block_ids, identities_of_keys(keys))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         # Every hit of this spec comes from host memory: vLLM's metrics count it under source="host", as they do for
@@ -127,7 +142,22 @@ class TritonOffloadingManager(OffloadingManager):
         self._manager.touch(_prefix_order(list(keys), req_context), self._request_use(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.complete_load(list(keys))
+        keys = list(keys)
+        blocks = [self._manager.key_block(key) for key in keys] if self._loading else None
+        self._manager.complete_load(keys)
+        if blocks:  # a key with no load left in flight (dropped or not) no longer names its block here
+            pinned = self._manager.is_pinned
+            for key, block in zip(keys, blocks):
+                if not pinned(key):
+                    self._loading.pop(block, None)
+
+    def discard_failed(self, host_block_ids: Iterable[int]) -> list[OffloadKey]:
+        """The keys of host blocks whose bytes failed an integrity check on a worker (loads in flight, or completed
+        in the same step) are dropped: later lookups miss them, so requests recompute and store them anew. Returns
+        the keys. Call before the loads' completion is processed."""
+        keys = [self._loading[h] for h in dict.fromkeys(host_block_ids) if h in self._loading]
+        self._manager.discard(keys)
+        return keys
 
     # -- stores --------------------------------------------------------------------------------------------------
 
@@ -143,9 +173,10 @@ class TritonOffloadingManager(OffloadingManager):
             where = dict(zip(keys_to_store, host_ids))
             keys_to_store = [key for key in dict.fromkeys(keys) if key in where]
             host_ids = [where[key] for key in keys_to_store]
+        identities = identities_of_keys(keys_to_store) if self.identities else None
         return PrepareStoreOutput(
             keys_to_store=list(keys_to_store),
-            store_spec=HostBlocksSpec(host_ids),
+            store_spec=HostBlocksSpec(host_ids, identities),
             evicted_keys=list(out.evicted_keys),
         )
 
@@ -177,6 +208,7 @@ class TritonOffloadingManager(OffloadingManager):
         # storing keys must go too: start from an empty manager. Reusing their blocks at once is safe because vLLM
         # makes the workers wait for those jobs (jobs_to_flush) before it submits any new transfer.
         self._manager = OffloadManager(self.num_blocks, self.eviction_policy, enable_events=self.enable_events)
+        self._loading.clear()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
