@@ -20,9 +20,11 @@ import triton_offload as to
 from triton_offload.calibrate import calibrate, path_issuers
 from triton_offload.dma import DmaIssuer
 from triton_offload.fast_launch import enable_fast_launch
-from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.host_cache import checksum_table
+from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
 from triton_offload.path_choice import DMA, KERNEL, Calibration
 from triton_offload.plan import Direction, TransferPlanner
+from triton_offload.staging import IdStager
 
 # isort: split
 # Sibling modules: bench/ is on sys.path when this runs as a script (it is not a package).
@@ -36,6 +38,7 @@ from vllm_native import VLLM_VERSION, NativeWorker, PackedHostView, open_native_
 __all__ = [
     "METHODS",
     "Triton",
+    "TritonIntegrity",
     "Auto",
     "MemcpyPerBlock",
     "MemcpyBatch",
@@ -62,6 +65,38 @@ class Triton:
             run = lambda: to.scatter_blocks(host, h, spec, g, **kw)
         where = "compiled kernel" if env.cuda else "Triton interpreter"
         return Prepared(run, h, f"triton_offload.{'gather' if case.store else 'scatter'}_blocks ({where})")
+
+
+class TritonIntegrity:
+    """Ours with the integrity checks (docs/integrity.md; ``--integrity``): the kernel path as the engine issues it
+    with ``integrity="verify"``, per call a plan, the ids and identities packed into a pinned slot and uploaded, one
+    launch that copies and checksums (its last program writing a store's checksums into the table, or checking a
+    load's), the slot handed back behind an event. Compare with ``triton`` at the default num_ctas in the same run."""
+
+    def __init__(self, num_ctas: int | None = None):
+        self.num_ctas = num_ctas
+
+    def prepare(self, case: TransferCase, env: Env) -> Prepared:
+        direction = Direction.STORE if case.store else Direction.LOAD
+        table = checksum_table(case.host.shape[0], case.f, pin=env.cuda)
+        launcher = CopyLauncher(case.spec, case.host, case.f, direction, checksums=table)
+        if env.cuda:
+            enable_fast_launch(launcher, self.num_ctas)  # the launch the engine would make (proven on a canary)
+        issuer = KernelIssuer(launcher, IdStager(case.device) if env.cuda else None, self.num_ctas)
+        planner = TransferPlanner(case.spec, case.host.shape[0], case.f)
+        g, h, skip = case.gpu_ids, case.host_ids, case.skip
+
+        def run() -> None:
+            keep = issuer.issue(planner.plan(g, h, direction=direction, skip=skip, identities=h))
+            if env.cuda:
+                after = torch.cuda.Event()
+                after.record()
+                issuer.release(keep, after)
+            else:
+                issuer.release(keep)
+
+        where = "compiled kernel" if env.cuda else "Triton interpreter"
+        return Prepared(run, h, f"the kernel with the integrity checks ({where}): a launch per call, checksums fused")
 
 
 _COMPILED_LOOP: list = []  # [(lib or None, why not)], built once per process
@@ -281,6 +316,7 @@ class Peak:
 # Methods by exact name; "triton" is built per num_ctas by the driver.
 METHODS = {
     "triton": Triton,
+    "triton_integrity": TritonIntegrity,
     "auto": Auto,
     "memcpy_per_block": MemcpyPerBlock,
     "memcpy_batch": MemcpyBatch,

@@ -124,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"(default {DUPLEX_REPEATS})")  # fmt: skip
     p.add_argument("--cpu-check", action="store_true", help="the CPU mode (tiny shapes, nothing timed) even with CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--integrity", action="store_true", help="add triton_integrity (triton with the integrity "
+                   "checks, issue 41) to the methods")  # fmt: skip
     args = p.parse_args(argv)
     unknown = [w for w in args.workloads or () if w not in SERVING_WORKLOADS]
     if unknown:
@@ -155,7 +157,12 @@ def run_plan(args, cuda: bool) -> RunPlan:
     plan = dataclasses.replace(
         plan,
         cases=tuple(cases),
-        methods=tuple(args.methods) if args.methods else plan.methods,
+        methods=(tuple(args.methods) if args.methods else plan.methods)
+        + (
+            ("triton_integrity",)
+            if getattr(args, "integrity", False) and "triton_integrity" not in (args.methods or ())
+            else ()
+        ),  # fmt: skip
         triton_ctas=tuple(args.num_ctas) if args.num_ctas else plan.triton_ctas,
         load_modes=tuple(args.load_modes) if args.load_modes else plan.load_modes,
         rounds=args.rounds or plan.rounds,

@@ -27,7 +27,7 @@ import torch
 
 from triton_offload.cuda_driver import MemcpyBatchCall, batch_attributes
 from triton_offload.engine import LOAD, STORE, JobResult, TransferEngine
-from triton_offload.host_cache import HostCache
+from triton_offload.host_cache import HostCache, checksum_table
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 from triton_offload.layouts import KVCacheSpec
 
@@ -334,6 +334,19 @@ METHODS: dict[str, Method] = {
     "dma": Method(
         lambda target, _: BatchEngine(target, sm_copy_loads=False, flags=FLAG_PREFER_OVERLAP_WITH_COMPUTE, name="dma"),
         "cuMemcpyBatchAsync both ways (PREFER_OVERLAP_WITH_COMPUTE); descriptors built per call from the block ids",
+    ),
+    # The integrity checks' cost (issue 41, docs/integrity.md): `triton` with them; selected by serving.py
+    # --integrity (or --methods).
+    "triton_integrity": Method(
+        lambda target, num_ctas: triton_engine(
+            target,
+            num_ctas,
+            path="kernel",
+            integrity="verify",
+            checksums=checksum_table(target.host_buffer.shape[0], 1, pin=target.kv.device.type == "cuda"),
+        ),
+        "TransferEngine(path='kernel', integrity='verify'): the triton row with the integrity checks fused into "
+        "its launches (a checksum per block written by stores, checked by loads)",
     ),
 }
 

@@ -63,9 +63,11 @@ def triton_spec(num_ctas: int) -> MethodSpec:
     return MethodSpec("triton", num_ctas, lambda: Triton(None if num_ctas == DEFAULT_NUM_CTAS else num_ctas))
 
 
-def method_specs(ctas: list[int], baselines=BASELINE_ORDER) -> list[MethodSpec]:
-    """Triton at every given num_ctas, then the baselines."""
-    return [triton_spec(c) for c in ctas] + [MethodSpec(name, None, METHODS[name]) for name in baselines]
+def method_specs(ctas: list[int], baselines=BASELINE_ORDER, integrity: bool = False) -> list[MethodSpec]:
+    """Triton at every given num_ctas, with ``integrity`` the integrity checks' variant at the default num_ctas
+    (``triton_integrity``, issue 41), then the baselines."""
+    checked = [MethodSpec("triton_integrity", None, METHODS["triton_integrity"])] if integrity else []
+    return [triton_spec(c) for c in ctas] + checked + [MethodSpec(name, None, METHODS[name]) for name in baselines]
 
 
 @dataclass

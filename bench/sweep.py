@@ -79,7 +79,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
     blocks = sorted(args.blocks or mode.blocks)
     host_configs = mode.host_configs
     groups = [] if args.no_sweep else selected_groups(args)
-    run = Session(meta, env, method_specs(sweep), stream)
+    run = Session(meta, env, method_specs(sweep, integrity=getattr(args, "integrity", False)), stream)
     timer = GpuTimer(stream, device, args.hide_us)
     overhead = inter = fatal = None
     try:
