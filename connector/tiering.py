@@ -457,7 +457,8 @@ def attach_identities(manager: OffloadingManager) -> None:
     """Makes vLLM's tiering manager hand its load and store specs over with each chunk's key identity
     (:class:`IdentifiedChunks`, :func:`triton_offload.integrity.identities_of_keys`), and gives it
     ``discard_failed(chunk_ids)``: the keys of chunks whose bytes failed an integrity check become misses (vLLM's CPU
-    tier has no way to drop one, and would otherwise hand the same bad bytes to the retried request forever). The
+    tier has no way to drop one, and would otherwise hand the same bad bytes to the retried request forever), until
+    the CPU tier stores them anew (once it evicted the bad chunk, a request's store brings fresh bytes). The
     manager is vLLM's, unchanged otherwise: three of its methods are wrapped on this instance. Each loaded chunk id is
     remembered with its key and where it was loaded from (``chunk_sources``), for messages about failed checks."""
     prepare_load, prepare_store, lookup = manager.prepare_load, manager.prepare_store, manager.lookup
@@ -480,6 +481,8 @@ def attach_identities(manager: OffloadingManager) -> None:
         out = prepare_store(keys, req_context)
         if out is None:
             return None
+        for key in out.keys_to_store:  # stored anew (the bad chunk was evicted meanwhile): its fresh bytes may hit
+            bad.pop(key, None)
         spec = IdentifiedChunks(out.store_spec.block_ids, identities_of_keys(out.keys_to_store))
         return replace(out, store_spec=spec)
 

@@ -332,3 +332,49 @@ def test_several_groups_report_the_request_and_a_sync_load_stops_the_engine():
     c = connector_worker_side(2, [_error()], {3: None})
     with pytest.raises(RuntimeError, match="a synchronous load's failed blocks cannot be reported"):
         c.get_finished(set())
+
+
+class _FakeTieringManager:
+    """vLLM's tiering manager as far as attach_identities wraps it: every key is a hit in chunk = its index."""
+
+    def __init__(self):
+        self.stored: set = set()
+
+    def lookup(self, key, req_context):
+        return LookupResult.HIT
+
+    def prepare_load(self, keys, req_context):
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        return CPULoadStoreSpec([int.from_bytes(k[:4], "big") for k in keys])
+
+    def get_load_source(self, key, req_context):
+        return SimpleNamespace(value="disk")
+
+    def prepare_store(self, keys, req_context):
+        from vllm.v1.kv_offload.base import PrepareStoreOutput
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        new = [k for k in keys if k not in self.stored]
+        self.stored.update(new)
+        return PrepareStoreOutput(new, CPULoadStoreSpec(list(range(len(new)))), [])
+
+
+def test_the_tiering_manager_hands_out_identities_and_a_failed_chunk_misses_until_stored_anew():
+    from triton_offload.connector.tiering import attach_identities
+
+    m = _FakeTieringManager()
+    attach_identities(m)
+    keys = [key(3), key(5)]
+    spec = m.prepare_load(keys, ctx())
+    assert isinstance(spec, IdentifiedChunks) and spec.block_ids.tolist() == [3, 5]
+    assert np.array_equal(spec.identities, integrity.identities_of_keys(keys))
+    assert m.chunk_sources[5] == (key(5), "disk")
+    assert m.discard_failed([5, 77]) == [key(5)]
+    assert m.lookup(key(5), ctx()) == LookupResult.MISS and m.lookup(key(3), ctx()) == LookupResult.HIT
+    m.stored.add(key(3))
+    out = m.prepare_store([key(3), key(5)], ctx())  # key 5's bad chunk was evicted: it is stored anew
+    assert out.keys_to_store == [key(5)] and np.array_equal(
+        out.store_spec.identities, integrity.identities_of_keys([key(5)])
+    )
+    assert m.lookup(key(5), ctx()) == LookupResult.HIT
