@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from bench_modules import bench_modules
+
+from bench.baselines import copies, copy_loop
+from bench.common import case
+from bench.common.env import Env
 
 # The CUDA runtime's types and a memcpy in place of cudaMemcpyAsync; odd sizes fail, as an error to report.
 _HOST_SHIM = r"""
@@ -36,19 +40,13 @@ needs_compiler = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def mods():
-    with bench_modules("copy_loop", "baselines", "case") as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
-def shim_lib(mods, tmp_path_factory):
+def shim_lib(tmp_path_factory):
     """The loop's source built over the host stand-in (once for the module)."""
     if shutil.which("c++") is None or shutil.which("ninja") is None:
         pytest.skip("needs a C++ compiler and ninja")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("ext")))
-        return mods[0].build_copy_loop("to_bench_copy_loop_shim", ["-DTO_BENCH_HOST_SHIM"], _HOST_SHIM)
+        return copy_loop.build_copy_loop("to_bench_copy_loop_shim", ["-DTO_BENCH_HOST_SHIM"], _HOST_SHIM)
 
 
 def _plan(count: int, odd_at: int | None = None):
@@ -73,8 +71,7 @@ def _moved_right(src, dst, plan) -> bool:
     return bool((dst[src.size :] == 0xA5).all())
 
 
-def test_the_compiled_loop_issues_every_copy_of_the_plan(mods, shim_lib):
-    copy_loop = mods[0]
+def test_the_compiled_loop_issues_every_copy_of_the_plan(shim_lib):
     src, dst, plan = _plan(41)
     copy_loop.CompiledCopyLoop(shim_lib, *plan, stream=0x5EED)()
     assert _moved_right(src, dst, plan)
@@ -84,8 +81,7 @@ def test_the_compiled_loop_issues_every_copy_of_the_plan(mods, shim_lib):
 
 
 @needs_compiler
-def test_the_real_loop_builds_against_the_cuda_runtime(mods, tmp_path, monkeypatch):
-    copy_loop, _, _ = mods
+def test_the_real_loop_builds_against_the_cuda_runtime(tmp_path, monkeypatch):
     if copy_loop.cuda_home() is None:
         pytest.skip("needs a CUDA toolkit (cuda_runtime.h, libcudart)")
     if torch.cuda.is_available():
@@ -99,51 +95,53 @@ def test_the_real_loop_builds_against_the_cuda_runtime(mods, tmp_path, monkeypat
 
 
 @needs_compiler
-def test_a_build_failure_is_a_reason_not_a_crash(mods, tmp_path, monkeypatch):
-    copy_loop, _, _ = mods
+def test_a_build_failure_is_a_reason_not_a_crash(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with pytest.raises(copy_loop.BuildFailed):
         copy_loop.build_copy_loop("to_bench_broken", ["-DTO_BENCH_HOST_SHIM"], "this is not C++;")
 
 
 class _FakeDriver:
-    """The driver's cuMemcpyAsync, done with memmove on host memory; records the stream it was given."""
+    """The driver's cuMemcpyAsync (``lib.cuMemcpyAsync``, as ctypes exposes it), done with memmove on host memory;
+    records the stream it was given."""
 
     def __init__(self):
         self.streams = []
-
-    def memcpy_async(self):
-        def memcpy(dst, src, n, stream):
-            self.streams.append(stream)
-            ctypes.memmove(dst, src, n)
-            return 0
-
-        return memcpy
+        self.lib = SimpleNamespace(cuMemcpyAsync=_FakeMemcpy(self.streams))
 
 
-def test_without_a_compiled_loop_the_python_loop_is_labelled_handicapped(mods):
-    copy_loop, baselines, case = mods
+class _FakeMemcpy:
+    """A callable that takes ctypes' ``argtypes`` and ``restype`` like a foreign function."""
+
+    def __init__(self, streams: list):
+        self.streams = streams
+
+    def __call__(self, dst, src, n, stream):
+        self.streams.append(stream)
+        ctypes.memmove(dst, src, n)
+        return 0
+
+
+def test_without_a_compiled_loop_the_python_loop_is_labelled_handicapped():
     src, dst, plan = _plan(12)
     driver = _FakeDriver()
-    env = case.Env(torch.device("cpu"), driver, "fake driver", stream_handle=0x77)
-    run, impl = baselines.issue_each(plan, env, None, "no compiler here")
+    env = Env(torch.device("cpu"), driver, "fake driver", stream_handle=0x77)
+    run, impl = copies.issue_each(plan, env, None, "no compiler here")
     assert impl.startswith(copy_loop.PYTHON_ISSUED) and "no compiler here" in impl
     run()
     assert _moved_right(src, dst, plan) and driver.streams == [0x77] * 12
 
 
-def test_with_a_compiled_loop_it_is_used_and_labelled_so(mods, shim_lib):
-    copy_loop, baselines, case = mods
+def test_with_a_compiled_loop_it_is_used_and_labelled_so(shim_lib):
     src, dst, plan = _plan(12)
-    env = case.Env(torch.device("cpu"), None, "no driver", stream_handle=0x5EED)
-    run, impl = baselines.issue_each(plan, env, shim_lib)
+    env = Env(torch.device("cpu"), None, "no driver", stream_handle=0x5EED)
+    run, impl = copies.issue_each(plan, env, shim_lib)
     assert isinstance(run, copy_loop.CompiledCopyLoop) and "C++" in impl and copy_loop.PYTHON_ISSUED not in impl
     run()
     assert _moved_right(src, dst, plan)
 
 
-def test_neither_a_compiled_loop_nor_a_driver_means_unavailable(mods):
-    _, baselines, case = mods
-    env = case.Env(torch.device("cpu"), None, "libcuda.so.1 missing")
+def test_neither_a_compiled_loop_nor_a_driver_means_unavailable():
+    env = Env(torch.device("cpu"), None, "libcuda.so.1 missing")
     with pytest.raises(case.Unavailable, match="no compiled helper .*libcuda.so.1 missing"):
-        baselines.issue_each(_plan(2)[2], env, None, "no compiler")
+        copies.issue_each(_plan(2)[2], env, None, "no compiler")

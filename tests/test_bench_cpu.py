@@ -1,9 +1,8 @@
-"""The benchmark's CPU mode (bench/bench_transfer.py without CUDA): every method that exists on CPU moves the right
+"""The benchmark's CPU mode (``python -m bench.transfer`` without CUDA): every method that exists on CPU moves the right
 bytes, the CUDA-only baselines' copy plans replay correctly with memmove, no bandwidth number is ever written, and
 a method that moves wrong bytes fails the run instead of reporting anything.
 
-Run as subprocesses with --cpu-check, so the same test holds on a CUDA machine (and the bench's sibling modules
-never land on this process's sys.path)."""
+Run with --cpu-check (the end to end runs as subprocesses), so the same test holds on a CUDA machine."""
 
 from __future__ import annotations
 
@@ -12,8 +11,11 @@ import pathlib
 import subprocess
 import sys
 
+from bench_faults import short_uncoalesced_copies
+
+from bench.transfer import cli
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench"
 TIMING_FIELDS = (
     "median_ms", "p20_ms", "p80_ms", "gbps", "call_cpu_us", "fraction_of_peak",
     "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged", "speedup_vs_vllm033",
@@ -36,7 +38,7 @@ def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
 
 def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
     out = tmp_path / "cpu.json"
-    proc = _run([str(BENCH / "bench_transfer.py"), "--quick", "--cpu-check", "--json", str(out)])
+    proc = _run(["-m", "bench.transfer", "--quick", "--cpu-check", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "NO BANDWIDTH IS MEASURED" in proc.stdout
     data = json.loads(out.read_text())
@@ -65,29 +67,14 @@ def test_cpu_check_passes_every_method_and_measures_nothing(tmp_path):
             assert r["status"] == "n/a" and "memmove" in r["note"], r
 
 
-_BROKEN_PLAN = """
-import sys
-sys.path.insert(0, {bench!r})
-import case, bench_transfer
-original = case.TransferCase.copy_plan
-def shifted(self, host_ids):
-    src, dst, sizes = original(self, host_ids)
-    sizes = sizes.copy()
-    sizes[-1] -= 16  # the last copy stops 16 bytes short: never writes out of bounds, leaves a sentinel tail
-    return src, dst, sizes
-case.TransferCase.copy_plan = shifted
-sys.exit(bench_transfer.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", {out!r}]))
-"""
-
-
-def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
+def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path, monkeypatch):
     out = tmp_path / "broken.json"
-    proc = _run(["-c", _BROKEN_PLAN.format(bench=str(BENCH), out=str(out))])
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    short_uncoalesced_copies(monkeypatch, 16)  # the last copy of every baseline's transfer
+    assert cli.main(["--quick", "--cpu-check", "--workloads", "small-page", "--json", str(out)]) == 1
     data = json.loads(out.read_text())
     failed = {(f["method"], f["direction"]) for f in data["failures"]}
-    # Every method issuing the bench's copy plan; auto's copy-engine path builds its own (triton_offload/dma.py,
-    # tests/test_dma.py) and still passes.
+    # Every method issuing the library's uncoalesced descriptors; auto (the engine's copy-engine path, which asks for
+    # coalescing: triton_offload/dma.py, tests/test_dma.py) still passes.
     assert failed == {(m, d) for m in (CUDA_ONLY - {"auto"}) | {VLLM033} for d in ("store", "load")}
     assert all("differ" in f["note"] for f in data["failures"])
     # The methods whose bytes are right still pass, and still nothing is measured.
@@ -96,10 +83,10 @@ def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path):
 
 
 def test_call_cost_runs_every_step_at_a_tiny_shape(tmp_path):
-    """bench/call_cost.py (the per-call host-time breakdown measured on the GPU) runs end to end and writes its JSON;
-    on CPU it times only the steps before the launch and says so."""
+    """bench.micro.call_cost (the per-call host-time breakdown measured on the GPU) runs end to end and writes its
+    JSON; on CPU it times only the steps before the launch and says so."""
     out = tmp_path / "cost.json"
-    proc = _run([str(BENCH / "call_cost.py"), "--tiny", "--calls", "8", "--json", str(out)], timeout=300)
+    proc = _run(["-m", "bench.micro.call_cost", "--tiny", "--calls", "8", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "the steps before the launch only" in proc.stdout or "NVIDIA" in proc.stdout
     sections = json.loads(out.read_text())["sections"]

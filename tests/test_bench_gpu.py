@@ -23,7 +23,7 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     args = ["--workloads", "small-page", "--blocks", "16", "128", "--num-ctas", "8", "--budget-ms", "5"]
     args += ["--no-overhead", "--no-interference", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_transfer.py"), *args], capture_output=True, text=True, timeout=400
+        [sys.executable, "-m", "bench.transfer", *args], capture_output=True, text=True, timeout=400, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())

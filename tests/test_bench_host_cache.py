@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_modules import bench_modules
 
+from bench.micro import host_cache
 from triton_offload import numa
 
 GPU = {"index": 0, "pci": "0000:1b:00.0", "node": 1}
@@ -27,28 +27,26 @@ def layout(memory_nodes: list[int], gpu: dict | None = GPU) -> dict:
      "not measured: GPU 0 (PCI 0000:1b:00.0) reports no NUMA node (-1), so near and far are unknown"),
 ])  # fmt: skip
 def test_near_and_far_nodes_or_why_not(nodes, gpu, cuda, want):
-    with bench_modules("bench_host_cache") as (bench,):
-        assert bench.near_far(layout(nodes, gpu), cuda) == want
+    assert host_cache.near_far(layout(nodes, gpu), cuda) == want
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/numa_maps"), reason="needs Linux NUMA support")
 def test_cpu_run_reports_setup_per_placement_and_page_size(tmp_path, capsys):
     out = tmp_path / "host-cache.json"
-    with bench_modules("bench_host_cache") as (bench,):
-        args = [
-            "--sizes-gib",
-            "0.01",
-            "--placements",
-            "off",
-            "each",
-            "0",
-            "--huge-pages",
-            "thp",
-            "1GiB",
-            "--json",
-            str(out),
-        ]
-        assert bench.main(args) == 0
+    args = [
+        "--sizes-gib",
+        "0.01",
+        "--placements",
+        "off",
+        "each",
+        "0",
+        "--huge-pages",
+        "thp",
+        "1GiB",
+        "--json",
+        str(out),
+    ]
+    assert host_cache.main(args) == 0
     printed = capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["registration"] == "not measured: no CUDA"

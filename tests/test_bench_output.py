@@ -7,17 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_modules import bench_modules
 
+from bench.baselines import copy_loop
+from bench.common import plot, results
+from bench.transfer import summary
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 DEFAULT = DEFAULT_NUM_CTAS
-
-
-@pytest.fixture(scope="module")
-def mods():
-    with bench_modules("results", "summary", "plot", "copy_loop") as loaded:
-        yield loaded
 
 
 def _rows(results, copy_loop, triton_ms: float, vllm_ms: float) -> list[dict]:
@@ -36,8 +32,7 @@ def _rows(results, copy_loop, triton_ms: float, vllm_ms: float) -> list[dict]:
     return rows
 
 
-def test_speedups_are_against_the_same_case(mods):
-    results, _, _, copy_loop = mods
+def test_speedups_are_against_the_same_case():
     rows = _rows(results, copy_loop, triton_ms=1.25, vllm_ms=2.5)
     other = [dict(r, blocks=16, median_ms=r["median_ms"] * 10, gbps=r["gbps"] / 80) for r in rows]
     results.fill_relative(rows + other)
@@ -47,16 +42,14 @@ def test_speedups_are_against_the_same_case(mods):
     assert all(r["speedup_vs_vllm033"] == rows[i]["speedup_vs_vllm033"] for i, r in enumerate(other))
 
 
-def test_a_row_has_exactly_the_schema(mods):
-    results = mods[0]
+def test_a_row_has_exactly_the_schema():
     assert tuple(results.new_row(method="peak")) == results.ROW_KEYS
     with pytest.raises(KeyError, match="median_us"):
         results.new_row(median_us=1.0)
 
 
 @pytest.mark.parametrize(("vllm_ms", "verdict"), [(2.5, "PASS"), (1.0, "FAIL")], ids=["faster", "slower"])
-def test_tables_and_the_vllm033_target(mods, capsys, vllm_ms, verdict):
-    results, summary, _, copy_loop = mods
+def test_tables_and_the_vllm033_target(capsys, vllm_ms, verdict):
     rows = _rows(results, copy_loop, triton_ms=1.25, vllm_ms=vllm_ms)
     results.fill_relative(rows)
     summary.print_results(rows, [1, DEFAULT])
@@ -70,8 +63,7 @@ def test_tables_and_the_vllm033_target(mods, capsys, vllm_ms, verdict):
     assert "\u2020" in per_block["detail"]
 
 
-def test_the_plot_has_a_line_per_method(mods, tmp_path):
-    results, _, plot, copy_loop = mods
+def test_the_plot_has_a_line_per_method(tmp_path):
     pytest.importorskip("matplotlib")
     rows = _rows(results, copy_loop, 1.25, 2.5)
     rows += [dict(r, page_bytes=65536, layout="block_first") for r in rows]  # loads only: one panel is empty
@@ -82,8 +74,7 @@ def test_the_plot_has_a_line_per_method(mods, tmp_path):
     assert set(series) == {"triton", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "peak"}
 
 
-def test_parts_of_one_device_plot_together_and_other_devices_are_refused(mods, tmp_path):
-    results, _, plot, copy_loop = mods
+def test_parts_of_one_device_plot_together_and_other_devices_are_refused(tmp_path):
     pytest.importorskip("matplotlib")
     small = _rows(results, copy_loop, 1.25, 2.5)
     large = [dict(r, page_bytes=65536) for r in small]
@@ -104,8 +95,7 @@ def test_parts_of_one_device_plot_together_and_other_devices_are_refused(mods, t
         plot.merge_results([docs[0], dict(docs[1], default_num_ctas=DEFAULT + 1)])
 
 
-def test_results_are_written_whole_or_not_at_all(mods, tmp_path):
-    results = mods[0]
+def test_results_are_written_whole_or_not_at_all(tmp_path):
     path = tmp_path / "sub" / "r.json"
     results.write_json(path, {"rows": [1], "complete": False})
     results.write_json(path, {"rows": [1, 2], "complete": True})
@@ -114,8 +104,7 @@ def test_results_are_written_whole_or_not_at_all(mods, tmp_path):
 
 
 @pytest.mark.parametrize(("auto_ms", "verdict"), [(1.28, "PASS"), (1.30, "FAIL")], ids=["2.4%-slower", "4%-slower"])
-def test_the_auto_target_compares_with_the_better_of_kernel_and_copy_engines(mods, auto_ms, verdict):
-    results, summary, _, copy_loop = mods
+def test_the_auto_target_compares_with_the_better_of_kernel_and_copy_engines(auto_ms, verdict):
     rows = _rows(results, copy_loop, triton_ms=1.25, vllm_ms=2.5)  # memcpy_batch 3.0 ms: the kernel is the better
     auto = dict(rows[0], method="auto", num_ctas=None, median_ms=auto_ms)
     targets = {t["target"]: t for t in summary.evaluate_targets([*rows, auto], None, None)}

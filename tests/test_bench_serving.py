@@ -1,9 +1,8 @@
-"""The serving step-loop benchmark (bench/serving.py). On CPU: every method runs the loop at tiny shapes and moves the
-right bytes, nothing is timed, and wrong bytes fail the run; the block plan, the byte check and the method registry
-on their own. On a GPU (`gpu` marker): a short run whose numbers are all present and sane.
+"""The serving step-loop benchmark (``python -m bench.serving``). On CPU: every method runs the loop at tiny shapes and
+moves the right bytes, nothing is timed, and wrong bytes fail the run; the block plan, the byte check and the method
+registry on their own. On a GPU (`gpu` marker): a short run whose numbers are all present and sane.
 
-The end-to-end runs are subprocesses, so the bench's sibling modules never stay on this process's sys.path; the unit
-tests import them through tests/bench_modules.py."""
+The end-to-end runs are subprocesses; the unit tests import the bench modules."""
 
 from __future__ import annotations
 
@@ -17,14 +16,24 @@ import sys
 import numpy as np
 import pytest
 import torch
-from bench_modules import bench_modules
+from bench_faults import short_uncoalesced_copies
 from vllm_harness import VLLM_033
 
+from bench.baselines import ours
+from bench.common import workloads
+from bench.common.case import OffloadTarget
+from bench.common.env import Env
+from bench.serving import blocks as blocks_mod
+from bench.serving import cli as serving
+from bench.serving import config, loop, methods, report
+from bench.serving import model as serving_model
+from triton_offload.engine import TransferEngine
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SERVING = ROOT / "bench" / "serving.py"
+SERVING = ("-m", "bench.serving")
 REQUIRED = ("workload", "method", "num_ctas", "byte_check", "step_ms_median", "step_ms_p99", "slowdown_vs_none",
             "load_latency_ms_median", "load_latency_ms_p99", "submit_cpu_us_per_step", "offload_gbps")  # fmt: skip
-OFFLOAD = ("triton", "auto", "vllm033", "dma")
+OFFLOAD = ("triton", "auto", "vllm033", "memcpy_batch")
 
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -37,7 +46,7 @@ def _rows_by_label(rows: list[dict]) -> dict[tuple, dict]:
 
 def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
     out = tmp_path / "serving.json"
-    proc = _run([str(SERVING), "--cpu-check", "--json", str(out)])
+    proc = _run([*SERVING, "--cpu-check", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "NOTHING IS TIMED" in proc.stdout and "nothing was timed" in proc.stdout
     assert "FAIL" not in proc.stdout, proc.stdout  # an n/a method is not a failure, and every other one passes
@@ -45,8 +54,7 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
     assert data["benchmark"] == "serving" and data["mode"] == "cpu-interpreter-check" and data["complete"]
     assert data["load_modes"] == ["async", "sync"] and set(data["load_mode_sources"]) == {"async", "sync"}
     rows = data["rows"]
-    with bench_modules("serving_report") as (report,):
-        keys, timing = report.ROW_KEYS, report.TIMING_KEYS
+    keys, timing = report.ROW_KEYS, report.TIMING_KEYS
     assert all(tuple(r) == keys for r in rows) and set(REQUIRED) <= set(keys)
     # The timed fields this test knows of are among those the report leaves empty on CPU.
     assert set(REQUIRED) - {"workload", "method", "num_ctas", "byte_check"} <= set(timing)
@@ -56,7 +64,7 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
         for shape in ("prefill-heavy", "decode-heavy"):
             for mode in ("async", "sync"):
                 want = [("none", None), ("triton", 4), ("triton", 2), ("triton", 8), ("auto", None),
-                        ("vllm033", None), ("vllm_native", None), ("dma", None)]  # fmt: skip
+                        ("vllm033", None), ("vllm_native", None), ("memcpy_batch", None)]  # fmt: skip
                 assert {(w, shape, mode, m, c) for m, c in want} <= labels
     assert len(rows) == 3 * 2 * 2 * 8
     for r in rows:
@@ -84,35 +92,17 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
         assert "84 of 84 runs byte-checked pass (12 n/a: cannot run here, not counted)" in proc.stdout
 
 
-_BROKEN = """
-import sys
-sys.path.insert(0, {bench!r})
-import numpy as np
-import serving, serving_methods
-from triton_offload.engine import TransferEngine
-
-store = TransferEngine.submit_store
-def short_store(self, job_id, gpu_ids, host_ids, **kw):  # drops the last block of every store
-    store(self, job_id, gpu_ids[:-1], host_ids[:-1], **kw)
-TransferEngine.submit_store = short_store
-
-plan = serving_methods.copy_plan
-def short_load_plan(runs, host, gpu_ids, host_ids, *, store, **kw):  # the last copy of a load stops 8 bytes short
-    src, dst, sizes = plan(runs, host, gpu_ids, host_ids, store=store, **kw)
-    if not store:
-        sizes = sizes.copy()
-        sizes[-1] -= np.uint64(8)
-    return src, dst, sizes
-serving_methods.copy_plan = short_load_plan
-sys.exit(serving.main(["--cpu-check", "--workloads", "small-page", "--shapes", "prefill-heavy", "--load-modes",
-                       "sync", "--json", {out!r}]))
-"""
-
-
-def test_wrong_bytes_fail_the_run(tmp_path):
+def test_wrong_bytes_fail_the_run(tmp_path, monkeypatch, capsys):
     out = tmp_path / "broken.json"
-    proc = _run(["-c", _BROKEN.format(bench=str(SERVING.parent), out=str(out))])
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    store = TransferEngine.submit_store
+
+    def short_store(self, job_id, gpu_ids, host_ids, **kw):  # drops the last block of every store
+        store(self, job_id, gpu_ids[:-1], host_ids[:-1], **kw)
+
+    monkeypatch.setattr(TransferEngine, "submit_store", short_store)
+    short_uncoalesced_copies(monkeypatch, 8, "load")  # the last copy of every baseline's load stops 8 bytes short
+    argv = ["--cpu-check", "--workloads", "small-page", "--shapes", "prefill-heavy", "--load-modes", "sync"]
+    assert serving.main([*argv, "--json", str(out)]) == 1
     data = json.loads(out.read_text())
     by = {r["method"]: r for r in data["rows"]}
     assert by["none"]["byte_check"] == "pass"
@@ -120,36 +110,34 @@ def test_wrong_bytes_fail_the_run(tmp_path):
     assert len(ours) == 4 and all(r["byte_check"] == "fail" for r in ours)
     # The first store is short: its check, when it completed, found its last host block unwritten.
     assert all(r["byte_check_note"].startswith("store job 0: 1 of ") for r in ours), ours
-    for method in ("vllm033", "dma"):  # the first load is 8 bytes short
+    for method in ("vllm033", "memcpy_batch"):  # the first load is 8 bytes short
         assert by[method]["byte_check"] == "fail" and by[method]["byte_check_note"].startswith("load job 1: 1 of ")
     assert len(data["failures"]) == 6
-    assert "FAIL" in proc.stdout
+    assert "FAIL" in capsys.readouterr().out
 
 
 def test_a_setting_that_cannot_run_is_refused_before_anything_runs(tmp_path):
-    proc = _run([str(SERVING), "--cpu-check", "--prefill", "7", "--json", str(tmp_path / "x.json")])
+    proc = _run([*SERVING, "--cpu-check", "--prefill", "7", "--json", str(tmp_path / "x.json")])
     assert proc.returncode == 1 and "prefill = 7 must be a multiple of the block size 2 (0: none)" in proc.stderr
     assert not (tmp_path / "x.json").exists()
-    proc = _run([str(SERVING), "--cpu-check", "--shapes", "decode-heavy", "--decode", "1"])
+    proc = _run([*SERVING, "--cpu-check", "--shapes", "decode-heavy", "--decode", "1"])
     assert proc.returncode == 1 and "complete no block of 2 tokens per step: there would be nothing to store" in (
         proc.stderr
     )
-    proc = _run([str(SERVING), "--methods", "triton", "nvme"])
-    assert proc.returncode == 2 and "unknown method(s) ['nvme']" in proc.stderr and "'dma'" in proc.stderr
+    proc = _run([*SERVING, "--methods", "triton", "nvme"])
+    assert proc.returncode == 2 and "unknown method(s) ['nvme']" in proc.stderr and "'memcpy_batch'" in proc.stderr
 
 
 @pytest.fixture(scope="module")
 def loop_setup():
     """A tiny small-page setup on CPU, shared by the byte-check tests (each run resets the destinations)."""
-    with bench_modules("serving_loop", "serving_methods", "serving_config", "case", "workloads") as mods:
-        loop, methods, config, case, workloads = mods
-        env = case.Env(torch.device("cpu"), None, "cpu")
-        shape = config.CPU_SHAPES["prefill-heavy"]
-        setup = loop.setup_workload(workloads.WORKLOADS["small-page"].tiny(), "block_first", shape, env, 3)
-        try:
-            yield loop, methods, setup
-        finally:
-            setup.close()
+    env = Env(torch.device("cpu"), None, "cpu")
+    shape = config.CPU_SHAPES["prefill-heavy"]
+    setup = loop.setup_workload(workloads.WORKLOADS["small-page"].tiny(), "block_first", shape, env, 3)
+    try:
+        yield loop, methods, setup
+    finally:
+        setup.close()
 
 
 def _flip(t: torch.Tensor, index) -> None:
@@ -214,7 +202,7 @@ def test_where_loads_and_deferred_stores_go_in_the_step(loop_setup, monkeypatch,
     store first (--defer-stores: the step before's), then the arrival's load. The last step's store goes out after
     the loop, so the host ring still ends complete."""
     loop, methods, setup = loop_setup
-    engine = methods.build_engine(methods.MethodPoint("dma"), setup.target)
+    engine = methods.build_engine(methods.MethodPoint("memcpy_batch"), setup.target)
     order = []
     for name in ("submit_store", "submit_load"):
         real = getattr(engine, name)
@@ -284,10 +272,9 @@ def test_a_step_writes_its_kv_into_its_blocks_from_the_qkv_product(layout):
     every layer, and nothing else in the cache changes."""
     import triton_offload as to
 
-    with bench_modules("serving_model", "workloads") as (serving_model, workloads):
-        w = workloads.WORKLOADS["llama3-8b"].tiny()  # 2 KV heads x 8
-        spec = to.KVCacheSpec(workloads.make_caches(w, layout, 12, "cpu", seed=2), layout)
-        model = serving_model.StepModel(w, spec, 3, seed=5)
+    w = workloads.WORKLOADS["llama3-8b"].tiny()  # 2 KV heads x 8
+    spec = to.KVCacheSpec(workloads.make_caches(w, layout, 12, "cpu", seed=2), layout)
+    model = serving_model.StepModel(w, spec, 3, seed=5)
     at, block_dim = _KV_AT[layout]
     blocks = np.array([4, 4, 9], dtype=np.int64)
     slots = np.array([0, 1, 1], dtype=np.int64)
@@ -312,75 +299,72 @@ def test_the_block_plan_at_gpu_shapes(workload, shape_name):
     """At the GPU run's shape: every token gets its own slot, every block a step completes is stored, blocks are
     reused only after many steps, and every host block of the store ring can be checked at the end; a GPU ring
     smaller than ring_sizes' breaks that last property."""
-    with bench_modules("serving_blocks", "serving_config", "workloads") as (blocks_mod, config, workloads):
-        w = workloads.WORKLOADS[workload]
-        shape = config.GPU_SHAPES[shape_name]
-        sizes = config.ring_sizes(shape, w.block_size)
-        plan = blocks_mod.Blocks(shape, sizes, w.block_size, seed=1)
-        per_prefill = shape.prefill // w.block_size
-        oldest_reuse = math.inf
-        for s in range(shape.warmup + shape.steps):
-            step = plan.next_step(store_job=2 * s)
-            pairs = step.token_blocks * w.block_size + step.token_slots
-            assert np.unique(pairs).size == shape.tokens and step.token_slots.max() < w.block_size
-            assert per_prefill + shape.decode // w.block_size <= step.store_gpu.size <= sizes.max_per_step
-            assert np.unique(step.store_host).size == step.store_gpu.size
-            if step.must_finish:
-                oldest_reuse = min(oldest_reuse, s - max(step.must_finish) // 2)
-        assert oldest_reuse > config.HOST_RING_STEPS  # steps from a store to its blocks' reuse: long finished
-        host_ids, gpu_ids, never = plan.expected_stores()
-        assert host_ids.size == sizes.host_ring and never.size == 0 and np.unique(gpu_ids).size == gpu_ids.size
-        too_small = sizes.max_per_step * config.HOST_RING_STEPS // 2  # half the steps the host ring holds
-        small = blocks_mod.Blocks(
-            shape, config.RingSizes(**{**vars(sizes), "gpu_ring": too_small}), w.block_size, seed=1
-        )
-        for s in range(40):
-            small.next_step(store_job=2 * s)
-        with pytest.raises(AssertionError, match="ring too small"):
-            small.expected_stores()
+    w = workloads.WORKLOADS[workload]
+    shape = config.GPU_SHAPES[shape_name]
+    sizes = config.ring_sizes(shape, w.block_size)
+    plan = blocks_mod.Blocks(shape, sizes, w.block_size, seed=1)
+    per_prefill = shape.prefill // w.block_size
+    oldest_reuse = math.inf
+    for s in range(shape.warmup + shape.steps):
+        step = plan.next_step(store_job=2 * s)
+        pairs = step.token_blocks * w.block_size + step.token_slots
+        assert np.unique(pairs).size == shape.tokens and step.token_slots.max() < w.block_size
+        assert per_prefill + shape.decode // w.block_size <= step.store_gpu.size <= sizes.max_per_step
+        assert np.unique(step.store_host).size == step.store_gpu.size
+        if step.must_finish:
+            oldest_reuse = min(oldest_reuse, s - max(step.must_finish) // 2)
+    assert oldest_reuse > config.HOST_RING_STEPS  # steps from a store to its blocks' reuse: long finished
+    host_ids, gpu_ids, never = plan.expected_stores()
+    assert host_ids.size == sizes.host_ring and never.size == 0 and np.unique(gpu_ids).size == gpu_ids.size
+    too_small = sizes.max_per_step * config.HOST_RING_STEPS // 2  # half the steps the host ring holds
+    small = blocks_mod.Blocks(shape, config.RingSizes(**{**vars(sizes), "gpu_ring": too_small}), w.block_size, seed=1)
+    for s in range(40):
+        small.next_step(store_job=2 * s)
+    with pytest.raises(AssertionError, match="ring too small"):
+        small.expected_stores()
 
 
 def test_every_default_method_is_registered_and_points_expand():
-    with bench_modules("serving_methods", "serving_config", "serving", "parts") as (methods, config, serving, parts):
-        assert set(config.DEFAULT_METHODS) <= set(methods.METHODS)
-        points = methods.method_points(config.DEFAULT_METHODS, config.TRITON_CTAS)
-        labels = ["none", "triton@4", "triton@2", "triton@8", "auto", "vllm033", "vllm_native", "dma"]
-        assert [p.label for p in points] == labels
-        # parts.py (which cannot import the methods) counts the runs from the plan alike: every point once per
-        # round, and none once more.
-        plan = config.FULL_PLAN
-        assert plan.runs_per_mode() == len(serving.schedule(points, plan.rounds)) == plan.rounds * len(points) + 1
-        assert parts.DUPLEX_POINTS == len(serving.DUPLEX_POINTS) and set(serving.DUPLEX_POINTS) <= set(points)
-        preset = config.PRESETS["decisive"]
-        assert preset.runs_per_mode() == len(serving.schedule(methods.method_points(preset.methods, ()), 2))
-        with pytest.raises(ValueError, match=r"unknown method\(s\) \['nvme'\]; supported: \['auto', 'dma', 'none'"):
-            methods.method_points(["triton", "nvme"], ())
+    assert set(config.DEFAULT_METHODS) <= set(methods.METHODS)
+    points = methods.method_points(config.DEFAULT_METHODS, config.TRITON_CTAS)
+    labels = ["none", "triton@4", "triton@2", "triton@8", "auto", "vllm033", "vllm_native", "memcpy_batch"]
+    assert [p.label for p in points] == labels
+    # tools/gpu/parts.py (which cannot import the methods) counts the runs from the plan alike: every point once per
+    # round, and none once more; and the duplex points from the same list of methods.
+    plan = config.FULL_PLAN
+    assert plan.runs_per_mode() == len(serving.schedule(points, plan.rounds)) == plan.rounds * len(points) + 1
+    assert [p.method for p in serving.DUPLEX_POINTS] == list(config.DUPLEX_METHODS)
+    assert set(serving.DUPLEX_POINTS) <= set(points)
+    preset = config.PRESETS["decisive"]
+    assert preset.runs_per_mode() == len(serving.schedule(methods.method_points(preset.methods, ()), 2))
+    with pytest.raises(
+        ValueError, match=r"unknown method\(s\) \['nvme'\]; supported: \['auto', 'memcpy_batch', 'none'"
+    ):
+        methods.method_points(["triton", "nvme"], ())
 
 
 def test_the_triton_method_passes_engine_options_through(monkeypatch):
     """So that a path choice (TransferEngine(..., path=...)) is one registry line away."""
-    with bench_modules("serving_methods") as (methods,):
-        seen = {}
-        monkeypatch.setattr(methods, "TransferEngine", lambda kv, host, **kw: seen.update(kw) or "engine")
-        target = methods.OffloadTarget("kv", type("Cache", (), {"buffer": "host"})(), None)
-        assert methods.triton_engine(target, 4, path="auto") == "engine"
-        assert seen == {"num_ctas": None, "path": "auto"}  # the default num_ctas is passed as a user passes it
-        seen.clear()
-        methods.triton_engine(target, 8)
-        assert seen == {"num_ctas": 8}
+    seen = {}
+    monkeypatch.setattr(ours, "TransferEngine", lambda kv, host, **kw: seen.update(kw) or "engine")
+    target = OffloadTarget("kv", type("Cache", (), {"buffer": "host"})(), None)
+    assert ours.triton_engine(target, 4, path="auto") == "engine"
+    assert seen == {"num_ctas": None, "path": "auto"}  # the default num_ctas is passed as a user passes it
+    seen.clear()
+    ours.triton_engine(target, 8)
+    assert seen == {"num_ctas": 8}
 
 
 def test_each_serving_workload_models_its_own_kv_cache():
-    with bench_modules("workloads", "serving_config") as (workloads, config):
-        for name in config.SERVING_WORKLOADS:
-            w = workloads.WORKLOADS[name]
-            assert (w.model.kv_heads, w.model.head_dim) == (w.heads, w.head_dim), name
-            tiny = w.tiny()
-            assert (tiny.model.kv_heads, tiny.model.head_dim) == (tiny.heads, tiny.head_dim), name
-        assert workloads.WORKLOADS["small-page"].page_bytes == 2048
-        llama8 = workloads.WORKLOADS["llama3-8b"].model
-        # 32 layers x (QKV 4096x6144 + O 4096x4096 + gate/up 4096x28672 + down 14336x4096) = 6.98e9 weights.
-        assert 32 * llama8.flops_per_token() // 2 == 6_979_321_856
+    for name in config.SERVING_WORKLOADS:
+        w = workloads.WORKLOADS[name]
+        assert (w.model.kv_heads, w.model.head_dim) == (w.heads, w.head_dim), name
+        tiny = w.tiny()
+        assert (tiny.model.kv_heads, tiny.model.head_dim) == (tiny.heads, tiny.head_dim), name
+    assert workloads.WORKLOADS["small-page"].page_bytes == 2048
+    llama8 = workloads.WORKLOADS["llama3-8b"].model
+    # 32 layers x (QKV 4096x6144 + O 4096x4096 + gate/up 4096x28672 + down 14336x4096) = 6.98e9 weights.
+    assert 32 * llama8.flops_per_token() // 2 == 6_979_321_856
 
 
 @pytest.mark.gpu
@@ -389,7 +373,7 @@ def test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers(tmp_path)
     args = ["--workloads", "llama3-70b-tp8", "--shapes", "decode-heavy", "--steps", "12", "--warmup", "3",
             "--decode", "64", "--context", "256", "--prefix-tokens", "1024", "--load-every", "3", "--rounds", "1",
             "--duplex-repeats", "2", "--json", str(out), "--plot", str(png)]  # fmt: skip
-    proc = _run([str(SERVING), *args], timeout=500)
+    proc = _run([*SERVING, *args], timeout=500)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["mode"] == "gpu" and data["complete"] and data["failures"] == []
@@ -426,7 +410,7 @@ def test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers(tmp_path)
                 assert r["load_steps_waited_median"] >= 1 and r["load_vs_contiguous"] is None, r
         assert "SM copy load" in rows[("vllm033", None)]["impl"]  # 8 KiB pages
     duplex = {d["method"]: d for d in data["duplex"]}
-    assert set(duplex) == {"triton", "dma"}
+    assert set(duplex) == {"triton", "memcpy_batch"}
     for d in duplex.values():
         assert d["byte_check"] == "pass" and 0.5 < d["ratio"] < 2.5 and 0.2 < d["ratio_vs_contiguous"] < 2.5, d
         assert 1 < d["store_alone_gbps"] < 200 and 1 < d["load_alone_gbps"] < 200, d

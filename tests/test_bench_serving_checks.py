@@ -15,8 +15,11 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from bench_modules import bench_modules
 
+from bench.common import verify, workloads
+from bench.common.env import Env
+from bench.serving import check, config, loop, methods
+from bench.serving import cli as serving
 from triton_offload.engine import LOAD, STORE, JobResult
 
 BASE = ["--cpu-check", "--workloads", "small-page", "--shapes", "prefill-heavy", "--methods", "none", "triton"]
@@ -24,11 +27,12 @@ MODES = ["sync", "async"]
 
 
 def _serve(tmp_path, argv: list[str], patch=None) -> tuple[int, dict]:
-    """bench/serving.py's main in this process (``patch(serving, serving_check)`` first); its exit status and JSON."""
+    """The serving benchmark's main in this process (``patch(serving, check, mp)`` first, where what ``mp`` patches is
+    undone after this run); its exit status and JSON."""
     out = tmp_path / "serving.json"
-    with bench_modules("serving", "serving_check") as (serving, check):
+    with pytest.MonkeyPatch.context() as mp:
         if patch is not None:
-            patch(serving, check)
+            patch(serving, check, mp)
         rc = serving.main([*BASE, *argv, "--json", str(out)])
     return rc, json.loads(out.read_text())
 
@@ -82,17 +86,17 @@ class _FlipLoad(_Wrapped):
             _flip_gpu_block(self.spec, int(gpu_ids[1]))
 
 
-def _off(check):
+def _off(mp, check):
     """The per-job checks see nothing: only the byte-exact check of the final state remains (the code before them)."""
-    check.JobChecks._fail = lambda self, problem: None
+    mp.setattr(check.JobChecks, "_fail", lambda self, problem: None)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_byte_flipped_in_an_early_store_fails_the_run(tmp_path, monkeypatch, mode):
     argv = ["--load-modes", mode, "--steps", "30"]
-    rc, data = _serve(tmp_path, argv, lambda serving, check: (_wrap(monkeypatch, serving, _FlipStore), _off(check)))
+    rc, data = _serve(tmp_path, argv, lambda serving, check, mp: (_wrap(mp, serving, _FlipStore), _off(mp, check)))
     assert rc == 0 and all(r["byte_check"] == "pass" for r in data["rows"])  # the final state alone: not caught
-    rc, data = _serve(tmp_path, argv, lambda serving, check: _wrap(monkeypatch, serving, _FlipStore))
+    rc, data = _serve(tmp_path, argv, lambda serving, check, mp: _wrap(mp, serving, _FlipStore))
     assert rc == 1, data["rows"]
     (none,), ours = _rows(data, "none"), _rows(data, "triton")
     assert none["byte_check"] == "pass" and len(ours) == 3  # triton at 4, 2 and 8 CTAs
@@ -104,9 +108,9 @@ def test_a_byte_flipped_in_an_early_store_fails_the_run(tmp_path, monkeypatch, m
 @pytest.mark.parametrize("mode", MODES)
 def test_a_byte_flipped_in_a_load_whose_region_is_loaded_again_fails_the_run(tmp_path, monkeypatch, mode):
     argv = ["--load-modes", mode]
-    rc, data = _serve(tmp_path, argv, lambda serving, check: (_wrap(monkeypatch, serving, _FlipLoad), _off(check)))
+    rc, data = _serve(tmp_path, argv, lambda serving, check, mp: (_wrap(mp, serving, _FlipLoad), _off(mp, check)))
     assert rc == 0 and all(r["byte_check"] == "pass" for r in data["rows"])  # the final state alone: not caught
-    rc, data = _serve(tmp_path, argv, lambda serving, check: _wrap(monkeypatch, serving, _FlipLoad))
+    rc, data = _serve(tmp_path, argv, lambda serving, check, mp: _wrap(mp, serving, _FlipLoad))
     assert rc == 1 and _rows(data, "none")[0]["byte_check"] == "pass"
     for r in _rows(data, "triton"):
         assert r["byte_check"] == "fail" and r["byte_check_note"].startswith("load job 5: 1 of "), r
@@ -215,7 +219,7 @@ class _EarlyStoreReport(_EarlyReport):
 def test_an_engine_that_says_done_before_its_copy_is_done_fails_the_run(tmp_path, monkeypatch, fault, mode, first):
     """The latency of such an engine would look too small and its final bytes can still be right (the copy lands
     later): each job's bytes are checked right after its wait or its report, before anything else can complete it."""
-    rc, data = _serve(tmp_path, ["--load-modes", mode], lambda serving, check: _wrap(monkeypatch, serving, fault))
+    rc, data = _serve(tmp_path, ["--load-modes", mode], lambda serving, check, mp: _wrap(mp, serving, fault))
     assert rc == 1 and _rows(data, "none")[0]["byte_check"] == "pass"
     for r in _rows(data, "triton"):
         assert r["byte_check"] == "fail" and r["byte_check_note"].startswith(first), r
@@ -225,32 +229,30 @@ def test_every_job_passes_with_the_checks_in_a_worker_thread(monkeypatch):
     """On a GPU machine a store's host blocks are summed in a worker thread: the same run there, on CPU, checks the
     same jobs, and a wrong byte in a store still fails it (the thread's check is awaited before the store's host
     blocks are stored to again, and at the end)."""
-    with bench_modules("serving_loop", "serving_methods", "serving_config", "case", "workloads") as mods:
-        loop, methods, config, case, workloads = mods
-        env = case.Env(torch.device("cpu"), None, "cpu")
-        shape = config.CPU_SHAPES["decode-heavy"]
-        setup = loop.setup_workload(workloads.WORKLOADS["llama3-8b"].tiny(), "kv_first", shape, env, 5)
-        try:
-            engine = methods.build_engine(methods.MethodPoint("triton", 4), setup.target)
-            for mode in MODES:
-                run = loop.run_loop(setup, engine, load_mode=mode, threaded_checks=True)
-                assert run.check_problem is None and loop.byte_check(setup, run) is None
-                assert run.jobs_checked == len(run.loads) + shape.warmup + shape.steps
-            none = loop.run_loop(setup, None, threaded_checks=True)
-            assert none.check_problem is None and none.jobs_checked == 0
-            real = engine.submit_store
+    env = Env(torch.device("cpu"), None, "cpu")
+    shape = config.CPU_SHAPES["decode-heavy"]
+    setup = loop.setup_workload(workloads.WORKLOADS["llama3-8b"].tiny(), "kv_first", shape, env, 5)
+    try:
+        engine = methods.build_engine(methods.MethodPoint("triton", 4), setup.target)
+        for mode in MODES:
+            run = loop.run_loop(setup, engine, load_mode=mode, threaded_checks=True)
+            assert run.check_problem is None and loop.byte_check(setup, run) is None
+            assert run.jobs_checked == len(run.loads) + shape.warmup + shape.steps
+        none = loop.run_loop(setup, None, threaded_checks=True)
+        assert none.check_problem is None and none.jobs_checked == 0
+        real = engine.submit_store
 
-            def flip(job, gpu_ids, host_ids):
-                real(job, gpu_ids, host_ids)
-                if job == 4:
-                    setup.host[int(host_ids[-1]), 9] ^= 0x5A
+        def flip(job, gpu_ids, host_ids):
+            real(job, gpu_ids, host_ids)
+            if job == 4:
+                setup.host[int(host_ids[-1]), 9] ^= 0x5A
 
-            monkeypatch.setattr(engine, "submit_store", flip)
-            run = loop.run_loop(setup, engine, threaded_checks=True)
-            assert run.check_problem.startswith("store job 4: 1 of "), run.check_problem
-            engine.shutdown()
-        finally:
-            setup.close()
+        monkeypatch.setattr(engine, "submit_store", flip)
+        run = loop.run_loop(setup, engine, threaded_checks=True)
+        assert run.check_problem.startswith("store job 4: 1 of "), run.check_problem
+        engine.shutdown()
+    finally:
+        setup.close()
 
 
 class _Slow(_Wrapped):
@@ -276,43 +278,40 @@ class _Slow(_Wrapped):
 def test_jobs_still_running_when_their_blocks_come_round_again_are_waited_for_between_steps(mode):
     """Outside the steps, before a store writes host blocks whose last store is unreported, or an async load a
     region whose last load is: waited for, checked, counted; every job is still checked once, and the run passes."""
-    with bench_modules("serving_loop", "serving_methods", "serving_config", "case", "workloads") as mods:
-        loop, methods, config, case, workloads = mods
-        env = case.Env(torch.device("cpu"), None, "cpu")
-        shape = dataclasses.replace(config.CPU_SHAPES["prefill-heavy"], steps=14)
-        setup = loop.setup_workload(workloads.WORKLOADS["small-page"].tiny(), "block_first", shape, env, 2)
-        try:
-            target = setup.target
-            engine = _Slow(methods.build_engine(methods.MethodPoint("triton", 4), target), target)
-            run = loop.run_loop(setup, engine, load_mode=mode)
-            assert run.check_problem is None and loop.byte_check(setup, run) is None
-            assert run.jobs_checked == len(run.loads) + shape.warmup + shape.steps
-            assert run.store_slot_waits > 0
-            if mode == "async":  # the third arrival's region still has the first's load: waited for, then reused
-                assert run.load_region_waits > 0
-                reported = [ld for ld in run.loads.values() if ld.latency_s is not None]
-                assert reported and all(ld.steps == 2 * shape.load_every + 1 for ld in reported), reported
-            else:
-                assert run.load_region_waits == 0
-            engine.shutdown()
-        finally:
-            setup.close()
+    env = Env(torch.device("cpu"), None, "cpu")
+    shape = dataclasses.replace(config.CPU_SHAPES["prefill-heavy"], steps=14)
+    setup = loop.setup_workload(workloads.WORKLOADS["small-page"].tiny(), "block_first", shape, env, 2)
+    try:
+        target = setup.target
+        engine = _Slow(methods.build_engine(methods.MethodPoint("triton", 4), target), target)
+        run = loop.run_loop(setup, engine, load_mode=mode)
+        assert run.check_problem is None and loop.byte_check(setup, run) is None
+        assert run.jobs_checked == len(run.loads) + shape.warmup + shape.steps
+        assert run.store_slot_waits > 0
+        if mode == "async":  # the third arrival's region still has the first's load: waited for, then reused
+            assert run.load_region_waits > 0
+            reported = [ld for ld in run.loads.values() if ld.latency_s is not None]
+            assert reported and all(ld.steps == 2 * shape.load_every + 1 for ld in reported), reported
+        else:
+            assert run.load_region_waits == 0
+        engine.shutdown()
+    finally:
+        setup.close()
 
 
 def test_the_device_sums_are_the_packed_blocks_sums():
     """What a store's host blocks must sum to is computed from the GPU blocks in place (each layer's K and V halves,
     gathered): the same sums as the packed bytes the reference builds, in both K/V layouts."""
-    with bench_modules("serving_check", "verify", "workloads") as (check, verify, workloads):
-        import triton_offload as to
+    import triton_offload as to
 
-        w = workloads.WORKLOADS["llama3-70b-tp8"].tiny()
-        for layout in ("block_first", "kv_first"):
-            spec = to.KVCacheSpec(workloads.make_caches(w, layout, 9, "cpu", seed=4), layout)
-            checks = check.JobChecks(spec, None, torch.empty(0), 0, threaded=False, offloaded=True)
-            ids = np.array([7, 0, 3], dtype=np.int64)
-            packed = verify.reference_blocks(spec, ids, torch.device("cpu"))
-            assert torch.equal(checks.gpu_sums(ids), check.row_sums(packed, checks.pages))
-            # One flipped byte changes exactly its block's page sum.
-            spec.kv_caches[1].view(torch.uint8).view(-1)[0] ^= 1
-            changed = (checks.gpu_sums(ids) != check.row_sums(packed, checks.pages)).nonzero().tolist()
-            assert len(changed) == 1 and changed[0][1] in (2, 3)  # layer 1's K or V page
+    w = workloads.WORKLOADS["llama3-70b-tp8"].tiny()
+    for layout in ("block_first", "kv_first"):
+        spec = to.KVCacheSpec(workloads.make_caches(w, layout, 9, "cpu", seed=4), layout)
+        checks = check.JobChecks(spec, None, torch.empty(0), 0, threaded=False, offloaded=True)
+        ids = np.array([7, 0, 3], dtype=np.int64)
+        packed = verify.reference_blocks(spec, ids, torch.device("cpu"))
+        assert torch.equal(checks.gpu_sums(ids), check.row_sums(packed, checks.pages))
+        # One flipped byte changes exactly its block's page sum.
+        spec.kv_caches[1].view(torch.uint8).view(-1)[0] ^= 1
+        changed = (checks.gpu_sums(ids) != check.row_sums(packed, checks.pages)).nonzero().tolist()
+        assert len(changed) == 1 and changed[0][1] in (2, 3)  # layer 1's K or V page

@@ -1,5 +1,5 @@
-"""vLLM 0.33's own worker in the serving step loop (``vllm_native``, bench/serving_methods.NativeEngine), on CPU in
-host replay: byte-checked like every method, and a run whose bytes are wrong fails. Runs where vLLM 0.33.0's
+"""vLLM 0.33's own worker in the serving step loop (``vllm_native``, bench.baselines.vllm_native.NativeEngine), on CPU
+in host replay: byte-checked like every method, and a run whose bytes are wrong fails. Runs where vLLM 0.33.0's
 Python code imports (``./dev test`` runs it in the vLLM 0.33 environment); skipped elsewhere."""
 
 from __future__ import annotations
@@ -13,21 +13,20 @@ import pytest
 from vllm_harness import VLLM_033, vllm_version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SERVING = ROOT / "bench" / "serving.py"
 
 pytestmark = pytest.mark.skipif(not VLLM_033, reason=f"needs vLLM 0.33.0's Python code, found {vllm_version()}")
 
 _RUN = """
 import sys
-sys.path.insert(0, {bench!r})
-import serving, serving_methods
+from bench.serving import cli as serving
+from bench.baselines.vllm_native import NativeEngine
 if {broken!r}:
-    submit = serving_methods.NativeEngine._submit
-    def shifted(self, job_id, store, gpu_ids, host_ids):  # a store lands one host block over
-        if store:
+    submit = NativeEngine._submit
+    def shifted(self, job_id, direction, gpu_ids, host_ids):  # a store lands one host block over
+        if direction == "store":
             host_ids = (host_ids + 1) % self.host.shape[0]
-        submit(self, job_id, store, gpu_ids, host_ids)
-    serving_methods.NativeEngine._submit = shifted
+        submit(self, job_id, direction, gpu_ids, host_ids)
+    NativeEngine._submit = shifted
 sys.exit(serving.main(["--cpu-check", "--methods", "none", "vllm_native", "--workloads", "small-page", "--shapes",
                        "decode-heavy", "--json", {out!r}]))
 """
@@ -35,7 +34,7 @@ sys.exit(serving.main(["--cpu-check", "--methods", "none", "vllm_native", "--wor
 
 def _run(tmp_path, broken: bool) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "native.json"
-    code = _RUN.format(bench=str(SERVING.parent), broken=broken, out=str(out))
+    code = _RUN.format(broken=broken, out=str(out))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
     return proc, json.loads(out.read_text())
 

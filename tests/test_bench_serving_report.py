@@ -8,13 +8,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from bench_modules import bench_modules
 
-
-@pytest.fixture(scope="module")
-def mods():
-    with bench_modules("serving_loop", "serving_report") as (loop, report):
-        yield loop, report
+from bench.serving import loop, report
 
 
 def _run(loop, step_ms, *, warmup=2, load_every=4, mode="sync", load_ms=None, submit_us=(0.0, 0.0),
@@ -47,8 +42,7 @@ def _run(loop, step_ms, *, warmup=2, load_every=4, mode="sync", load_ms=None, su
     return run
 
 
-def test_every_step_counts_the_median_is_kept_and_what_moved_is_said_twice(mods):
-    loop, report = mods
+def test_every_step_counts_the_median_is_kept_and_what_moved_is_said_twice():
     steps = [30.0, 10.0, 10.0, 10.0] * 5  # the load steps (every 4th, from step 2: 2 warm-up steps) are slow
     run = _run(loop, steps, load_ms=22.0, submit_us=(200.0, 100.0), device_ms=(0.5, 2.0), pause_s=0.04)
     f = report.timing_fields([run], shape_warmup=2)
@@ -67,8 +61,7 @@ def test_every_step_counts_the_median_is_kept_and_what_moved_is_said_twice(mods)
     assert both["step_ms_mean"] == (15.0 + 12.0) / 2 and report.count_fields([run, run])["loads"] == 10
 
 
-def test_async_loads_report_the_steps_waited_and_no_contiguous_ratio(mods):
-    loop, report = mods
+def test_async_loads_report_the_steps_waited_and_no_contiguous_ratio():
     run = _run(loop, [10.0] * 8, mode="async", load_ms=25.0, device_ms=(0.5, 9.0))
     f = report.timing_fields([run], shape_warmup=2)
     assert f["load_steps_waited_median"] == 3 and f["load_wait_ms_median"] is None
@@ -77,8 +70,7 @@ def test_async_loads_report_the_steps_waited_and_no_contiguous_ratio(mods):
     assert row["load_vs_contiguous"] is None  # an async load's latency is a number of steps, not a copy's time
 
 
-def test_drift_and_the_relative_columns(mods):
-    loop, report = mods
+def test_drift_and_the_relative_columns():
     none_runs = [_run(loop, [10.0] * 8), _run(loop, [10.2] * 8), _run(loop, [10.1] * 8)]
     drift = report.drift_of(none_runs)
     assert drift == {"none_step_ms_means": [10.0, 10.2, 10.1], "drift_vs_none": 0.02}
@@ -136,8 +128,7 @@ _BREAK = {
 }  # fmt: skip
 
 
-def test_every_target_passes_on_good_rows_and_keeps_the_keys_the_runner_reads(mods):
-    _, report = mods
+def test_every_target_passes_on_good_rows_and_keeps_the_keys_the_runner_reads():
     rows, duplex = _passing_rows(report)
     targets = report.evaluate_targets(rows, duplex)
     assert len(targets) == 2 * len(_BREAK) + 2
@@ -156,8 +147,7 @@ def test_every_target_passes_on_good_rows_and_keeps_the_keys_the_runner_reads(mo
 
 @pytest.mark.parametrize("label", ["triton@4", "auto"])
 @pytest.mark.parametrize("name", sorted(_BREAK))
-def test_each_target_can_fail(mods, label, name):
-    _, report = mods
+def test_each_target_can_fail(label, name):
     rows, duplex = _passing_rows(report)
     mode, values = _BREAK[name]
     _set(rows, "triton" if label.startswith("triton") else "auto", mode, **values)
@@ -167,18 +157,16 @@ def test_each_target_can_fail(mods, label, name):
 
 
 @pytest.mark.parametrize("key, value", [("ratio", 1.69), ("ratio_vs_contiguous", 1.2)])
-def test_each_duplex_target_can_fail(mods, key, value):
-    _, report = mods
+def test_each_duplex_target_can_fail(key, value):
     rows, duplex = _passing_rows(report)
     duplex[0][key] = value
     failed = [t for t in report.evaluate_targets(rows, duplex) if t["verdict"] == "FAIL"]
     assert len(failed) == 1 and failed[0]["name"].startswith("triton@4 duplex") and failed[0]["worst"] == value
 
 
-def test_a_target_passes_only_by_more_than_the_drift(mods):
+def test_a_target_passes_only_by_more_than_the_drift():
     """A slowdown of 1.5 % is inside the 2 % target, but the run cannot tell it from 2 % when none's own runs
     drifted by 1 %; with 0.4 % drift it passes. A target without cases is n/a."""
-    _, report = mods
     for drift, verdict in ((0.01, "FAIL"), (0.004, "PASS")):
         rows, duplex = _passing_rows(report)
         for r in rows:
@@ -200,8 +188,7 @@ def test_a_target_passes_only_by_more_than_the_drift(mods):
     assert all(t["verdict"] == "n/a" for t in report.evaluate_targets(rows, [])[:6])  # wrong bytes: never timed
 
 
-def test_the_plot_has_a_panel_per_group(mods, tmp_path):
-    _, report = mods
+def test_the_plot_has_a_panel_per_group(tmp_path):
     assert report.plot_serving({}, {}, str(tmp_path / "none.png"), "x") == "nothing was timed: no plot written"
     samples = {"w/decode-heavy/sync": {"none": {"step_ms": [10.0, 11.0], "load_latency_ms": []},
                                        "triton@4": {"step_ms": [10.5, 30.0], "load_latency_ms": [20.0, 21.0]}},

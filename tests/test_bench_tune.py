@@ -8,17 +8,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bench_modules import bench_modules
 
 import triton_offload.kernels.copy_blocks as cb
+from bench.common import case, timing, workloads
+from bench.common.env import Env
+from bench.micro import tune
+from bench.transfer import session
 from triton_offload.kernel_issuer import CopyLauncher
 from triton_offload.plan import Direction
 
 
 @pytest.fixture(scope="module")
 def mods():
-    with bench_modules("tune", "case", "session", "timing", "workloads") as loaded:
-        yield loaded
+    loaded = [tune, case, session, timing, workloads]
+    yield loaded
 
 
 class StandInTimer:
@@ -50,7 +53,7 @@ def test_every_variant_is_used_and_moves_the_right_bytes(mods, layout):
     tune, case, session, timing, workloads = mods
     name = "deepseek-v3-mla" if layout == "mla" else "llama3-70b-tp8"
     group = _group(session, workloads, name, layout, 8)
-    env = case.Env(torch.device("cpu"), None, "none")
+    env = Env(torch.device("cpu"), None, "none")
     vs = [(64, 1), (128, 2), (256, 1)]  # tiny tiles for tiny pages: bytes, warps
     before = dict(cb.DEFAULT_TUNINGS)
     for store in (True, False):
@@ -74,7 +77,7 @@ def test_every_variant_is_used_and_moves_the_right_bytes(mods, layout):
 def test_a_variant_that_moves_wrong_bytes_is_reported_and_not_timed(mods, monkeypatch):
     tune, case, session, timing, workloads = mods
     group = _group(session, workloads, "small-page", "block_first", 8)
-    env = case.Env(torch.device("cpu"), None, "none")
+    env = Env(torch.device("cpu"), None, "none")
     real = cb.launch_config
 
     def broken(spec, width, tuning):  # the 16-byte tile (two chunks per 32-byte segment) drops the last chunk

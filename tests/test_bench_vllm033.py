@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bench_modules import bench_modules
+
+from bench.baselines import vllm033
 
 KIB = 1024
 
 
 @pytest.fixture(scope="module")
 def sm_copy():
-    with bench_modules("sm_copy") as (module,):
-        yield module
+    return vllm033
 
 
 def _descriptors(count: int, size: int, base: int = 1 << 20):

@@ -11,8 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bench_modules import bench_modules
 from vllm_harness import VLLM_033
+
+from bench import baselines
+from bench.baselines import vllm_native
+from bench.common import case, workloads
+from bench.common.env import Env
+from bench.transfer import session
 
 needs_vllm033 = pytest.mark.skipif(not VLLM_033, reason="needs vLLM 0.33.0's Python code (.venv-vllm33)")
 STREAM, ANY = 0x1, 0x3  # CUmemcpySrcAccessOrder
@@ -21,8 +26,8 @@ NO_HINT = (0, 0)  # CUmemLocation {CU_MEM_LOCATION_TYPE_INVALID, 0}: vLLM's op z
 
 @pytest.fixture(scope="module")
 def mods():
-    with bench_modules("vllm_native", "session", "baselines", "workloads", "case") as loaded:
-        yield dict(zip(("vllm_native", "session", "baselines", "workloads", "case"), loaded))
+    loaded = [vllm_native, session, baselines, workloads, case]
+    yield dict(zip(("vllm_native", "session", "baselines", "workloads", "case"), loaded))
 
 
 def _descriptors(sizes: list[int]):
@@ -156,8 +161,8 @@ def test_ids_that_do_not_fit_are_refused_before_vllm_sees_them(mods):
 def _check_all_cases(mods, w, layout):
     """(status, note, impl) of ``vllm_native`` on every host format and direction of a tiny workload (the CPU check)."""
     session = mods["session"]
-    env = mods["case"].Env(torch.device("cpu"), None, "no CUDA")
-    run = session.Session({}, env, [session.MethodSpec("vllm_native", None, mods["baselines"].VllmNative)])
+    env = Env(torch.device("cpu"), None, "no CUDA")
+    run = session.Session({}, env, [session.MethodSpec("vllm_native")])
     group = session.allocate(w.tiny(), layout, 8, ((1, 0), (4, 1)), env.device, 0)
     out = []
     for f, skip in ((1, 0), (4, 1)):
@@ -202,7 +207,7 @@ def test_without_vllm_033_the_method_says_why(mods, monkeypatch):
     with pytest.raises(native.VllmUnavailable, match="build its bundle"):
         native.NativeWorker(_pages(4, [16]), 1, 1)
     # The benchmarks' opening of a worker (both vllm_native methods): the reason, as the method's n/a.
-    Unavailable, Env = mods["case"].Unavailable, mods["case"].Env
+    Unavailable = mods["case"].Unavailable
     with pytest.raises(Unavailable, match="^no vLLM is on the path; build its bundle$"):
         native.open_native_worker(_pages(4, [16]), 1, 1, Env(torch.device("cpu"), None, "no CUDA"))
     no_driver = Env(torch.device("cuda"), None, "cannot load libcuda.so.1")
@@ -217,7 +222,7 @@ def test_on_cuda_vllms_paths_and_the_callers_stream_waits_for_vllms(mods):
     batch, each byte-checked; and a timed call ends only when vLLM's own stream has finished the copy."""
     session, baselines = mods["session"], mods["baselines"]
     device, stream, env, meta = session.open_gpu()
-    run = session.Session(meta, env, [session.MethodSpec("vllm_native", None, baselines.VllmNative)], stream)
+    run = session.Session(meta, env, [session.MethodSpec("vllm_native")], stream)
     impls = {}
     for name, layout in (("small-page", "kv_first"), ("llama3-8b", "block_first")):
         group = session.allocate(mods["workloads"].WORKLOADS[name], layout, 256, ((4, 1),), device, 0)
@@ -227,8 +232,8 @@ def test_on_cuda_vllms_paths_and_the_callers_stream_waits_for_vllms(mods):
             assert status == "pass", note
             impls[name, store] = prepared.impl
         case = session.make_case(group, 256, 4, 1, True)
-        prepared = baselines.VllmNative().prepare(case, env)
-        worker = baselines._NATIVE_WORKERS[case.spec][1]
+        prepared = baselines.METHODS["vllm_native"].prepare(case, env)
+        worker = env.held[case.spec]["native"]
         torch.cuda.synchronize()
         worker.poll()  # the check's jobs
         with torch.cuda.stream(stream):

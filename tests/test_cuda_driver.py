@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from bench_modules import bench_modules
 
+from bench.baselines import copy_loop
 from triton_offload import cuda_driver as cd
 
 
@@ -40,8 +40,7 @@ int main(void) {
 
 
 def test_attributes_layout_and_enums_match_the_installed_cuda_h(tmp_path):
-    with bench_modules("copy_loop") as (copy_loop,):
-        home = copy_loop.cuda_home()
+    home = copy_loop.cuda_home()
     cc = shutil.which("cc") or shutil.which("gcc")
     if home is None or cc is None:
         pytest.skip("needs a CUDA toolkit's cuda.h and a C compiler")

@@ -1,4 +1,4 @@
-"""`./dev gpu run`, the one command of a GPU lease (bench/gpu_run.py, gpu_plan.py, gpu_summary.py), on CPU: stub
+"""`./dev gpu run`, the one command of a GPU lease (tools/gpu/: run.py, plan.py, summary.py), on CPU: stub
 stages under a fake clock and a fake process runner for the scheduling, the packing and the ledger; the summary's
 verdicts from made-up stage files; one real run of two small real stages; the pytest plugin that keeps finished
 tests when a run is killed. Nothing here runs on a GPU or measures anything."""
@@ -20,7 +20,9 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-from bench_modules import bench_modules
+
+from bench.common import results
+from tools.gpu import parts, plan, run, summary
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SAFE = re.compile(r"[A-Za-z0-9._-]+")
@@ -29,14 +31,13 @@ DAY = datetime.date(2026, 11, 27)
 
 @pytest.fixture(scope="module")
 def m():
-    with bench_modules("gpu_run", "gpu_plan", "gpu_summary", "results") as (run, plan, summary, results):
 
-        class M:
-            pass
+    class M:
+        pass
 
-        mods = M()
-        mods.run, mods.plan, mods.summary, mods.results = run, plan, summary, results
-        yield mods
+    mods = M()
+    mods.run, mods.plan, mods.summary, mods.results = run, plan, summary, results
+    yield mods
 
 
 class FakeClock:
@@ -281,14 +282,16 @@ def test_the_committed_ledger_names_every_stage_and_reads_back(m):
 
 
 def test_a_fingerprint_is_git_s_blob_hash_over_the_declared_files(m, tmp_path):
-    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "tool").mkdir(parents=True)
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "x.py").write_text("x = 1\n")
-    (tmp_path / "bench" / "script.py").write_text("import helper\nfrom results import y\n")
-    (tmp_path / "bench" / "helper.py").write_text("def f():\n    import deep\n")
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "tool" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "tool" / "__main__.py").write_text("from bench import helper\nfrom results import y\n")
+    (tmp_path / "bench" / "helper.py").write_text("def f():\n    import bench.deep\n")
     (tmp_path / "bench" / "deep.py").write_text("z = 3\n")
     (tmp_path / "bench" / "unrelated.py").write_text("q = 0\n")
-    stage = m.plan.Stage("s", "", "transfer", (("{py}", "bench/script.py"),), ("lib", "imports:bench/script.py"))
+    stage = m.plan.Stage("s", "", "transfer", (("{py}", "-m", "bench.tool"),), ("lib", "imports:bench.tool"))
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
     fp = m.plan.fingerprint(stage, tmp_path)
@@ -305,10 +308,10 @@ def test_a_fingerprint_is_git_s_blob_hash_over_the_declared_files(m, tmp_path):
 def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
     quick = m.plan.STAGES["quick"]
     files = {p.relative_to(ROOT).as_posix() for spec in quick.paths for p in m.plan._files(ROOT, spec)}
-    assert {"triton_offload/transfer.py", "kernels/copy_blocks.py", "bench/bench_transfer.py", "bench/baselines.py",
-            "bench/parts.py"} <= files  # fmt: skip
-    # Not the runner's own modules, nor the serving benchmark (parts.py imports only its stdlib sizing rules).
-    assert not any(f.startswith("bench/gpu_") or f in ("bench/serving.py", "bench/serving_loop.py") for f in files)
+    assert {"triton_offload/transfer.py", "kernels/copy_blocks.py", "bench/__init__.py", "bench/transfer/__main__.py",
+            "bench/transfer/cli.py", "bench/baselines/__init__.py", "bench/common/grid.py"} <= files  # fmt: skip
+    # Not the runner's own modules, nor the serving benchmark.
+    assert not any(f.startswith(("tools/", "bench/serving/")) for f in files)
 
 
 # -- the stages ------------------------------------------------------------------------------------------------------
@@ -325,7 +328,7 @@ def test_the_stages_of_a_first_lease(m):
         assert name in funcs, f"{t} no longer exists: the stages would run or deselect nothing"
     assert "--timeout" in tests and "--live-junit" in tests
     serving = m.plan.STAGES["serving"].steps[0]
-    assert serving[1] == "bench/serving.py" and tuple(serving[2:4]) == m.plan.SERVING_DECISIVE
+    assert serving[1:3] == ("-m", "bench.serving") and tuple(serving[3:5]) == m.plan.SERVING_DECISIVE
 
 
 def test_every_test_stage_finds_its_plugins(m, tmp_path):
@@ -343,17 +346,15 @@ def test_every_test_stage_finds_its_plugins(m, tmp_path):
 
 
 def test_every_stage_has_an_estimate_under_the_part_limit():
-    with bench_modules("parts", "gpu_plan") as (parts, plan):
-        assert set(parts.part_names()) == set(plan.STAGES)
-        for name in plan.STAGES:
-            assert 0 < parts.estimate_seconds(name) < parts.LIMIT_S, name
+    assert set(parts.part_names()) == set(plan.STAGES)
+    for name in plan.STAGES:
+        assert 0 < parts.estimate_seconds(name) < parts.LIMIT_S, name
 
 
 def test_the_quick_part_measures_auto_and_both_vllm_baselines():
     """bench_transfer.py --part quick restricts workloads and sizes, never methods: every baseline is timed."""
-    with bench_modules("parts", "results") as (parts, results):
-        assert {"auto", "vllm033", "vllm_native", "peak"} <= set(results.BASELINE_ORDER)
-        assert parts.PARTS["quick"] == ["--quick"]
+    assert {"auto", "vllm033", "vllm_native", "peak"} <= set(results.BASELINE_ORDER)
+    assert parts.PARTS["quick"] == ["--quick"]
 
 
 def test_stage_names_and_aliases(m):
@@ -599,7 +600,7 @@ def test_the_live_junit_plugin_keeps_finished_tests_when_killed(tmp_path):
         "def test_hangs(): time.sleep(120)\n"
     )
     xml = tmp_path / "live.xml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "bench" / "pytest_plugins"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tools" / "gpu" / "pytest_plugins"))
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "live_junit", "--live-junit", str(xml), "-q",
                              "-p", "no:cacheprovider", str(tmp_path / "test_mixed.py")], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -612,8 +613,7 @@ def test_the_live_junit_plugin_keeps_finished_tests_when_killed(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    with bench_modules("gpu_summary") as (summary,):
-        got = summary.junit_results(xml)
+    got = summary.junit_results(xml)
     assert got["complete"] is False
     assert got["passed"] == ["test_mixed.py::test_ok"]
     assert [t for t, _ in got["failure"]] == ["test_mixed.py::test_bad"] and got["failure"][0][1] == "assert 1 == 2"
@@ -631,12 +631,11 @@ def test_the_live_junit_plugin_records_modules_skipped_or_broken_at_collection(t
     (tmp_path / "test_broken.py").write_text("import no_such_module_either\n")
     (tmp_path / "test_fine.py").write_text("def test_fine(): pass\n")
     xml = tmp_path / "live.xml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "bench" / "pytest_plugins"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tools" / "gpu" / "pytest_plugins"))
     subprocess.run([sys.executable, "-m", "pytest", "-p", "live_junit", "--live-junit", str(xml), "-q", "-p",
                     "no:cacheprovider", "--continue-on-collection-errors", str(tmp_path)], cwd=tmp_path, env=env,
                    capture_output=True, timeout=120)  # fmt: skip
-    with bench_modules("gpu_summary") as (summary,):
-        got = summary.junit_results(xml)
+    got = summary.junit_results(xml)
     assert got["complete"] is True and got["passed"] == ["test_fine.py::test_fine"]
     # A module with a test on the `device` fixture (a GPU test under -m gpu) counts; one without is only listed.
     assert [t for t, _ in got["skipped"]] == ["test_needs_vllm.py"] and "no_such_vllm" in got["skipped"][0][1]

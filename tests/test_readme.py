@@ -51,6 +51,19 @@ def test_the_readme_is_a_short_read_that_starts_with_the_two_commands():
         assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
 
 
+def test_the_benchmarks_readme_is_a_short_read_whose_links_hold():
+    """bench/README.md stays an overview (the detail is docs/benchmarks.md and docs/gpu-run.md), its links and the
+    modules its commands run exist."""
+    bench_readme = ROOT / "bench" / "README.md"
+    text = bench_readme.read_text()
+    assert len(text.encode()) <= 15 * 1024, f"bench/README.md is {len(text.encode())} bytes: move detail to docs/"
+    links = re.findall(r"\]\(([^)#:]+)\)", text)
+    assert links and all((bench_readme.parent / link).resolve().exists() for link in links), links
+    for module in set(re.findall(r"python -m ((?:bench|tools)(?:\.[a-z_]+)+)(?![\w.])", text)):
+        path = ROOT.joinpath(*module.split("."))
+        assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), module
+
+
 def test_the_readme_json_line_is_the_quick_starts_configuration_and_valid():
     """The one JSON line is the configuration the quick start runs, but for the budget (the quick start's is small)."""
     text = README.read_text()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 
 import pytest
-from bench_modules import BENCH, bench_modules
+
+from bench.common import results
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def git(cwd, *args: str) -> str:
@@ -14,11 +18,10 @@ def git(cwd, *args: str) -> str:
 
 
 def test_machine_info_records_the_commit_of_this_checkout():
-    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH, capture_output=True).returncode != 0:
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout (an installed copy): the commit is 'unknown' there, tested below")
-    with bench_modules("results") as (results,):
-        info = results.machine_info()
-    assert re.fullmatch(r"[0-9a-f]{40}", info["commit"]) and info["commit"] == git(BENCH, "rev-parse", "HEAD")
+    info = results.machine_info()
+    assert re.fullmatch(r"[0-9a-f]{40}", info["commit"]) and info["commit"] == git(ROOT, "rev-parse", "HEAD")
     assert isinstance(info["dirty"], bool)
 
 
@@ -27,16 +30,14 @@ def test_a_changed_tracked_file_makes_the_source_dirty(tmp_path):
     (tmp_path / "kernel.py").write_text("x = 1\n")
     git(tmp_path, "add", "kernel.py")
     git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "measured code")
-    with bench_modules("results") as (results,):
-        clean = results.source_info(tmp_path)
-        (tmp_path / "notes.txt").write_text("untracked: not measured code\n")
-        untracked = results.source_info(tmp_path)
-        (tmp_path / "kernel.py").write_text("x = 2\n")
-        dirty = results.source_info(tmp_path)
+    clean = results.source_info(tmp_path)
+    (tmp_path / "notes.txt").write_text("untracked: not measured code\n")
+    untracked = results.source_info(tmp_path)
+    (tmp_path / "kernel.py").write_text("x = 2\n")
+    dirty = results.source_info(tmp_path)
     assert clean == untracked == {"commit": git(tmp_path, "rev-parse", "HEAD"), "dirty": False}
     assert dirty == {"commit": clean["commit"], "dirty": True}
 
 
 def test_outside_a_checkout_the_commit_is_unknown(tmp_path):
-    with bench_modules("results") as (results,):
-        assert results.source_info(tmp_path) == {"commit": "unknown", "dirty": None}
+    assert results.source_info(tmp_path) == {"commit": "unknown", "dirty": None}

@@ -1,4 +1,4 @@
-"""The bundle of vLLM 0.33's Python code for the GPU machine (bench/vllm_bundle.py).
+"""The bundle of vLLM 0.33's Python code for the GPU machine (tools/gpu/vllm_bundle.py).
 
 Built here from the installed release (each file checked against the wheel's RECORD, the tarball byte-identical from
 one build to the next), unpacked with its stand-in for vLLM's compiled extension, then imported in a clean interpreter
@@ -20,8 +20,11 @@ import sys
 import tarfile
 
 import pytest
-from bench_modules import BENCH, bench_modules
 from vllm_harness import VLLM_033, vllm_version
+
+from tools.gpu import vllm_bundle
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 if not VLLM_033:
     pytest.skip(f"builds from an installed vLLM 0.33.0 (.venv-vllm33); found {vllm_version()}", allow_module_level=True)
@@ -31,8 +34,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vb():
-    with bench_modules("vllm_bundle") as (module,):
-        yield module
+    return vllm_bundle
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +123,7 @@ _DRIVER = """
 import json, sys
 sys.path[:0] = {paths!r}
 import torch
-import vllm_native
+from bench.baselines import vllm_native
 
 # vLLM's CUDA platform module imports its compiled extension at module level: without the bundle's stand-in it
 # cannot be imported at all; with it, it is.
@@ -172,10 +174,16 @@ def test_vllms_worker_runs_from_the_bundle_in_a_clean_interpreter(vb, site, tmp_
     env_dir = tmp_path / "image"
     env_dir.mkdir()
     _image(env_dir, ["torch", "triton", "numpy", *vb.IMAGE_PROVIDES])
-    # The project itself is installed on the GPU machine: its package directory stands in for that (the benchmark's
-    # driver binding is the library's, triton_offload/cuda_driver.py).
-    package = BENCH.parent / "triton_offload"
-    paths = [str(site), str(env_dir), str(BENCH), str(BENCH.parent)]
+    # The project itself is installed on the GPU machine (the benchmark's driver binding is the library's,
+    # triton_offload/cuda_driver.py): its package as setup.cfg maps it stands in for that, and the benchmarks run from
+    # the repository root.
+    package = tmp_path / "installed"
+    (package / "triton_offload").mkdir(parents=True)
+    for entry in (ROOT / "triton_offload").iterdir():
+        (package / "triton_offload" / entry.name).symlink_to(entry)
+    for sub in ("kernels", "connector"):
+        (package / "triton_offload" / sub).symlink_to(ROOT / sub)
+    paths = [str(site), str(env_dir), str(package), str(ROOT)]
     proc = subprocess.run(
         [sys.executable, "-I", "-S", "-c", _DRIVER.format(paths=paths)],
         capture_output=True,
@@ -191,7 +199,7 @@ def test_vllms_worker_runs_from_the_bundle_in_a_clean_interpreter(vb, site, tmp_
     assert report["stored"] and report["loaded"] and report["others"]
     assert report["batches"] == 2
     stdlib = pathlib.Path(os.__file__).parent
-    allowed = (str(site), str(env_dir), str(BENCH), str(package), str(stdlib))
+    allowed = (str(site), str(env_dir), str(ROOT / "bench"), str(package), str(stdlib))
     strays = [f for f in report["files"] if not f.startswith(allowed)]
     assert not strays, strays
     assert f"{site}/vllm/v1/kv_offload/cpu/gpu_worker.py" in report["files"]

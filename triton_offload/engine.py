@@ -91,7 +91,7 @@ class TransferEngine:
         self.cuda = kv.device.type == "cuda"
         self.path = transfer_path(path if path is not None else AUTO if self.cuda else KERNEL)
         self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
-        # Test and profiling hook: trace(step) is called at each step of a submission (bench/call_cost.py).
+        # Test and profiling hook: trace(step) is called at each step of a submission (bench/micro/call_cost.py).
         self.trace = None
         self._launcher = self._kernel_launcher(fast_launch)
         dma = self._copy_engines() if self.path != KERNEL else None

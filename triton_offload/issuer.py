@@ -34,7 +34,7 @@ class Issuer(Protocol):
     def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None) -> Any:
         """Issues ``plan`` asynchronously on ``stream`` (None: the current stream; on CPU the copies run now) and
         returns what must live until they complete (buffers the device still reads). ``trace(step)``, if given, is
-        called at each internal step (bench/call_cost.py). Raises before issuing anything it cannot issue."""
+        called at each internal step (bench/micro/call_cost.py). Raises before issuing anything it cannot issue."""
         ...
 
     # An issuer that checks what it moves (the integrity checks, docs/integrity.md) also has

@@ -94,7 +94,7 @@ def transfer_blocks(
     tunings: Mapping[Direction, LaunchTuning] | None = None,
 ) -> None:
     """:func:`gather_blocks` (a store) or :func:`scatter_blocks` (a load) of a prepared spec, by direction, with the
-    launch tuning as a value (``tunings``, per direction; None for the measured defaults: bench/tune.py passes its
+    launch tuning as a value (``tunings``, per direction; None for the measured defaults: bench/micro/tune.py passes its
     variants here). Asynchronous on CUDA, on the current stream of the spec's device (made the current device for the
     call)."""
     if num_ctas is not None:

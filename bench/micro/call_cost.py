@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Where the host time of one transfer call goes, at 1024 blocks x 80 layers (Llama-3-70B TP8 pages, kv_first): the
+whole public ``gather_blocks`` / ``scatter_blocks`` call and ``TransferEngine.submit_store`` / ``submit_load`` (the
+vLLM plugin's path), each with the direct launch (triton_offload/fast_launch.py) and with Triton's dispatch, in one
+run; the steps of a submit as timed *inside* real calls (the engine's trace hook), so they add up to the whole; and
+the steps of a public call timed alone.
+
+    python -m bench.micro.call_cost [--json PATH]     # on a GPU
+    python -m bench.micro.call_cost --tiny            # any machine: a tiny shape (on CPU the launch is the interpreter)
+
+Calls are issued in bursts of 8 after a drain (a synchronize, or waiting for the engine's jobs) outside the timing,
+so the GPU's queue stays short. Medians, p99 and minimum over ``--calls`` calls. On CPU only the steps before the
+launch mean anything (the kernel runs in Triton's interpreter), and they are reported alone: planning (validation
+and packing) is the part the CPU target is set on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import triton_offload as to
+from bench.common.grid import CALL_COST_CALLS
+from bench.common.results import machine_info, write_json
+from bench.common.timing import stats_us
+from bench.common.workloads import WORKLOADS, make_caches
+from triton_offload.engine import TransferEngine
+from triton_offload.fast_launch import FAST_LAUNCH_ENV, enable_fast_launch
+from triton_offload.host_cache import HostCache, checksum_table
+from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.kernels.copy_blocks import pack_ids
+from triton_offload.plan import Direction, check_host_buffer
+from triton_offload.transfer import planner_for
+
+BURST = 8
+# The engine's trace points in order (triton_offload/engine.py): each step is the time from the previous point.
+ENGINE_STEPS = {
+    "plan": "plan: validation",
+    "fence": "fence: event on the compute stream + wait",
+    "upload": "upload: start event + stream switch + packing into the pinned slot + id copy",
+    "launch": "launch: kernel launch",
+    "done": "end event + bookkeeping",
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, calls: int, drain=None) -> dict:
+    """Host time of ``fn()``, called in bursts of BURST; ``drain()`` (default: a device synchronize) runs before
+    each burst and at the end, outside the timing. Returns :func:`timing.stats_us` plus p99."""
+    drain = drain or (lambda: _sync(device))
+    ts = []
+    for i in range(calls):
+        if i % BURST == 0:
+            drain()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    drain()
+    return {**stats_us(ts), "p99_us": round(float(np.quantile(ts, 0.99)) * 1e6, 2)}
+
+
+@dataclasses.dataclass
+class Setup:
+    device: torch.device
+    spec: to.KVCacheSpec
+    host: torch.Tensor
+    cache: HostCache
+    g: np.ndarray
+    h: np.ndarray
+
+
+def setup(tiny: bool) -> Setup:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w = WORKLOADS["llama3-70b-tp8"]
+    n, num_blocks, host_blocks = (8, 20, 12) if tiny else (1024, 2100, 1100)
+    if tiny:
+        w = dataclasses.replace(w.tiny(), num_layers=4)
+    spec = to.KVCacheSpec(make_caches(w, "kv_first", num_blocks, device), "kv_first")
+    cache = HostCache(spec.host_block_bytes(1), num_blocks=host_blocks, pin=device.type == "cuda")
+    rng = np.random.default_rng(0)
+    g = rng.permutation(num_blocks)[:n].astype(np.int64)
+    h = rng.permutation(host_blocks)[:n].astype(np.int64)
+    return Setup(device, spec, cache.buffer, cache, g, h)
+
+
+def public_calls(s: Setup, calls: int, fast: bool) -> dict[str, dict]:
+    """The whole public calls, with the direct launch on or off (the environment switch the calls read; the caller's
+    setting, or its absence, is put back afterwards)."""
+    prior = os.environ.get(FAST_LAUNCH_ENV)
+    os.environ[FAST_LAUNCH_ENV] = "1" if fast else "0"
+    try:
+        gather = lambda: to.gather_blocks(s.spec, s.g, s.host, s.h)  # noqa: E731
+        scatter = lambda: to.scatter_blocks(s.host, s.h, s.spec, s.g)  # noqa: E731
+        gather(), scatter()  # compiles, proves the direct launch, fills the staging pool
+        _sync(s.device)
+        label = "direct launch" if fast else "Triton's dispatch"
+        return {
+            f"gather_blocks, {label}": timed(gather, s.device, calls),
+            f"scatter_blocks, {label}": timed(scatter, s.device, calls),
+        }
+    finally:
+        if prior is None:
+            os.environ.pop(FAST_LAUNCH_ENV, None)
+        else:
+            os.environ[FAST_LAUNCH_ENV] = prior
+
+
+def public_steps(s: Setup, calls: int) -> dict[str, dict]:
+    """Steps of a public call (a store) timed alone: the checks, the planning, the launcher and its proof lookup."""
+    planner = planner_for(s.spec, s.host.shape[0], 1)
+    staging = np.empty(4 * len(s.g) + 16, dtype=np.int64)
+    out = {
+        "check_host_buffer": timed(lambda: check_host_buffer(s.spec, s.host, 1), s.device, calls),
+        "plan: validation + packing": timed(
+            lambda: pack_ids(planner.plan(s.g, s.h, direction=Direction.STORE), staging), s.device, calls
+        ),
+        "CopyLauncher(...)": timed(lambda: CopyLauncher(s.spec, s.host, 1, Direction.STORE), s.device, calls),
+    }
+    if s.device.type == "cuda":
+        launcher = CopyLauncher(s.spec, s.host, 1, Direction.STORE)
+        out["enable_fast_launch (a proven variant)"] = timed(lambda: enable_fast_launch(launcher), s.device, calls)
+        plan = planner.plan(s.g, s.h, direction=Direction.STORE)
+        ids = torch.from_numpy(pack_ids(plan)).to(s.device)
+        out["launch alone, direct"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+        launcher.set_direct(Direction.STORE, None)
+        out["launch alone, Triton's dispatch"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+    return out
+
+
+def engine_calls(s: Setup, calls: int, fast: bool, integrity: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Both submits, whole; and the steps of each, from the trace of the same calls. ``integrity``: with the integrity
+    checks (``integrity="verify"``, a checksum table, each host block named by its id), labelled so."""
+    checks = {}
+    if integrity:
+        checks = {"integrity": "verify", "checksums": checksum_table(s.host.shape[0], 1, pin=s.device.type == "cuda")}
+    eng = TransferEngine(s.spec, s.host, fast_launch=fast, path="kernel", **checks)
+    job, queued = [0], []
+    marks: list[tuple[str, int]] = []
+    eng.trace = lambda step: marks.append((step, time.perf_counter_ns()))
+
+    def drain() -> None:  # waits for the burst's jobs outside the timing, as the synchronize does above
+        if queued:
+            eng.wait(queued)
+            assert all(r.ok for r in eng.get_finished())
+            queued.clear()
+
+    label = ("direct launch" if fast else "Triton's dispatch") + (", integrity verify" if integrity else "")
+    whole, steps = {}, {}
+    for name, submit in (("submit_store", eng.submit_store), ("submit_load", eng.submit_load)):
+
+        def one(submit=submit):
+            job[0] += 1
+            submit(job[0], s.g, s.h)
+            queued.append(job[0])
+
+        one()  # compiles this direction
+        drain()
+        marks.clear()
+        whole[f"engine.{name}, {label}"] = timed(one, s.device, calls, drain)
+        steps.update(_trace_steps(marks, f"engine.{name}, {label}"))
+    eng.shutdown()
+    return whole, steps
+
+
+def _trace_steps(marks: list[tuple[str, int]], prefix: str) -> dict[str, dict]:
+    """Median (and p99) microseconds of each traced step over the calls in ``marks``."""
+    per_step: dict[str, list[float]] = {}
+    prev = None  # the previous mark's time; None before the first call's "submit"
+    for step, t in marks:
+        if step == "submit":
+            prev = t
+            continue
+        if prev is None:
+            continue
+        per_step.setdefault(step, []).append((t - prev) / 1e9)
+        prev = t
+    return {f"{prefix} / {ENGINE_STEPS.get(k, k)}": stats_us(v) for k, v in per_step.items()}
+
+
+def measure(tiny: bool, calls: int, integrity: bool = False) -> dict[str, dict[str, dict]]:
+    s = setup(tiny)
+    sections: dict[str, dict[str, dict]] = {"public steps": public_steps(s, calls)}
+    if s.device.type == "cuda":
+        sections["public calls"] = {**public_calls(s, calls, True), **public_calls(s, calls, False)}
+        fast_whole, fast_steps = engine_calls(s, calls, True)
+        slow_whole, slow_steps = engine_calls(s, calls, False)
+        sections["engine submits"] = {**fast_whole, **slow_whole}
+        sections["engine submit steps (inside the calls above)"] = {**fast_steps, **slow_steps}
+        if integrity:  # the integrity checks' host cost: the same submits, with them (issue 41)
+            checked_whole, checked_steps = engine_calls(s, calls, True, integrity=True)
+            sections["engine submits"].update(checked_whole)
+            sections["engine submit steps (inside the calls above)"].update(checked_steps)
+    elif tiny:
+        # The interpreter runs the kernel inside the call (seconds at the full shape): the engine's calls run only at
+        # the tiny shape, to check the trace; their numbers mean nothing.
+        sections["engine submit steps (inside the calls above)"] = engine_calls(s, calls, False)[1]
+        if integrity:
+            sections["engine submit steps (inside the calls above)"].update(engine_calls(s, calls, False, True)[1])
+    s.cache.close()
+    return sections
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape (any machine; CPU runs the interpreter)")
+    ap.add_argument("--calls", type=int, default=CALL_COST_CALLS)
+    ap.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
+    ap.add_argument("--integrity", action="store_true", help="also the engine's submits with the integrity checks")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    where = torch.cuda.get_device_name() if cuda else "CPU (no CUDA: the steps before the launch only)"
+    shape = "tiny" if args.tiny else "1024 blocks x 80 layers"
+    print(f"host time per call, {shape}, {where}")
+    sections = measure(args.tiny, args.calls, args.integrity)
+    for title, rows in sections.items():
+        print(f"\n{title}")
+        for name, st in rows.items():
+            print(f"  {name:<78} median {st['median_us']:8.1f} us  p80 {st['p80_us']:8.1f}  min {st['min_us']:8.1f}")
+    if args.json:
+        doc = {
+            "benchmark": "call_cost",
+            **machine_info(),
+            "device": where,
+            "torch": torch.__version__,
+            "shape": shape,
+            "calls": args.calls,
+            "sections": sections,
+        }
+        write_json(args.json, doc)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

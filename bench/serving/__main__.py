@@ -1,0 +1,5 @@
+import sys
+
+from bench.serving.cli import main
+
+sys.exit(main())

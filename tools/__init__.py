@@ -1,0 +1,1 @@
+"""Development tooling that measures nothing itself (not installed; run from the repository root)."""

@@ -1,0 +1,263 @@
+"""The GPU run's summary: per stage its key figures, and the project's targets (issue 38, "Targets"), each with its
+worst case, where, and a verdict (pass / miss / not measured), all computed from the files the stages wrote (their
+JSON and JUnit XML), never written by hand.
+
+Stdlib only. The transfer targets use bench/common/results.py's ``by_case`` and ``target_result`` (as
+bench/transfer/summary.py's do); the serving targets are the serving benchmark's own ``targets`` list, as its JSON
+carries them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+
+from bench.common.results import by_case, target_result
+
+__all__ = ["VERDICTS", "stage_figures", "evaluate", "junit_results", "launch_shape"]
+
+VERDICTS = {"PASS": "pass", "FAIL": "miss", "n/a": "not measured"}
+CALL_COST_US = 30.0  # median host time per call at 1024 blocks x 80 layers
+CALL_COST_SHAPE = "1024 blocks x 80 layers"
+PEAK_FRACTION = 0.90  # of the same run's contiguous copy, pages >= 2 KiB, 128 and 1024 blocks
+AUTO_SLACK = 1.05  # auto's time over the faster of the kernel and the copy engines
+VLLM_BASELINES = ("vllm033", "vllm_native")
+# A GPU test skipped for one of these did not run where it should have: vLLM's code missing (the bundle), or no
+# CUDA device (tests/conftest.py's skip). Other skips (say, a test that needs two GPUs) are listed, not counted.
+SKIPS_THAT_MISS = ("vllm", "cuda device")
+# Together the whole `pytest -m gpu` (tools/gpu/plan.py): the target passes only when both ran to the end.
+TEST_STAGES = ("gpu-tests", "gpu-tests-slow")
+
+
+def _load_json(path: pathlib.Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def junit_results(path: pathlib.Path | None) -> dict | None:
+    """A JUnit XML file: ``complete`` (the session ended), and per outcome the test ids with their messages."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        suite = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None  # the plugin replaces the file atomically: only a foreign file can be half-written
+    if suite.tag == "testsuites":
+        suite = suite.find("testsuite")
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    out: dict = {"complete": props.get("complete", "true") == "true", "passed": [], "failure": [], "error": [],
+                 "skipped": [], "modules_skipped": []}  # fmt: skip
+    for case in suite.iter("testcase"):
+        path, name = case.get("file") or case.get("classname"), case.get("name")
+        tid = path if name == path else f"{path}::{name}"  # a module's own case (skipped or broken at collection)
+        child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        if child is None:
+            out["passed"].append(tid)
+        elif child.tag == "skipped" and case.get("gpu") == "no":  # a whole module skipped, with no GPU test in it
+            out["modules_skipped"].append((tid, child.get("message") or ""))
+        else:
+            out[child.tag].append((tid, child.get("message") or ""))
+    return out
+
+
+def launch_shape(rows: list[dict], default_ctas: int) -> list[dict]:
+    """Per (page, blocks, direction): the kernel's fraction of the contiguous peak at the default CTAs (the worst
+    over layouts and host formats), and the CTA count whose worst fraction is the highest."""
+    by: dict[tuple, dict[int, list[float]]] = {}
+    for r in rows:
+        if r["method"] == "triton" and r.get("fraction_of_peak") is not None:
+            key = (r["page_bytes"], r["blocks"], r["direction"])
+            by.setdefault(key, {}).setdefault(r["num_ctas"], []).append(r["fraction_of_peak"])
+    out = []
+    for (page, blocks, direction), per in sorted(by.items()):
+        worst = {c: min(v) for c, v in per.items()}
+        best = max(worst, key=lambda c: (worst[c], -c))
+        out.append({"page_bytes": page, "blocks": blocks, "direction": direction,
+                    f"fraction_at_{default_ctas}": worst.get(default_ctas), "best_ctas": best,
+                    "fraction_at_best": worst[best], "fraction_by_ctas": dict(sorted(worst.items()))})  # fmt: skip
+    return out
+
+
+def stage_figures(kind: str, files: dict[str, pathlib.Path]) -> dict:
+    """The few numbers a reader wants from one stage's files."""
+    if kind == "pytest":
+        t = junit_results(files.get("xml"))
+        if t is None:
+            return {"error": "no JUnit XML written"}
+        counts = ("passed", "failure", "error", "skipped", "modules_skipped")
+        return {"complete": t["complete"], **{k: len(t[k]) for k in counts}}
+    doc = _load_json(files.get("json"))
+    if doc is None:
+        return {"error": "no JSON written (or unreadable)"}
+    if kind == "machine":
+        pci = (doc.get("pci") or [None])[0]
+        link = pci and (f"{pci['current_link_speed']} x{pci['current_link_width']} (max {pci['max_link_speed']} "
+                        f"x{pci['max_link_width']})")  # fmt: skip
+        return {"device": doc.get("device"), "cuda": doc.get("cuda"), "driver": doc.get("driver"),
+                "driver_cuda": doc.get("driver_cuda"), "torch": (doc.get("torch") or {}).get("version"),
+                "pcie": link,
+                "gpu_numa_node": doc.get("gpu_numa_node"), "numa_nodes": len(doc.get("numa_nodes") or {}),
+                "cpus": doc.get("cpus"), "mem_available_gib": (doc.get("memory") or {}).get("mem_available_gib"),
+                "notes": doc.get("notes")}  # fmt: skip
+    if kind == "call-cost":
+        medians = {name: st["median_us"] for sec in ("public calls", "engine submits")
+                   for name, st in (doc.get("sections") or {}).get(sec, {}).items()}  # fmt: skip
+        return {"shape": doc.get("shape"), "device": doc.get("device"), "median_us": medians}
+    out = {"complete": doc.get("complete"), "mode": doc.get("mode"), "device": doc.get("device"),
+           "rows": len(doc.get("rows") or []), "not_pass": _not_pass(doc), "fatal": doc.get("fatal"),
+           "own_targets": _counts(doc.get("targets") or [])}  # fmt: skip
+    if kind == "launch-shape":
+        out["launch_shape"] = launch_shape(doc.get("rows") or [], doc.get("default_num_ctas"))
+    return out
+
+
+def _not_pass(doc: dict) -> int:
+    rows = doc.get("rows") or []
+    status = [r.get("status") or r.get("byte_check") for r in rows]
+    return sum(s not in ("pass", "n/a") for s in status)
+
+
+def _counts(targets: list[dict]) -> dict:
+    out: dict[str, int] = {}
+    for t in targets:
+        verdict = VERDICTS.get(t.get("result"), str(t.get("result")))
+        out[verdict] = out.get(verdict, 0) + 1
+    return out
+
+
+def _entry(t: dict, stages: list[str]) -> dict:
+    return {"target": t["target"], "verdict": VERDICTS[t["result"]], "worst": t.get("worst"), "where": t.get("where"),
+            "detail": t["detail"], "from": stages}  # fmt: skip
+
+
+def _not_measured(name: str, why: str, stages: list[str]) -> dict:
+    return {"target": name, "verdict": "not measured", "worst": None, "where": None, "detail": why, "from": stages}
+
+
+def _tests_target(stages: list[dict]) -> dict:
+    name = "every GPU test passes, none skipped for lack of vLLM"
+    names = [s["stage"] for s in stages]
+    if not stages:
+        return _not_measured(name, "no test stage in this run", names)
+    bad, other_skips, modules, passed = [], [], [], 0
+    missing = [f"{n}: not in this run" for n in TEST_STAGES if n not in names]
+    for s in stages:
+        t = junit_results(s["files"].get("xml"))
+        if t is None or s["outcome"] == "skipped":
+            missing.append(f"{s['stage']}: {s['outcome']}")
+            continue
+        ended = sum(len(t[k]) for k in ("passed", "failure", "error", "skipped"))
+        if not t["complete"]:
+            missing.append(f"{s['stage']}: cut short ({s['outcome']}) after {ended} tests")
+        elif not ended:
+            missing.append(f"{s['stage']}: no test ran")
+        passed += len(t["passed"])
+        modules += [f"{tid} ({msg[:100]})" for tid, msg in t["modules_skipped"]]
+        bad += [f"{tid} ({kind}: {msg[:160]})" for kind in ("failure", "error") for tid, msg in t[kind]]
+        for tid, msg in t["skipped"]:
+            missed = any(k in msg.lower() for k in SKIPS_THAT_MISS)
+            (bad if missed else other_skips).append(f"{tid} (skipped: {msg[:160]})")
+    detail = f"{passed} passed; {len(bad)} failed, errored or skipped for lack of vLLM or CUDA"
+    detail += "".join(f"; {m}" for m in missing) + (f"; other skips: {len(other_skips)}" if other_skips else "")
+    if modules:
+        detail += f"; modules without GPU tests skipped at collection: {', '.join(modules)}"
+    verdict = "miss" if bad else "not measured" if missing else "pass"
+    where = "; ".join(bad[:5]) or "; ".join(other_skips[:5]) or None
+    return {"target": name, "verdict": verdict, "worst": len(bad), "where": where, "detail": detail, "from": names}
+
+
+def _call_cost_target(stages: list[dict]) -> dict:
+    name = f"call cost <= {CALL_COST_US:g} us median at {CALL_COST_SHAPE}, both public calls and both engine submits"
+    wanted = ("gather_blocks", "scatter_blocks", "engine.submit_store", "engine.submit_load")
+    names = [s["stage"] for s in stages]
+    for s in stages:
+        doc = _load_json(s["files"].get("json"))
+        if doc is None or doc.get("shape") != CALL_COST_SHAPE:
+            continue
+        sections = doc.get("sections") or {}
+        rows = {**sections.get("public calls", {}), **sections.get("engine submits", {})}
+        # The default launch: the direct one (TRITON_OFFLOAD_FAST_LAUNCH unset).
+        values = [(rows[f"{c}, direct launch"]["median_us"], f"{c}, direct launch") for c in wanted
+                  if f"{c}, direct launch" in rows]  # fmt: skip
+        t = target_result(name, values, lambda v: v <= CALL_COST_US, worst_is_min=False)
+        if len(values) < len(wanted) and t["result"] != "FAIL":
+            return _not_measured(name, f"only {len(values)} of the {len(wanted)} calls measured", names)
+        return _entry(t, names)
+    return _not_measured(name, f"no call-cost JSON at {CALL_COST_SHAPE} in this run", names)
+
+
+def _transfer_targets(stages: list[dict]) -> list[dict]:
+    frac, auto, vs_vllm = [], [], []
+    names = []
+    for s in stages:
+        doc = _load_json(s["files"].get("json"))
+        if doc is None or doc.get("mode") != "gpu":
+            continue
+        names.append(s["stage"])
+        d = doc.get("default_num_ctas")
+        for (w, layout, page, n, f, skip, direction), by in by_case(doc.get("rows") or []).items():
+            where = f"{s['stage']}: {w}/{layout} {page}B n={n} f/skip={f}/{skip} {direction}"
+            timed = {k: r for k, r in by.items() if r.get("median_ms")}
+            kernel, mine = timed.get(("triton", d)), timed.get(("auto", None))
+            if kernel and kernel.get("fraction_of_peak") is not None and page >= 2048 and n in (128, 1024):
+                frac.append((kernel["fraction_of_peak"], where))
+            dma_name = "dma" if ("dma", None) in by else "memcpy_batch"
+            paths = [r["median_ms"] for r in (kernel, timed.get((dma_name, None))) if r]
+            if mine and len(paths) == 2:
+                auto.append((mine["median_ms"] / min(paths), f"{where} (dma: {dma_name})"))
+            for label, ours in ((f"triton@{d}", kernel), ("auto", mine)):
+                for base in VLLM_BASELINES:
+                    b = timed.get((base, None))
+                    if ours and b:
+                        vs_vllm.append((b["median_ms"] / ours["median_ms"], f"{where}: {label} vs {base}"))
+    d_label = "the default num_ctas"
+    return [
+        _entry(target_result(f"transfers at {d_label} >= {PEAK_FRACTION:.2f} of the run's contiguous peak, pages "
+                             ">= 2 KiB, 128 and 1024 blocks", frac, lambda v: v >= PEAK_FRACTION), names),
+        _entry(target_result(f"auto never slower than the faster of kernel and dma by more than "
+                             f"{100 * (AUTO_SLACK - 1):.0f} % (time ratio)", auto, lambda v: v <= AUTO_SLACK,
+                             worst_is_min=False), names),
+        _entry(target_result("ours (kernel at the default num_ctas, and auto) never slower than vllm033 or vllm_native "
+                             "(speedup)", vs_vllm, lambda v: v >= 1.0), names),
+    ]  # fmt: skip
+
+
+def _serving_targets(stages: list[dict]) -> list[dict]:
+    out = []
+    for s in stages:
+        doc = _load_json(s["files"].get("json"))
+        if doc is None or doc.get("mode") != "gpu" or not doc.get("targets"):
+            continue
+        for t in doc["targets"]:
+            entry = _entry(t, [s["stage"]])
+            entry["target"] = f"serving ({s['stage']}): {t['target']}"
+            out.append(entry)
+    if not out:
+        why = "no GPU serving JSON with targets in this run"
+        return [_not_measured("serving: the serving benchmark's targets", why, [s["stage"] for s in stages])]
+    return out
+
+
+def evaluate(stages: list[dict]) -> list[dict]:
+    """Every target from the stages' files. ``stages``: per stage ``stage``, ``kind``, ``outcome`` and ``files``
+    (``{"json"|"xml"|...: path}``)."""
+    of = lambda *kinds: [s for s in stages if s["kind"] in kinds]  # noqa: E731
+    guarded: list[tuple[str, Callable[[], list[dict]]]] = [
+        ("GPU tests", lambda: [_tests_target(of("pytest"))]),
+        ("call cost", lambda: [_call_cost_target(of("call-cost"))]),
+        ("transfers", lambda: _transfer_targets(of("transfer", "launch-shape"))),
+        ("serving", lambda: _serving_targets(of("serving"))),
+    ]
+    out = []
+    for label, compute in guarded:
+        try:
+            out += compute()
+        except Exception as exc:  # a malformed file must not cost the rest of the summary
+            out.append(_not_measured(label, f"could not be computed: {exc!r}"[:300], []))
+    return out
