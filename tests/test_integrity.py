@@ -344,6 +344,36 @@ def test_intact_blocks_are_never_flagged(case):
     engine.shutdown()
 
 
+@settings(max_examples=30, deadline=None)
+@given(intact_transfers(), st.integers(0, 2**62))
+def test_one_flipped_bit_anywhere_in_the_host_rows_fails_exactly_its_block(case, where):
+    """Any layout, factor, skip, ids, identities, program count and path: one bit flipped anywhere in the host rows a
+    load reads fails exactly the block whose bytes hold it; in a byte no block of the load moves (a skipped
+    sub-block, a slot's padding) it flags nothing."""
+    fmt, f, skip, n, seed, ctas, path = case
+    spec = make_spec(fmt, seed=seed % 1000, num_blocks=2 * n + 1)
+    sizes, group_of = group_layout(spec, n)
+    idx, sub, m = positions(n, f, skip, sizes)
+    rng = np.random.default_rng(seed)
+    engine, host, _ = make_engine(spec, f, m + 1, path=path, num_ctas=ctas)
+    g = rng.permutation(spec.num_blocks)[:n]
+    h = rng.permutation(m + 1)[:m]
+    ident = rng.integers(-(2**63), 2**63 - 1, size=m, dtype=np.int64)
+    engine.submit_store(1, g, h, skip=skip, group_sizes=sizes, identities=ident)
+    finished(engine, 1)
+    owner = {}
+    for i in range(n):
+        for col in block_columns(spec, f, int(sub[i]), int(group_of[i])).tolist():
+            owner[int(h[idx[i]]), col] = i
+    bit = where % (8 * m * host.shape[1])
+    row, col = int(h[bit // (8 * host.shape[1])]), (bit // 8) % host.shape[1]
+    host[row, col] ^= 1 << (bit % 8)
+    dst = np.setdiff1d(np.arange(spec.num_blocks), g)[:n]
+    expect = [owner[row, col]] if (row, col) in owner else []
+    assert load(engine, 2, dst, h, skip, sizes, ident) == (expect, 0), (row, col, bit % 8)
+    engine.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["kernel", "dma"])
 @pytest.mark.parametrize("fmt", ["block_first", "kv_first-groups", "canonical-slots"])
