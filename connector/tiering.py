@@ -303,7 +303,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         super().__init__(config)
         self.trailer_bytes = 0
         if cfg.integrity != OFF and config.worker_kv_bytes_per_block > 0:
-            self._add_trailers(cfg.cpu_bytes_to_use)
+            self._add_trailers()
         if config.worker_kv_bytes_per_block > 0 and self.num_chunks <= 0:
             raise ValueError(
                 f"cpu_bytes_to_use = {cfg.cpu_bytes_to_use} bytes is less than one chunk of "
@@ -315,20 +315,36 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             make_private_root_dir(root, where(i, "root_dir"))
         self._worker: OffloadingWorker | None = None
 
-    def _add_trailers(self, cpu_bytes: int) -> None:
+    def _add_trailers(self) -> None:
         """The integrity checks' layout (version 1): each worker slot grows by a trailer after its pages, which holds
         the slot's row marker and one checksum per sub-block, so that every tier carries them with the bytes. vLLM
-        sized the slots and rows from ``worker_kv_bytes_per_block``; both sides recompute them the same way here."""
+        sized the slots and rows from ``worker_kv_bytes_per_block``; both sides recompute them the same way here.
+
+        The CPU tier keeps the number of chunks vLLM gave it from ``cpu_bytes_to_use``: the checks must never cost an
+        intact chunk its place (issue 41, "nothing lost"), so the region grows by what the trailers add to each row
+        (the trailer and the rounding of the row to a memory page: at most 4 KiB + 48 bytes per chunk), as the host
+        cache spec's checksum table is kept outside its budget. The region's actual size is what is checked against
+        the machine's memory (``create_worker``)."""
         copies = max(1, self.kv_bytes_per_chunk // max(1, self.cpu_page_size_per_worker))
         num_copies = 1 if self.replicated_layout else max(1, self.config.parallel.world_size)
         assert copies >= num_copies, "vLLM's rows hold one slot per copy"
+        unchecked = self.kv_bytes_per_chunk
         self.trailer_bytes = trailer_bytes(self.blocks_per_chunk)
         pages = -(-self.cpu_page_size_per_worker // _TRAILER_ALIGN) * _TRAILER_ALIGN
         self.cpu_page_size_per_worker = pages + self.trailer_bytes
         self.kv_bytes_per_chunk = -(-num_copies * self.cpu_page_size_per_worker // self.BLOCK_SIZE_ALIGNMENT) * (
             self.BLOCK_SIZE_ALIGNMENT
         )
-        self.num_chunks = cpu_bytes // self.kv_bytes_per_chunk
+        if self.kv_bytes_per_chunk != unchecked:
+            logger.info(
+                "triton-offload tiering: the integrity checks' trailers grow each row from %d to %d bytes; the CPU "
+                "tier keeps its %d chunks, so its region is %d bytes (cpu_bytes_to_use = %d)",
+                unchecked,
+                self.kv_bytes_per_chunk,
+                self.num_chunks,
+                self.num_chunks * self.kv_bytes_per_chunk,
+                self.tiering_config.cpu_bytes_to_use,
+            )
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's ``TieringOffloadingManager``, unchanged, once every object store has answered; then the region's

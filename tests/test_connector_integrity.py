@@ -198,17 +198,22 @@ def tiering_spec(setting: str, f: int):
         return config, OffloadingSpecFactory.create_spec(config)
 
 
-@pytest.mark.parametrize("f", [1, 3])
+@pytest.mark.parametrize("f", [1, 3, 16])
 def test_the_checked_layout_adds_a_trailer_to_each_slot_and_its_own_namespace(f):
     """Version 1 of the layout: each worker slot is vLLM's pages (rounded to 16 bytes) plus a trailer of the row
     marker and f checksums, the rows padded to the page size as vLLM pads them; the tiers name files, objects and
-    peers under the model name with a suffix, so this layout never mixes with vLLM's."""
+    peers under the model name with a suffix, so this layout never mixes with vLLM's. The CPU tier holds as many
+    chunks as without the checks (no intact chunk loses its place to them): where the trailer pushes a row over a
+    memory page (f = 16: 3 pages of KV, 4 with it), the region grows instead."""
     config, off = tiering_spec("off", f)
     _, on = tiering_spec("verify", f)
     assert off.trailer_bytes == 0 and on.trailer_bytes == trailer_bytes(f) == -(-8 * (1 + f) // 16) * 16
     assert on.cpu_page_size_per_worker == off.cpu_page_size_per_worker + on.trailer_bytes
     assert on.kv_bytes_per_chunk % 4096 == 0 and on.kv_bytes_per_chunk >= on.cpu_page_size_per_worker
-    assert on.num_chunks == config.extra_config["cpu_bytes_to_use"] // on.kv_bytes_per_chunk
+    assert off.num_chunks == config.extra_config["cpu_bytes_to_use"] // off.kv_bytes_per_chunk
+    assert on.num_chunks == off.num_chunks
+    grown = on.kv_bytes_per_chunk - off.kv_bytes_per_chunk
+    assert grown == (4096 if f == 16 else 0) and grown <= 4096 + trailer_bytes(f)
     assert on.config.model.name == "tiny" + INTEGRITY_NAMESPACE and off.config.model.name == "tiny"
     paths = [FileMapper.from_offloading_spec("/r", s).get_file_name(key(1)) for s in (off, on)]
     assert paths[0] != paths[1] and INTEGRITY_NAMESPACE in paths[1]
