@@ -45,6 +45,18 @@ def fs_tier(root) -> dict:
     return {"type": "fs", "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
 
 
+# The "fail" engine's bucket: the "recompute" engine's objects (the same prompts, the same namespace) must not be
+# there, or its first request would not be cold.
+FAIL_BUCKET = "triton-offload-integrity-fail"
+
+
+def s3_tier(endpoint: str, bucket: str | None = None) -> dict:
+    from test_vllm_obj_e2e import obj_tier
+
+    tier = obj_tier(endpoint)
+    return tier if bucket is None else {**tier, "store_config": {**tier["store_config"], "bucket": bucket}}
+
+
 @pytest.fixture(scope="module")
 def host_recompute(tiny_model):
     return run(tiny_model, "host", "recompute")
@@ -65,7 +77,9 @@ def s3(tmp_path_factory):
 
     server, endpoint = start_s3_server(tmp_path_factory.mktemp("s3") / "moto.log")
     try:
-        boto3.client("s3", **client_args(endpoint)).create_bucket(Bucket=BUCKET)
+        client = boto3.client("s3", **client_args(endpoint))
+        for bucket in (BUCKET, FAIL_BUCKET):
+            client.create_bucket(Bucket=bucket)
         yield endpoint
     finally:
         vllm_harness.kill_group(server)
@@ -76,16 +90,26 @@ def s3(tmp_path_factory):
 def tiers_recompute(tiny_model, s3, tmp_path_factory):
     tiers = [fs_tier(tmp_path_factory.mktemp("fs") / "kv")]
     if s3 is not None:
-        from test_vllm_obj_e2e import obj_tier
-
-        tiers.append(obj_tier(s3))
+        tiers.append(s3_tier(s3))
     return run(tiny_model, "tiers", "recompute", "--block-size", str(CHUNK), "--tiers", json.dumps(tiers))
 
 
 @pytest.fixture(scope="module")
-def tiers_fail(tiny_model, tmp_path_factory):
+def tiers_fail(tiny_model, s3, tmp_path_factory):
     tiers = [fs_tier(tmp_path_factory.mktemp("fs") / "kv")]
+    if s3 is not None:
+        tiers.append(s3_tier(s3, FAIL_BUCKET))
     return run(tiny_model, "tiers", "fail", "--block-size", str(CHUNK), "--tiers", json.dumps(tiers))
+
+
+def failed_requests(log: str) -> list[str]:
+    """The ERROR lines of failed checks, each naming the request, its GPU blocks and the blocks of the CPU tier."""
+    return [line for line in log.splitlines() if "KV integrity check failed for request" in line]
+
+
+def discarded_sources(log: str) -> list[str]:
+    """The scheduler's lines naming each failed CPU tier block with the tier it was loaded from, '3 (from disk)'."""
+    return [line for line in log.splitlines() if "failed their integrity check: their" in line]
 
 
 def test_a_flipped_bit_in_a_host_block_is_recomputed_and_the_block_becomes_a_miss(host_recompute):
@@ -150,13 +174,33 @@ def test_a_changed_object_in_the_s3_store_is_recomputed(tiers_recompute):
 
 
 def test_with_fail_a_corrupted_fs_file_fails_the_request(tiers_fail):
+    """kv_load_failure_policy = "fail": the request whose block files were changed fails (no tokens); the ERROR line
+    names the request, each GPU block and the CPU tier block it was loaded from, and the scheduler's line names that
+    block's tier of origin (the disk); the failed checks are counted; the next request recomputes."""
     r = rounds(tiers_fail)
     assert r["from_fs"]["cached"] == 192 and r["from_fs"]["match"]
     assert r["fs_corrupted"]["finish"] == "error" and r["fs_corrupted"]["tokens"] == []
     assert r["fs_again"]["match"] and r["fs_again"]["cached"] == 0
-    errors = [line for line in tiers_fail["log"].splitlines() if "KV integrity check failed for request" in line]
+    errors = failed_requests(tiers_fail["log"])
     assert errors and all(" ERROR " in line and "from the CPU tier" in line for line in errors)
+    assert all("GPU block " in line and "from CPU tier block " in line for line in errors), errors
+    assert "(from disk)" in discarded_sources(tiers_fail["log"])[0]
     assert "Failing 1 request(s) due to KV load failure" in tiers_fail["log"]
+    assert tiers_fail["metrics"][FAILED] >= 3
+
+
+@pytest.mark.skipif(not HAS_OBJ, reason="needs NIXL, moto and boto3 (the obj tier and its S3 server)")
+def test_with_fail_a_changed_object_in_the_s3_store_fails_the_request(tiers_fail):
+    """The same engine, its second prompt from the objects alone: one bit of one object flipped in the S3 server,
+    the request fails with the message; one more failed check is counted."""
+    r = rounds(tiers_fail)
+    assert r["cold2"]["cached"] == 0
+    assert r["obj_corrupted"]["finish"] == "error" and r["obj_corrupted"]["tokens"] == [], r["obj_corrupted"]
+    errors = failed_requests(tiers_fail["log"])
+    assert len(errors) == 2 and all(" ERROR " in line and "from CPU tier block " in line for line in errors), errors
+    assert len(discarded_sources(tiers_fail["log"])) == 2
+    assert "Failing 1 request(s) due to KV load failure" in tiers_fail["log"]
+    assert tiers_fail["metrics"][FAILED] == 3 + 1
 
 
 def test_without_the_checks_a_same_size_corrupted_file_changes_the_tokens(tiny_model, tmp_path):
@@ -184,12 +228,13 @@ def p2p(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("p2p")
     env = {**UCX_ENV, **IN_PROCESS}
     common = ["--model", str(tiny_model), "--block-size", str(GPU_BLOCK), "--extra", '{"integrity": "verify"}']
-    common += ["--connector", "TritonOffloadingConnector", "--policy", "recompute"]
+    common += ["--connector", "TritonOffloadingConnector"]
     engines = []
     try:
         for attempt in range(3):
             port = vllm_harness.free_port()
-            args = [*common, "--tiers", json.dumps(tier(port)), "--requests", '[{"prompt": 1}]', "--scramble-region"]
+            args = [*common, "--policy", "recompute", "--tiers", json.dumps(tier(port)), "--requests",
+                    '[{"prompt": 1}]', "--scramble-region"]  # fmt: skip
             args += ["--serve-until", str(tmp / "A.stop")]
             producer = vllm_harness.Background(vllm_harness.TIERING_DRIVER, args, tmp / f"A{attempt}.log", env=env)
             engines.append(producer)
@@ -200,12 +245,15 @@ def p2p(tiny_model, tmp_path_factory):
                 producer.stop()
                 if "Address already in use" not in producer.log() or attempt == 2:
                     raise
-        own = vllm_harness.free_port()
-        args = [*common, "--tiers", json.dumps(tier(own)), "--requests", json.dumps([fetch(1, "b-1", port)])]
-        b = vllm_harness.run_tiering(tiny_model, *args[2:], env=env, timeout=300)
+        consumers = {}
+        for name, policy in (("B", "recompute"), ("C", "fail")):  # each a fresh engine: an empty CPU tier
+            own = vllm_harness.free_port()
+            args = [*common, "--policy", policy, "--tiers", json.dumps(tier(own)), "--requests",
+                    json.dumps([fetch(1, f"{name.lower()}-1", port)])]  # fmt: skip
+            consumers[name] = vllm_harness.run_tiering(tiny_model, *args[2:], env=env, timeout=300)
         (tmp / "A.stop").touch()
         assert producer.wait(120) == 0
-        yield {"A": {**a, "log": producer.log()}, "B": b}
+        yield {"A": {**a, "log": producer.log()}, **consumers}
     finally:
         for engine in engines:
             engine.stop()
@@ -213,8 +261,8 @@ def p2p(tiny_model, tmp_path_factory):
 
 def test_a_p2p_peers_corrupted_bytes_are_recomputed(p2p):
     """The consumer fetched the producer's (changed) chunks into its CPU tier and loaded them checked: every chunk
-    failed, the request got the producer's cold tokens anyway (recomputed), and the log says the blocks came over
-    p2p."""
+    failed, the request got the producer's cold tokens anyway (recomputed), the log says the blocks came over p2p,
+    and the failed checks are counted."""
     a, b = p2p["A"], p2p["B"]
     assert a["scrambled_rows"] > 0 and a["requests"][0]["cached"] == 0
     (request,) = b["requests"]
@@ -222,3 +270,19 @@ def test_a_p2p_peers_corrupted_bytes_are_recomputed(p2p):
     log = b["log"]
     assert "loaded from the CPU tier do not match their checksum" in log
     assert "(from p2p)" in log and "now miss" in log
+    assert b["metrics"][FAILED] > 0
+
+
+def test_with_fail_a_p2p_peers_corrupted_bytes_fail_the_request(p2p):
+    """A second consumer with kv_load_failure_policy = "fail" fetches the same changed chunks: its request fails with
+    no tokens, the ERROR line names the request, the GPU blocks and the CPU tier blocks, the scheduler's line says they
+    came over p2p, and the failed checks are counted."""
+    (request,) = p2p["C"]["requests"]
+    assert request["finish"] == "error" and request["tokens"] == [], request
+    log = p2p["C"]["log"]
+    errors = failed_requests(log)
+    assert errors and all(" ERROR " in line and "GPU block " in line and "from CPU tier block " in line
+                          for line in errors), errors  # fmt: skip
+    assert "(from p2p)" in discarded_sources(log)[0]
+    assert "Failing 1 request(s) due to KV load failure" in log
+    assert p2p["C"]["metrics"][FAILED] > 0

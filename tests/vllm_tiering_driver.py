@@ -16,8 +16,9 @@ Used by the tiering end-to-end tests, one process per engine, so that engines sh
 
 ``--spec native`` runs vLLM's own TieringOffloadingSpec with a test-only worker that writes vLLM's native layout
 through its region views (tests/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: per request the greedy
-tokens, the cached tokens vLLM reports and the seconds it took; the chunks each tier holds (fs: files, obj: objects;
-null for others), the labelled cache-hit metrics and the ``/dev/shm`` files the engine's processes use.
+tokens, the cached tokens vLLM reports, its finish reason and the seconds it took; the chunks each tier holds (fs:
+files, obj: objects; null for others), the labelled cache-hit metrics (and the integrity checks' counters) and the
+``/dev/shm`` files the engine's processes use.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def main(argv=None) -> int:
                 "prompt": request["prompt"],
                 "tokens": list(out.outputs[0].token_ids),
                 "cached": out.num_cached_tokens,
+                "finish": out.outputs[0].finish_reason,
                 "seconds": round(time.monotonic() - t, 2),
                 "span": [t, time.monotonic()],
             }
@@ -173,7 +175,8 @@ def main(argv=None) -> int:
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)
         time.sleep(0.05)
     metrics = {}
-    wanted = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_tiering_", "vllm:external_prefix_cache_hits")
+    wanted = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_tiering_", "vllm:external_prefix_cache_hits",
+              "vllm:triton_offload_integrity_")  # fmt: skip
     for m in llm.get_metrics():
         if m.name.startswith(wanted) and hasattr(m, "value"):
             labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
