@@ -86,7 +86,8 @@ class IntegrityWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker metadata plus what the integrity checks found since the last report.
 
     Attributes:
-        failed_host_blocks: per load job, the host blocks (chunks) whose bytes failed a check on some worker.
+        failed_host_blocks: per load job, the host blocks (chunks) whose bytes failed a check on some worker, as the
+            scheduler names their keys (``LoadError.key_slots``: with host regions, ``region x rows + block``).
         failed_blocks: GPU blocks that failed, summed over the workers.
         unchecked_blocks: GPU blocks loaded without a checksum, summed over the workers.
     """
@@ -167,7 +168,8 @@ class TritonOffloadingConnector(OffloadingConnector):
         if request not in (None, "?"):
             self._failed_requests.add(request)
         known = self._failed_host_blocks.setdefault(error.job_id, [])
-        known.extend(h for h in dict.fromkeys(error.host_block_ids) if h not in known)
+        slots = error.key_slots or error.host_block_ids  # the scheduler's names of the keys (regions: region x rows)
+        known.extend(h for h in dict.fromkeys(slots) if h not in known)
         self._failed += len(error.gpu_block_ids)
         action = "recomputes them" if self._failure_policy == "recompute" else "fails the request"
         level = logging.WARNING if self._failure_policy == "recompute" else logging.ERROR
@@ -246,9 +248,11 @@ class TritonOffloadingConnector(OffloadingConnector):
 
 
 def _describe(error, request: Any) -> str:
+    regions = error.regions or (None,) * len(error.gpu_block_ids)
     blocks = ", ".join(
-        f"GPU block {g} from {error.tier} block {h} (key identity {i & (2**64 - 1):#018x})"
-        for g, h, i in zip(error.gpu_block_ids, error.host_block_ids, error.identities)
+        f"GPU block {g} from {error.tier} block {h}{'' if r is None else f' region {r}'} "
+        f"(key identity {i & (2**64 - 1):#018x})"
+        for g, h, i, r in zip(error.gpu_block_ids, error.host_block_ids, error.identities, regions)
     )
     return (
         f"triton-offload: KV integrity check failed for request {request} (load job {error.job_id}): "

@@ -83,11 +83,13 @@ class TritonOffloadingManager(OffloadingManager):
     Single-threaded, like vLLM's own CPU manager: the 0.33 ``lock`` stays the default no-op.
 
     Args:
-        num_blocks: host blocks in the cache (identical to every worker's host cache).
+        num_blocks: host blocks (rows) in the cache (identical to every worker's host cache).
         eviction_policy: ``"lru"`` or ``"arc"``.
         enable_events: report stores and evictions as vLLM ``OffloadingEvent``\\ s.
         info: static facts published through 0.33's ``config_info`` (label name to value).
         identities: give each host block the identity of its key in the specs (the integrity checks).
+        pools: host regions of a row (each a block pool: a row holds one key per region); ``pool_of`` maps a key to
+            its region (see :class:`~triton_offload.manager.OffloadManager`).
     """
 
     def __init__(
@@ -98,15 +100,18 @@ class TritonOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         info: dict[str, str | int | float | bool] | None = None,
         identities: bool = False,
+        pools: int = 1,
+        pool_of=None,
     ) -> None:
         self.num_blocks = num_blocks
         self.identities = identities
-        # Host block id -> key of the blocks pinned by loads: a failed integrity check names host blocks.
+        # Key slot (:meth:`key_slots`) -> key of the blocks pinned by loads: a failed integrity check names them.
         self._loading: dict[int, OffloadKey] = {}
         self.eviction_policy = eviction_policy
         self.enable_events = enable_events
+        self._pools, self._pool_of = pools, pool_of
         self._info = dict(info or {})
-        self._manager = OffloadManager(num_blocks, eviction_policy, enable_events=enable_events)
+        self._manager = self._new_manager()
         # Ours, not the inner manager's: they must survive reset_cache, which replaces the inner manager.
         self._totals = dict.fromkeys(_COUNTERS, 0)
         self._reported = dict.fromkeys(_COUNTERS, 0)
@@ -130,8 +135,17 @@ class TritonOffloadingManager(OffloadingManager):
         self._totals["hit_blocks"] += len(keys)
         if not self.identities:
             return HostBlocksSpec(block_ids)
-        self._loading.update(zip(block_ids, keys))
+        self._loading.update(zip(self.key_slots(keys, block_ids), keys))
         return HostBlocksSpec(block_ids, identities_of_keys(keys))
+
+    def key_slots(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> list[int]:
+        """Where each key lives, as one number: its block id, or with several host regions (pools) ``pool x
+        num_blocks + block id`` (the same block id in two pools is two keys of one row). The workers name the host
+        blocks of a failed integrity check so (``LoadError.key_slots``)."""
+        if self._pools == 1:
+            return [int(b) for b in block_ids]
+        pool_of, n = self._pool_of, self.num_blocks
+        return [pool_of(key) * n + int(b) for key, b in zip(keys, block_ids)]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         # Every hit of this spec comes from host memory: vLLM's metrics count it under source="host", as they do for
@@ -143,19 +157,19 @@ class TritonOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
-        blocks = [self._manager.key_block(key) for key in keys] if self._loading else None
+        slots = self.key_slots(keys, [self._manager.key_block(key) for key in keys]) if self._loading else None
         self._manager.complete_load(keys)
-        if blocks:  # a key with no load left in flight (dropped or not) no longer names its block here
+        if slots:  # a key with no load left in flight (dropped or not) no longer names its block here
             pinned = self._manager.is_pinned
-            for key, block in zip(keys, blocks):
+            for key, slot in zip(keys, slots):
                 if not pinned(key):
-                    self._loading.pop(block, None)
+                    self._loading.pop(slot, None)
 
-    def discard_failed(self, host_block_ids: Iterable[int]) -> list[OffloadKey]:
-        """The keys of host blocks whose bytes failed an integrity check on a worker (loads in flight, or completed
-        in the same step) are dropped: later lookups miss them, so requests recompute and store them anew. Returns
-        the keys. Call before the loads' completion is processed."""
-        keys = [self._loading[h] for h in dict.fromkeys(host_block_ids) if h in self._loading]
+    def discard_failed(self, key_slots: Iterable[int]) -> list[OffloadKey]:
+        """The keys whose bytes failed an integrity check on a worker (loads in flight, or completed in the same
+        step), by their slots (:meth:`key_slots`), are dropped: later lookups miss them, so requests recompute and
+        store them anew. Returns the keys. Call before the loads' completion is processed."""
+        keys = [self._loading[h] for h in dict.fromkeys(key_slots) if h in self._loading]
         self._manager.discard(keys)
         return keys
 
@@ -207,8 +221,17 @@ class TritonOffloadingManager(OffloadingManager):
         # vLLM never completes the jobs in flight at a reset (their reports are dropped as stale), so pinned and
         # storing keys must go too: start from an empty manager. Reusing their blocks at once is safe because vLLM
         # makes the workers wait for those jobs (jobs_to_flush) before it submits any new transfer.
-        self._manager = OffloadManager(self.num_blocks, self.eviction_policy, enable_events=self.enable_events)
+        self._manager = self._new_manager()
         self._loading.clear()
+
+    def _new_manager(self) -> OffloadManager:
+        return OffloadManager(
+            self.num_blocks,
+            self.eviction_policy,
+            enable_events=self.enable_events,
+            pools=self._pools,
+            pool_of=self._pool_of,
+        )
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
@@ -230,7 +253,12 @@ class TritonOffloadingManager(OffloadingManager):
     @property
     def counters(self) -> dict[str, int]:
         """Totals since start: host blocks loaded (hits), stored, evicted; and the blocks cached now."""
-        return {**self._totals, "cached_blocks": self._manager.num_cached, "host_blocks": self.num_blocks}
+        return {
+            **self._totals,
+            "cached_blocks": self._manager.num_cached,
+            "host_blocks": self.num_blocks,
+            "host_keys": self.num_blocks * self._pools,
+        }
 
     @property
     def occupancy(self) -> dict[str, int]:

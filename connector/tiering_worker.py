@@ -58,6 +58,9 @@ class TritonTieringWorker(TritonOffloadingWorker):
         integrity: ``"off"``, ``"verify"`` or ``"require"`` (docs/integrity.md): with the checks, the last
             ``trailer_bytes`` of the slot hold its row marker and checksums, and each chunk's identity is mixed with
             ``slot`` (the rank's slot: a slot's bytes and trailer copied into another's fail).
+        geometry: for the packed layout (``host_layout = "packed"``), the KV-cache groups read from vLLM's config:
+            this worker's slot holds our packed format (one key of f blocks of the largest group) instead of vLLM's
+            worker slot. None: vLLM's worker slot, checked against vLLM's own views.
     """
 
     tier = "CPU tier"
@@ -78,6 +81,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
         integrity: str = OFF,
         trailer_bytes: int = 0,
         slot: int = 0,
+        geometry=None,
     ) -> None:
         self.region, self.name = region, name
         self.integrity, self.slot = integrity, slot
@@ -87,14 +91,15 @@ class TritonTieringWorker(TritonOffloadingWorker):
         # Unregistered at shutdown, or by the finalizer (which holds no reference to the worker) if it is dropped.
         self._registered: list[tuple[int, int]] = []
         self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
-        self.kv = canonical_kv_spec(kv_caches, worker_slots=True)
+        packed = geometry is not None
+        self.kv = canonical_kv_spec(kv_caches, worker_slots=not packed, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_chunk
         used = self.kv.host_block_bytes(f)
         if used > slot_bytes - trailer_bytes:
+            pages = f"pages {list(self.kv.host_slots.pages)}" if not packed else f"groups {list(self.kv.group_bytes)}"
             raise ValueError(
-                f"the canonical tensors take {used} bytes per chunk ({f} x pages {list(self.kv.host_slots.pages)}), "
-                f"more than the {slot_bytes - trailer_bytes}-byte worker slot vLLM sized from "
-                "worker_kv_bytes_per_block"
+                f"the canonical tensors take {used} bytes per chunk ({f} x {pages}), more than the "
+                f"{slot_bytes - trailer_bytes}-byte worker slot the spec sized"
             )
         num_chunks = region.num_chunks
         row = region.total_size_bytes // num_chunks
@@ -107,7 +112,8 @@ class TritonTieringWorker(TritonOffloadingWorker):
             assert start % 8 == 0 and row % 8 == 0, "the spec aligns trailers to 16 bytes"
             words = base.view(torch.int64)
             self.checksums = torch.as_strided(words, (num_chunks, 1 + f), (row // 8, 1), storage_offset=start // 8)
-        self._check_against_vllm_views(kv_caches, slot_offset, row)
+        if not packed:  # vLLM's worker slot: placed exactly as vLLM's own worker would place its views
+            self._check_against_vllm_views(kv_caches, slot_offset, row)
         # Read back before registration: until then this process maps only the pages it touched, its own slots
         # (registration faults in every worker's).
         self.placement = read_placement(base.data_ptr(), region.total_size_bytes)

@@ -91,12 +91,12 @@ def _copy_blocks_kernel(
     n_chunks: tl.int64,  # CHUNK-sized steps of the longest segment; shorter ones are masked
     # The integrity checks (docs/integrity.md); all None without INTEGRITY, which Triton then drops from the compiled
     # signature: the kernel without checks is the same code as before they existed.
-    ck_ptr,  # int64* (groups * n_segs, 2): per (group, segment) the segment's first word in its block's word stream,
-    # and the group's words per block
+    ck_ptr,  # int64* (groups * n_segs, 3): per (group, segment) the segment's first word in its block's word stream,
+    # the group's words per block, and the host region of the group's keys (its marker and checksums in the table)
     ident_ptr,  # int64*: the identity of each host id of the plan (ids order)
     sums_ptr,  # int64*, zeroed: two lane sums per GPU block of the plan, then the programs-done counter
     res_ptr,  # int64* (host memory): a load's number of failed and of absent blocks, then each block's status
-    tab_ptr,  # int64* (host memory): the checksum table, per host row its marker then f checksums
+    tab_ptr,  # int64* (host memory): the checksum table, per host row and region a marker then f checksums
     tab_row: tl.int64,  # elements between the table's rows
     mark: tl.int64,  # the row marker (triton_offload/integrity.py: version, f, word size)
     STORE: tl.constexpr,  # True: GPU -> host (a store, gather_blocks); False: host -> GPU (a load, scatter_blocks)
@@ -154,9 +154,9 @@ def _copy_blocks_kernel(
         if INTEGRITY:
             # Word positions in the block's stream are 32-bit (a block of 16 GiB would wrap them).
             if MULTI_GROUP:
-                seg_word = tl.load(ck_ptr + (group * n_segs + seg) * 2, mask=live, other=0).to(tl.uint32)
+                seg_word = tl.load(ck_ptr + (group * n_segs + seg) * 3, mask=live, other=0).to(tl.uint32)
             else:
-                seg_word = tl.load(ck_ptr + seg * 2, mask=live, other=0).to(tl.uint32)
+                seg_word = tl.load(ck_ptr + seg * 3, mask=live, other=0).to(tl.uint32)
             # Per thread, its VEC words of a step are summed at once (no exchange between threads), so the running
             # sums take VEC times fewer registers than the tile.
             acc_a = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
@@ -223,11 +223,14 @@ def _copy_blocks_kernel(
                     ffirst = tl.load(fgroup_row, mask=flive, other=0)
                     fpos = fblk - ffirst + tl.load(fgroup_row + 1, mask=flive, other=0)
                     fhost_idx = tl.load(fgroup_row + 2, mask=flive, other=0) + fpos // blocks_per_host_block
-                    words = tl.load(ck_ptr + fgroup * n_segs * 2 + 1, mask=flive, other=0)
+                    words = tl.load(ck_ptr + fgroup * n_segs * 3 + 1, mask=flive, other=0)
+                    # A row holds one key per host region: the group's region has a marker and f checksums of its own.
+                    fregion = tl.load(ck_ptr + fgroup * n_segs * 3 + 2, mask=flive, other=0)
                 else:
                     fpos = fblk + skip
                     fhost_idx = fpos // blocks_per_host_block
                     words = tl.load(ck_ptr + 1 + 0 * fblk, mask=flive, other=0)
+                    fregion = 0 * fblk
                 fhost_id = tl.load(ids_ptr + n_blocks + fhost_idx, mask=flive, other=0)
                 ident = tl.load(ident_ptr + fhost_idx, mask=flive, other=0).to(tl.uint64, bitcast=True)
                 sub = (fpos % blocks_per_host_block).to(tl.uint64)
@@ -251,7 +254,7 @@ def _copy_blocks_kernel(
                 z = z * 0x94D049BB133111EB
                 z = z ^ (z >> 31)
                 checksum = z.to(tl.int64, bitcast=True)
-                row = tab_ptr + fhost_id * tab_row
+                row = tab_ptr + fhost_id * tab_row + fregion * (1 + blocks_per_host_block)
                 if STORE:
                     tl.store(row + 1 + fpos % blocks_per_host_block, checksum, mask=flive)
                     tl.store(row + 0 * fblk, mark + 0 * fblk, mask=flive)  # the same value from each block of a row
@@ -429,9 +432,9 @@ def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning) -> Launch
 
 
 def table_key(spec: KVCacheSpec, blocks_per_host_block: int) -> int:
-    """The f a segment table depends on: only worker slots place a region after f pages of the earlier ones, so the
-    packed format's table is the same for every f (key 1)."""
-    return blocks_per_host_block if spec.host_slots is not None else 1
+    """The f a segment table depends on: only worker slots and host regions (``group_regions``) place a region after
+    f sub-blocks of the earlier ones, so the plain packed format's table is the same for every f (key 1)."""
+    return blocks_per_host_block if spec.host_slots is not None or spec.group_regions is not None else 1
 
 
 def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int = 1) -> torch.Tensor:
@@ -465,18 +468,20 @@ def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int
 
 
 def build_integrity_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
-    """The integrity checks' int64 table on the spec's device, (num_groups * segments_per_group, 2): per segment of a
-    group, the word at which its bytes start in the block's word stream (the group's segments in order), and the
-    group's words per block; words of ``elem`` bytes. Padding rows repeat their group's words. Built synchronously,
-    like :func:`build_segment_table`."""
+    """The integrity checks' int64 table on the spec's device, (num_groups * segments_per_group, 3): per segment of a
+    group, the word at which its bytes start in the block's word stream (the group's segments in order), the group's
+    words per block, and the group's host region (``spec.group_regions``; 0 without: a row of the checksum table
+    holds a marker and f checksums per region); words of ``elem`` bytes. Padding rows repeat their group's words and
+    region. Built synchronously, like :func:`build_segment_table`."""
     width = spec.segments_per_group
+    regions = spec.group_regions or (0,) * spec.num_groups
     rows = []
-    for segs, nbytes in zip(spec.group_segments, spec.group_bytes):
+    for segs, nbytes, region in zip(spec.group_segments, spec.group_bytes, regions):
         start = 0
         for s in segs:
-            rows.append([start // elem, nbytes // elem])
+            rows.append([start // elem, nbytes // elem, region])
             start += s.nbytes
-        rows += [[0, nbytes // elem]] * (width - len(segs))
+        rows += [[0, nbytes // elem, region]] * (width - len(segs))
     table = torch.tensor(rows, dtype=torch.int64).to(spec.device)
     if spec.device.type == "cuda":
         torch.cuda.current_stream(spec.device).synchronize()
@@ -497,7 +502,7 @@ class Checks(NamedTuple):
         ident: the identity of each host id of the plan (the id buffer's part, :func:`integrity_offsets`).
         sums: the zeroed lane sums and counter (the id buffer's part).
         res: a load's results, ``result_size(plan)`` int64 in host memory (a store writes none: may be anything).
-        tab: the checksum table, int64 in host memory, one row of 1 + f per host block.
+        tab: the checksum table, int64 in host memory, one row of ``regions x (1 + f)`` per host block.
         tab_row: elements between the table's rows.
         mark: the row marker (:func:`triton_offload.integrity.marker`).
     """

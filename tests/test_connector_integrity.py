@@ -136,6 +136,72 @@ def test_the_scheduler_names_each_host_block_by_its_key_and_failed_keys_become_m
     assert TritonOffloadingManager(8).prepare_load([], ctx()).identities is None, "no identities without the checks"
 
 
+def test_with_host_regions_a_failed_key_is_named_by_its_region_and_block():
+    """Host regions (a block pool per region, connector/geometry.py): block id 0 of pool 0 and block id 0 of pool 1
+    are two keys of one row. The workers name a failed key by its slot (region x rows + block), and only that key
+    is dropped, its block returned to its own pool."""
+    m = TritonOffloadingManager(4, identities=True, pools=2, pool_of=lambda k: int.from_bytes(k[-4:], "big"))
+    a, b = key(1, group=0), key(1, group=1)
+    out = m.prepare_store([a, b], ctx("s"))
+    assert out.store_spec.block_ids.tolist() == [0, 0], "one id in two pools: one row holds both keys"
+    m.complete_store([a, b], ctx("s"))
+    spec = m.prepare_load([a, b], ctx("l"))
+    assert m.key_slots([a, b], spec.block_ids) == [0, 4]
+    assert m.discard_failed([4]) == [b]
+    m.complete_load([a, b], ctx("l"))
+    assert m.lookup(a, ctx()) == LookupResult.HIT and m.lookup(b, ctx()) == LookupResult.MISS
+    again = m.prepare_store([b], ctx("s2"))
+    assert again.keys_to_store == [b] and again.store_spec.block_ids.tolist() == [0], "its block went back to pool 1"
+
+
+def test_a_failed_block_in_a_host_region_is_reported_by_its_key_slot(caplog):
+    """The connector reports the scheduler's names of the failed keys (LoadError.key_slots) and logs the region."""
+    from triton_offload.connector.worker import LoadError
+
+    error = LoadError(3, (5,), (2,), (11,), "host cache", regions=(1,), key_slots=(1 * 8 + 2,))
+    c = connector_worker_side(1, [error], {3: "req-1"})
+    with caplog.at_level("WARNING"):
+        c.get_finished(set())
+    assert c.build_connector_worker_meta().failed_host_blocks == {3: [10]}
+    assert "GPU block 5 from host cache block 2 region 1 (key identity" in caplog.text
+
+
+def test_the_worker_checks_each_host_region_of_a_row_on_its_own():
+    """TritonOffloadingWorker with host regions (a region per group): keys of both groups stored in one row by two
+    jobs both load intact; a byte changed in group 1's region fails only that block, named by its region and by the
+    scheduler's key slot (region x rows + row)."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from triton_offload.connector.manager import HostBlocksSpec
+    from triton_offload.connector.worker import TritonOffloadingWorker
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = [CanonicalKVCacheTensor(torch.randint(-128, 128, (10, p), dtype=torch.int8, generator=gen), p)
+               for p in PAGES]  # fmt: skip
+    kv = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, PAGES[0])], [CanonicalKVCacheRef(1, PAGES[1])]])
+    worker = TritonOffloadingWorker(
+        kv, num_host_blocks=4, blocks_per_host_block=1, group_regions=(0, 1), integrity="verify", numa_node="off"
+    )
+    try:
+        assert worker.host_cache.checksums.shape == (4, 2 * 2), "a marker and a checksum per region of each row"
+        ident = integrity.identities_of_keys([key(1, 0), key(1, 1)])
+        assert worker.submit_store(0, GPULoadStoreSpec([1], [1, 0], [0, 0]), HostBlocksSpec([2], ident[:1]))
+        assert worker.submit_store(1, GPULoadStoreSpec([2], [0, 1], [0, 0]), HostBlocksSpec([2], ident[1:]))
+        assert all(r.success for r in finished(worker))
+        both = HostBlocksSpec([2, 2], ident)
+        submit_load(worker, 2, both, GPULoadStoreSpec([5, 6], [1, 1], [0, 0]), expedited=False)
+        assert finished(worker)[0].success and worker.take_load_errors() == ([], 0)
+        assert torch.equal(tensors[0].tensor[5], tensors[0].tensor[1])
+        assert torch.equal(tensors[1].tensor[6], tensors[1].tensor[2])
+        worker.host_cache.buffer[2, PAGES[0] + 7] ^= 0x40  # a byte of group 1's region of row 2
+        submit_load(worker, 3, both, GPULoadStoreSpec([5, 6], [1, 1], [0, 0]), expedited=False)
+        assert finished(worker)[0].success
+        (error,), _ = worker.take_load_errors()
+        assert (error.gpu_block_ids, error.host_block_ids, error.regions, error.key_slots) == ((6,), (2,), (1,), (6,))
+    finally:
+        worker.shutdown()
+
+
 def test_discard_is_not_an_eviction_and_ignores_what_is_not_cached():
     """OffloadManager.discard: a ready key goes at once (a "removed" event, no eviction counted, its block free),
     a pinned one when its last load completes, a storing or unknown key is left alone."""

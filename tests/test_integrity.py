@@ -31,8 +31,9 @@ PAGES = {
     "canonical": (dict(page_bytes=13, pad=3), torch.int8),  # 13-byte pages: 1-byte words
 }
 # Each layout with the packed host format; canonical pages also in vLLM's worker slots (with a page of padding each
-# and a region no entry uses), and two KV-cache groups.
-FORMATS = [*PAGES, "canonical-slots", "kv_first-groups"]
+# and a region no entry uses), two KV-cache groups, and two groups in host regions of their own (a row holds a key of
+# each: a marker and f checksums per region).
+FORMATS = [*PAGES, "canonical-slots", "kv_first-groups", "kv_first-regions"]
 
 
 def make_spec(fmt: str, seed: int = 0, num_blocks: int = 14) -> to.KVCacheSpec:
@@ -44,12 +45,14 @@ def make_spec(fmt: str, seed: int = 0, num_blocks: int = 14) -> to.KVCacheSpec:
         return to.KVCacheSpec(caches, layout, host_slots=HostSlots(tuple(pages), (0, 2, 3)))
     if fmt.endswith("-groups"):
         return to.KVCacheSpec(caches, layout, groups=[[0, 2], [1]])
+    if fmt.endswith("-regions"):
+        return to.KVCacheSpec(caches, layout, groups=[[0, 2], [1]], group_regions=(0, 1))
     return to.KVCacheSpec(caches, layout)
 
 
 def make_engine(spec, f, rows, integrity_setting="verify", path="kernel", num_ctas=None):
     host = host_buffer(spec, rows, f)
-    table = checksum_table(rows, f, pin=False)
+    table = checksum_table(rows, f, pin=False, regions=spec.num_regions)
     engine = TransferEngine(
         spec, host, blocks_per_host_block=f, path=path, integrity=integrity_setting, checksums=table, num_ctas=num_ctas
     )
@@ -127,10 +130,12 @@ def test_a_load_finds_every_corrupted_misplaced_truncated_or_stale_block(fmt, f,
     # What was written is the reference checksum of each block, under its row's marker.
     word = engine._launcher.config(Direction.STORE).elem
     kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
-    rr, rs, rc = checksums_ref(spec.kv_caches, spec.layout, g, h, identities=ident, **kw)
-    assert torch.equal(table[rr, rs + 1], torch.from_numpy(rc))
-    assert set(table[:, 0].tolist()) == {0, integrity.marker(f, word)}
-    assert sorted(np.flatnonzero(table[:, 0].numpy())) == sorted(h.tolist())
+    rr, cols, rc = checksums_ref(spec.kv_caches, spec.layout, g, h, identities=ident, group_regions=spec.group_regions,
+                                 **kw)  # fmt: skip
+    assert torch.equal(table[rr, cols], torch.from_numpy(rc))
+    marks = table[:, :: 1 + f]  # each row's marker per region
+    assert set(marks.flatten().tolist()) == {0, integrity.marker(f, word)}
+    assert {tuple(x) for x in np.argwhere(marks.numpy())} == set(zip(rr.tolist(), (cols // (1 + f)).tolist()))
 
     free = np.setdiff1d(np.arange(spec.num_blocks), g)
     dst = rng.permutation(free)[:n]  # the loads write other GPU blocks
@@ -158,8 +163,12 @@ def test_a_load_finds_every_corrupted_misplaced_truncated_or_stale_block(fmt, f,
     # Whole rows: one copied with its checksums over another (the identity differs), one left stale.
     host.copy_(pristine_host)
     table.copy_(pristine_table)
-    if m >= 2:
-        a, b = int(h[0]), int(h[1])
+    # Two rows holding keys of one group (of one host region: with regions, a row of another group's key has no
+    # checksums in this one's region, and its blocks would be absent rather than failed).
+    pairs = [sorted({row[i] for i in range(n) if group_of[i] == gi}) for gi in range(spec.num_groups)]
+    pair = next((p[:2] for p in pairs if len(p) >= 2), None)
+    if pair is not None:
+        a, b = pair
         host[b], table[b] = host[a].clone(), table[a].clone()
         expect = [i for i in range(n) if row[i] == b]
         assert load(engine, 4, dst, h, skip, sizes, ident) == (expect, 0)
@@ -189,7 +198,7 @@ def index_block(spec, t, b):
     return block.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("fmt", ["block_first", "canonical-slots", "kv_first-groups"])
+@pytest.mark.parametrize("fmt", ["block_first", "canonical-slots", "kv_first-groups", "kv_first-regions"])
 def test_the_copy_engine_path_checks_as_the_kernel_does(fmt):
     """path="dma": the copies (replayed by memmove on CPU), then a checksum-only launch over the GPU side on the
     same stream. A store writes the same checksums as the kernel path; a load finds the same corrupted blocks, and a
@@ -222,6 +231,68 @@ def test_the_copy_engine_path_checks_as_the_kernel_does(fmt):
     dma.shutdown()
 
 
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+@pytest.mark.parametrize("f", [1, 2])
+def test_the_keys_of_one_row_in_two_host_regions_keep_their_own_checksums(f, path):
+    """Host regions (KVCacheSpec(group_regions=...)): a host id names one key per region, so group 0's key and group
+    1's key may share a row (the manager keeps a block pool per region). Stored by separate jobs, as two requests
+    would, each keeps its own marker and checksums: both load intact; a bit flipped in one region's bytes of the row
+    fails that key's blocks only."""
+    spec = make_spec("kv_first-regions", seed=7 + f)
+    engine, host, table = make_engine(spec, f, 5, path=path)
+    n0, n1 = 2 * f, f  # group 0 fills rows 3 and 1, group 1 row 3
+    h0, h1 = np.array([3, 1]), np.array([3])
+    i0, i1 = np.array([101, 102], dtype=np.int64), np.array([-7], dtype=np.int64)  # their keys' identities
+    g0, g1 = np.arange(n0), n0 + np.arange(n1)
+    engine.submit_store(1, g0, h0, group_sizes=[n0, 0], identities=i0)
+    finished(engine, 1)
+    engine.submit_store(2, g1, h1, group_sizes=[0, n1], identities=i1)  # the same row, the other region
+    finished(engine, 2)
+    word = engine._launcher.config(Direction.STORE).elem
+    assert table[3, 0] == table[3, 1 + f] == integrity.marker(f, word) and table[1, 1 + f] == 0
+    dst0, dst1 = 8 + np.arange(n0), 8 + n0 + np.arange(n1)
+    assert load(engine, 3, dst0, h0, 0, [n0, 0], i0) == ([], 0)
+    assert load(engine, 4, dst1, h1, 0, [0, n1], i1) == ([], 0)
+    for layer in spec.groups[1]:  # the second store did not disturb the first key's bytes either
+        t = spec.kv_caches[layer]
+        assert all(torch.equal(index_block(spec, t, d), index_block(spec, t, s)) for d, s in zip(dst1, g1))
+    pristine = host.clone()
+    host[3, block_columns(spec, f, f - 1, 1)[5]] ^= 0x10  # group 1's last sub-block in row 3
+    assert load(engine, 5, dst0, h0, 0, [n0, 0], i0) == ([], 0)
+    assert load(engine, 6, dst1, h1, 0, [0, n1], i1) == ([f - 1], 0)
+    host.copy_(pristine)
+    host[3, block_columns(spec, f, 0, 0)[0]] ^= 0x01  # group 0's first sub-block in row 3
+    assert load(engine, 7, dst0, h0, 0, [n0, 0], i0) == ([0], 0)
+    assert load(engine, 8, dst1, h1, 0, [0, n1], i1) == ([], 0)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["kv_first", "canonical-slots", "kv_first-groups", "kv_first-regions"])
+def test_the_direct_launch_of_the_checked_variants_is_proven_on_the_canary(fmt):
+    """The direct launch's proof (triton_offload/fast_launch.py) covers the checks: the canary's checksum table after
+    a store and a load's per-block results (one corrupted block, one key without checksums) must be the reference's,
+    per host region of a row too. A runner that drops work is refused. On CPU the runners launch the interpreted
+    kernel (tests/test_fast_launch.py)."""
+    from test_fast_launch import interpreter_runner
+
+    from triton_offload import fast_launch
+
+    def runners(corrupt=False):
+        make = interpreter_runner(corrupt)
+        return lambda launcher, direction, copy=True: make(launcher, direction)  # either variant: the same kernel
+
+    spec = make_spec(fmt, seed=1)
+    host = host_buffer(spec, 10, 2)
+    table = checksum_table(10, 2, pin=False, regions=spec.num_regions)
+    launcher = CopyLauncher(spec, host, 2, checksums=table)
+    assert fast_launch.enable_fast_launch(launcher, make_runner=runners()) == {d: "direct" for d in Direction}
+    for d in Direction:  # the copy-engine path's checksum-only launch too
+        assert fast_launch.prove_direct(launcher, d, runners()(launcher, d), copy=False) is None
+    refused = CopyLauncher(make_spec(fmt, seed=2), host, 2, checksums=table)
+    verdicts = fast_launch.enable_fast_launch(refused, make_runner=runners(corrupt=True))
+    assert all(v != "direct" for v in verdicts.values()), verdicts
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
     """The same store with tiles of 64 bytes to 4 KiB (so blocks split across tiles, or share them) and 1 to 5
@@ -238,7 +309,7 @@ def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
     results = []
     for tile, ctas in [(64, 1), (256, 5), (1024, 2), (4096, 3), (128, 4)]:
         host = host_buffer(spec, rows, f)
-        table = checksum_table(rows, f, pin=False)
+        table = checksum_table(rows, f, pin=False, regions=spec.num_regions)
         tunings = {d: copy_blocks.LaunchTuning(tile, 4) for d in Direction}
         launcher = CopyLauncher(spec, host, f, Direction.STORE, tunings, checksums=table)
         KernelIssuer(launcher, None, ctas).issue(plan)
@@ -247,10 +318,11 @@ def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
     assert {cfg.elem for _, _, cfg in results} == {word}
     assert len({(cfg.rows, cfg.chunk) for _, _, cfg in results}) > 2, "the tilings should differ"
     kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
-    rr, rs, rc = checksums_ref(spec.kv_caches, spec.layout, g, h, identities=ident, **kw)
+    rr, cols, rc = checksums_ref(spec.kv_caches, spec.layout, g, h, identities=ident, group_regions=spec.group_regions,
+                                 **kw)  # fmt: skip
     for host, table, _ in results:
         assert torch.equal(host, results[0][0])
-        assert torch.equal(table[rr, rs + 1], torch.from_numpy(rc))
+        assert torch.equal(table[rr, cols], torch.from_numpy(rc))
 
 
 def test_the_checksum_covers_every_word_position_and_identity():
@@ -412,8 +484,8 @@ def test_on_a_gpu_the_compiled_checks_agree_with_the_reference(make_host_cache, 
     finished(engine, 1)
     word = engine._launcher.config(Direction.STORE).elem
     kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
-    rr, rs, rc = checksums_ref([t.cpu() for t in caches], layout, g, h, identities=ident, **kw)
-    assert torch.equal(cache.checksums[rr, rs + 1], torch.from_numpy(rc))
+    rr, cols, rc = checksums_ref([t.cpu() for t in caches], layout, g, h, identities=ident, **kw)
+    assert torch.equal(cache.checksums[rr, cols], torch.from_numpy(rc))
     dst = spec.num_blocks // 2 + rng.permutation(spec.num_blocks // 2)[:n]
 
     def checked_load(job):

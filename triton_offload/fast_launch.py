@@ -49,7 +49,9 @@ def canary_spec(spec: KVCacheSpec, num_blocks: int = _CANARY_BLOCKS) -> KVCacheS
         c = torch.empty(shape, dtype=t.dtype, device=t.device)
         c.view(torch.uint8).random_(0, 256, generator=gen)
         tensors.append(c)
-    return KVCacheSpec(tensors, spec.layout, groups=spec.groups, host_slots=spec.host_slots)
+    return KVCacheSpec(
+        tensors, spec.layout, groups=spec.groups, host_slots=spec.host_slots, group_regions=spec.group_regions
+    )
 
 
 def _canary_transfer(spec: KVCacheSpec, f: int, direction: Direction):
@@ -67,7 +69,14 @@ def _canary_transfer(spec: KVCacheSpec, f: int, direction: Direction):
 
 
 def _reference(spec: KVCacheSpec, direction: Direction, host: torch.Tensor, gpu, host_ids, f, skips, sizes) -> None:
-    kw = dict(blocks_per_host_block=f, skip=skips, groups=spec.groups, group_sizes=sizes, host_slots=spec.host_slots)
+    kw = dict(
+        blocks_per_host_block=f,
+        skip=skips,
+        groups=spec.groups,
+        group_sizes=sizes,
+        host_slots=spec.host_slots,
+        group_regions=spec.group_regions,
+    )
     if direction is Direction.STORE:
         reference.gather_blocks_ref(spec.kv_caches, spec.layout, gpu, host, host_ids, **kw)
     else:
@@ -86,33 +95,50 @@ def _canary_checks(launcher: CopyLauncher, canary: KVCacheSpec, host: torch.Tens
     store = direction is Direction.STORE
     word = launcher.config(direction).elem
     mark = integrity.marker(f, word)
-    table = torch.zeros(host.shape[0], 1 + f, dtype=torch.int64, pin_memory=launcher.cuda)
+    table = torch.zeros(host.shape[0], canary.num_regions * (1 + f), dtype=torch.int64, pin_memory=launcher.cuda)
     rng = np.random.default_rng(2)
     identities = rng.integers(-(2**63), 2**63 - 1, size=plan.n_host, dtype=np.int64)
     groups, sizes, skips = canary.groups, list(plan.sizes), list(plan.skips)
     src = plan.gpu_ids if store else np.array([i for i in range(canary.num_blocks) if i not in set(plan.gpu_ids)])
     src = src[: plan.n_blocks]
     kw = dict(blocks_per_host_block=f, skip=skips, groups=groups, group_sizes=sizes)
-    rows, subs, sums = reference.checksums_ref(
-        canary.kv_caches, canary.layout, src, plan.host_ids, word_bytes=word, identities=identities, **kw
+    rows, cols, sums = reference.checksums_ref(
+        canary.kv_caches,
+        canary.layout,
+        src,
+        plan.host_ids,
+        word_bytes=word,
+        identities=identities,
+        group_regions=canary.group_regions,
+        **kw,
     )
+    marks = cols - cols % (1 + f)  # each block's region's marker in its row
     expected = torch.zeros_like(table)
-    expected[torch.from_numpy(rows), 0] = mark
-    expected[torch.from_numpy(rows), torch.from_numpy(subs + 1)] = torch.from_numpy(sums)
+    expected[torch.from_numpy(rows), torch.from_numpy(marks)] = mark
+    expected[torch.from_numpy(rows), torch.from_numpy(cols)] = torch.from_numpy(sums)
     if store:
         return table, identities, expected, None
     # What a correct store would have left: the bytes (reference) and their checksums.
     reference.gather_blocks_ref(
-        canary.kv_caches, canary.layout, src, host, plan.host_ids, host_slots=canary.host_slots, **kw
+        canary.kv_caches,
+        canary.layout,
+        src,
+        host,
+        plan.host_ids,
+        host_slots=canary.host_slots,
+        group_regions=canary.group_regions,
+        **kw,
     )
     table.copy_(expected)
     status = np.zeros(plan.n_blocks, dtype=np.int64)
     status[0] = integrity.FAILED
-    table[int(rows[0]), 1 + int(subs[0])] ^= 1  # block 0's stored checksum no longer matches its bytes
+    table[int(rows[0]), int(cols[0])] ^= 1  # block 0's stored checksum no longer matches its bytes
     other = np.flatnonzero(rows != rows[0])
     if other.size:
-        table[int(rows[other[0]]), 0] = 0  # that row's blocks were stored without checksums
-        status[rows == rows[other[0]]] = integrity.ABSENT
+        # That row's key (in the block's region) was stored without checksums: its blocks are absent.
+        o = other[0]
+        table[int(rows[o]), int(marks[o])] = 0
+        status[(rows == rows[o]) & (marks == marks[o])] = integrity.ABSENT
     results = np.concatenate([[np.sum(status == integrity.FAILED), np.sum(status == integrity.ABSENT)], status])
     return table, identities, None, results
 
@@ -183,8 +209,8 @@ def prove_direct(
         if store:
             via_reference[-1] = expected_table
         else:
-            via_reference[-2] = start[-1]  # a load leaves the table alone
-            via_reference.append(torch.from_numpy(expected_results))
+            # A load leaves the table alone, and its results are the expected ones (the reference writes none).
+            via_reference[-2], via_reference[-1] = start[-1], torch.from_numpy(expected_results)
     what = f"{direction}{'' if copy else ' (checksum only)'}"
     if not all(torch.equal(a, b) for a, b in zip(via_direct, via_triton)):
         return f"the direct launch of the {what} wrote other bytes than Triton's launch on the canary"

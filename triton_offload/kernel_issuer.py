@@ -56,17 +56,19 @@ class LoadCheck(NamedTuple):
     absent: np.ndarray
 
 
-def check_checksum_table(table: torch.Tensor, num_host_blocks: int, blocks_per_host_block: int, cuda: bool) -> None:
-    """Checks a checksum table against the host buffer it describes: int64 host memory, one row of 1 + f per host
-    block (the row marker, then one checksum per sub-block), contiguous within rows, pinned where the kernel runs on
-    CUDA (it is read and written from the GPU).
+def check_checksum_table(
+    table: torch.Tensor, num_host_blocks: int, blocks_per_host_block: int, cuda: bool, regions: int = 1
+) -> None:
+    """Checks a checksum table against the host buffer it describes: int64 host memory, one row per host block of
+    ``regions x (1 + f)`` (per host region of the row, ``KVCacheSpec.num_regions``: its marker, then one checksum per
+    sub-block), contiguous within rows, pinned where the kernel runs on CUDA (it is read and written from the GPU).
 
     Raises:
         TypeError / ValueError: naming what differs.
     """
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"the checksum table must be a torch.Tensor, got {type(table).__name__}")
-    want = (num_host_blocks, 1 + blocks_per_host_block)
+    want = (num_host_blocks, regions * (1 + blocks_per_host_block))
     if table.dtype != torch.int64 or tuple(table.shape) != want:
         raise ValueError(f"the checksum table must be int64 of shape {want}, got {table.dtype} {tuple(table.shape)}")
     if table.device.type != "cpu" or table.stride(1) != 1 or (want[0] > 1 and table.stride(0) < want[1]):
@@ -128,7 +130,7 @@ class CopyLauncher:
         # By (direction, copy): copy False is the checksum-only launch of the copy-engine path.
         self._direct: dict[tuple[Direction, bool], object] = {}
         if checksums is not None:
-            check_checksum_table(checksums, host_buffer.shape[0], blocks_per_host_block, self.cuda)
+            check_checksum_table(checksums, host_buffer.shape[0], blocks_per_host_block, self.cuda, spec.num_regions)
         for d in self.directions:
             cfg = None if configs is None else configs[d]
             if cfg is None:
