@@ -39,10 +39,10 @@ def corrupt_host(worker, host_spec) -> None:
 
 
 class CorruptingWorker(TritonOffloadingWorker):
-    def _submit(self, job_id, gpu, host, store):
+    def _submit(self, job_id, gpu, host, store, **kwargs):  # kwargs: the worker's own (expedited)
         if not store:
             corrupt_host(self, host)
-        return super()._submit(job_id, gpu, host, store)
+        return super()._submit(job_id, gpu, host, store, **kwargs)
 
 
 class CorruptingSpec(TritonOffloadingSpec):
@@ -52,10 +52,10 @@ class CorruptingSpec(TritonOffloadingSpec):
 
 
 class CorruptingTieringWorker(TritonTieringWorker):
-    def _submit(self, job_id, gpu, host, store):
+    def _submit(self, job_id, gpu, host, store, **kwargs):  # kwargs: the worker's own (expedited)
         if not store:
             corrupt_host(self, host)
-        return super()._submit(job_id, gpu, host, store)
+        return super()._submit(job_id, gpu, host, store, **kwargs)
 
 
 class CorruptingTieringSpec(TritonTieringOffloadingSpec):
