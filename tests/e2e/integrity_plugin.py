@@ -1,7 +1,7 @@
 """Test-only vLLM offloading specs whose workers corrupt host bytes on command (docs/integrity.md's end-to-end tests).
 
 vLLM loads them in each of its processes through ``kv_connector_extra_config``'s ``"spec_name": "CorruptingSpec"``
-(``"CorruptingTieringSpec"`` for the tiering spec) and ``"spec_module_path": "integrity_plugin"``, with tests/ on
+(``"CorruptingTieringSpec"`` for the tiering spec) and ``"spec_module_path": "integrity_plugin"``, with tests/e2e/ on
 ``PYTHONPATH``. Nothing in the engine or in our worker is edited: the specs' documented hook (``_worker_class``) names
 a subclass whose only addition is this: before submitting a load, if the file named by ``TRITON_OFFLOAD_CORRUPT``
 exists, it reads an order from it (JSON: ``{"block": i, "byte": b, "bit": k}``), deletes it, and flips bit k of byte

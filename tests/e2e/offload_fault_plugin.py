@@ -1,9 +1,9 @@
 """Test-only vLLM offloading spec: TritonOffloadingSpec with one injected transfer failure, recording what happens.
 
 vLLM loads it in each of its processes through ``kv_connector_extra_config={"spec_name": "FaultInjectingSpec",
-"spec_module_path": "offload_fault_plugin", ...}`` (with tests/ on ``PYTHONPATH``). Nothing in the engine is edited:
-the worker's documented test hook (``TritonOffloadingWorker.engine_class``) names :class:`FailingEngine`, which
-reports the chosen job as failed, as the engine reports a launch or CUDA error. Environment:
+"spec_module_path": "offload_fault_plugin", ...}`` (with tests/e2e/ on ``PYTHONPATH``). Nothing in the engine is
+edited: the worker's documented test hook (``TritonOffloadingWorker.engine_class``) names :class:`FailingEngine`,
+which reports the chosen job as failed, as the engine reports a launch or CUDA error. Environment:
 
 * ``TRITON_OFFLOAD_FAULT``: ``"store:N"`` or ``"load:N"``, the N-th job of that direction fails (1-based); unset:
   none fails.

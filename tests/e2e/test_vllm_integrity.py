@@ -1,14 +1,14 @@
 """End to end: the integrity checks (docs/integrity.md) in real vLLM engines (CPU platform), with
 ``TritonOffloadingConnector`` reporting failed checks to vLLM as load errors.
 
-Each engine runs several rounds of corrupt-then-request (tests/vllm_integrity_driver.py; an engine start costs about
+Each engine runs several rounds of corrupt-then-request (tests/e2e/vllm_integrity_driver.py; an engine start costs about
 20-60 s here): a bit flipped in a host block of ``TritonOffloadingSpec``'s host cache just before a load reads it; with
 ``TritonTieringOffloadingSpec``, block files of an ``fs`` tier changed in place (the same size: vLLM's fs tier cannot
 tell them from good ones, and without the checks they change the tokens, see
-``test_without_the_checks_a_same_size_corrupted_file_changes_the_tokens``), one bit of an object in an S3 server
-(moto, on loopback), and a p2p producer whose CPU tier is changed before a consumer fetches from it
-(tests/vllm_tiering_driver.py ``--scramble-region``). With ``kv_load_failure_policy = "recompute"`` every request gives
-the tokens of an engine without offloading (its prompt's cold run); with ``"fail"`` the request fails and the log
+``test_without_the_checks_a_same_size_corrupted_file_changes_the_tokens``), one bit of an object in an S3 server (moto,
+on loopback), and a p2p producer whose CPU tier is changed before a consumer fetches from it
+(tests/e2e/vllm_tiering_driver.py ``--scramble-region``). With ``kv_load_failure_policy = "recompute"`` every request
+gives the tokens of an engine without offloading (its prompt's cold run); with ``"fail"`` the request fails and the log
 names the request, the GPU and host blocks and the tier. The failed checks are counted, a failed block becomes a miss
 (never loaded again), and intact blocks always load.
 """
@@ -221,7 +221,7 @@ def p2p(tiny_model, tmp_path_factory):
     """A producer serves prompt 1 cold into its CPU tier, then has every chunk row of that tier changed in place
     (``--scramble-region``) and keeps serving peers; a fresh consumer fetches prompt 1 from it over p2p (NIXL, UCX's
     TCP transport on loopback: docs/tiering.md's recipe). Both run the checks (integrity = "verify") and vLLM's
-    in-process engine (tests/test_vllm_p2p_e2e.py says why)."""
+    in-process engine (tests/e2e/test_vllm_p2p_e2e.py says why)."""
     pytest.importorskip("nixl._api", reason="the p2p tier needs NIXL")
     from test_vllm_p2p_e2e import IN_PROCESS, UCX_ENV, fetch, tier
 

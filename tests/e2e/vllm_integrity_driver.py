@@ -1,11 +1,12 @@
 """One vLLM engine (CPU platform) with the integrity checks, through rounds of corrupt-then-request; prints one JSON
-line (``INTEGRITY_RESULT {json}``). Used by tests/test_vllm_integrity.py, one process per engine (an engine start is
-about a minute on the 2-core CI machine, so each engine runs every round its configuration allows).
+line (``INTEGRITY_RESULT {json}``). Used by tests/e2e/test_vllm_integrity.py, one process per engine (an engine start
+is about a minute on the 2-core CI machine, so each engine runs every round its configuration allows). From the
+repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_harness):
 
     # TritonOffloadingSpec: a bit flipped in a host block of the host cache, just before a load reads it
-    python tests/vllm_integrity_driver.py --model M --scenario host --policy recompute
+    python tests/e2e/vllm_integrity_driver.py --model M --scenario host --policy recompute
     # TritonTieringOffloadingSpec with an fs tier (and an obj tier): a block file, then an object, changed in place
-    python tests/vllm_integrity_driver.py --model M --scenario tiers --policy fail --tiers '[{"type": "fs", ...}]'
+    python tests/e2e/vllm_integrity_driver.py --model M --scenario tiers --policy fail --tiers '[{"type": "fs", ...}]'
 
 Every prompt's first run is cold (nothing cached): its tokens are those of an engine without offloading, which every
 later run of it must give again. Per round: the label, the greedy tokens, whether they equal the cold ones, the tokens

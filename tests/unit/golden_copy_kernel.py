@@ -1,6 +1,6 @@
 """The copy kernel as it was before the integrity checks (commit c8f7726, kernels/copy_blocks.py, verbatim): the
-kernel without checks must compile to the same PTX (tests/test_kernel_compile.py). A change to the kernel's data path
-changes both on purpose: update this copy with it, in the same commit.
+kernel without checks must compile to the same PTX (tests/unit/test_kernel_compile.py). A change to the kernel's data
+path changes both on purpose: update this copy with it, in the same commit.
 """
 
 import triton.language as tl

@@ -272,7 +272,7 @@ def test_the_direct_launch_of_the_checked_variants_is_proven_on_the_canary(fmt):
     """The direct launch's proof (triton_offload/fast_launch.py) covers the checks: the canary's checksum table after
     a store and a load's per-block results (one corrupted block, one key without checksums) must be the reference's,
     per host region of a row too. A runner that drops work is refused. On CPU the runners launch the interpreted
-    kernel (tests/test_fast_launch.py)."""
+    kernel (tests/unit/test_fast_launch.py)."""
     from test_fast_launch import interpreter_runner
 
     from triton_offload import fast_launch

@@ -121,7 +121,7 @@ def _code_only(ptx: str) -> str:
 @pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:3]])
 def test_without_the_integrity_checks_the_kernel_is_the_same_code_as_before_them(layout, page, dtype, store, grouped):
     """The integrity arguments are None and INTEGRITY False: Triton drops them, and the compiled kernel is the one of
-    the commit before the checks existed (tests/golden_copy_kernel.py), instruction for instruction."""
+    the commit before the checks existed (tests/unit/golden_copy_kernel.py), instruction for instruction."""
     import golden_copy_kernel
 
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
