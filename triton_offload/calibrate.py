@@ -93,15 +93,19 @@ def calibration_transfers(num_groups: int, blocks_per_host_block: int, n_max: in
             yield n, contiguous, g, h, (None if num_groups == 1 else sizes)
 
 
-def path_issuers(launcher: CopyLauncher, num_ctas: int | None = None, dma: bool = True) -> IssuersFor:
+def path_issuers(
+    launcher: CopyLauncher, num_ctas: int | None = None, dma: bool = True, launch_shape: str = "fixed"
+) -> IssuersFor:
     """The engine's two paths over a canary: the kernel with ``launcher``'s launch shapes and, where it has them,
-    its proven direct launches (as live calls launch), and with ``dma`` the copy engines."""
+    its proven direct launches (as live calls launch), with the engine's programs (``num_ctas`` under
+    ``launch_shape``, chosen by the real caches' page runs), and with ``dma`` the copy engines."""
+    ctas = launcher.ctas(num_ctas, launch_shape)
 
     def issuers_for(canary: KVCacheSpec, host: torch.Tensor, stream: torch.cuda.Stream) -> dict[str, Issuer]:
         kernel = launcher.twin(canary, host)
         for d in kernel.directions:
             kernel.set_direct(d, launcher.direct(d))
-        out: dict[str, Issuer] = {KERNEL: KernelIssuer(kernel, IdStager(canary.device, stream), num_ctas)}
+        out: dict[str, Issuer] = {KERNEL: KernelIssuer(kernel, IdStager(canary.device, stream), ctas)}
         if dma:
             out[DMA] = DmaIssuer(canary, host, launcher.blocks_per_host_block)
         return out

@@ -44,6 +44,12 @@ METHODS: dict[str, Method] = {
         lambda target, num_ctas: ours.triton_engine(target, num_ctas, path="kernel"),
         sweeps_ctas=True,
     ),
+    "triton_size_aware": Method(
+        "the same kernel with launch_shape='size-aware': programs chosen from the caches' page runs (16 below 4 KiB, "
+        "8 below 8 KiB, else the default 4; never above num_ctas); the probe of whether it should be the default",
+        ours.prepare_triton_size_aware,
+        ours.triton_size_aware_engine,
+    ),
     "auto": Method(
         "TransferEngine(path='auto'), the default on CUDA: per transfer the faster of our kernel and one "
         "cuMemcpyBatchAsync of coalesced descriptors, from the calibration the engine makes at creation",
