@@ -63,14 +63,20 @@ def register() -> None:
     safe to call more than once.
 
     vLLM calls general plugins once per process, sometimes more than once, and ``register_spec`` refuses a name
-    that is already taken, so an existing registration is left as it is. In the front-end process it also makes
-    vLLM check our configuration as soon as it has built its own, before the model loads
-    (:mod:`~triton_offload.connector.preflight`).
+    that is already taken, so an existing registration is left as it is. It makes vLLM keep the KV-cache groups'
+    bytes for our specs where it builds their configuration (:mod:`~triton_offload.connector.geometry`). In the
+    front-end process it also makes vLLM check our configuration as soon as it has built its own, before the model
+    loads (:mod:`~triton_offload.connector.preflight`).
     """
     _require_vllm()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     route_logs_through_vllm()
+    # Every process that builds an offloading connector (the engine core, each worker): the spec needs the bytes of
+    # each KV-cache group, which vLLM's config carries only where the connector builds it (connector/geometry.py).
+    from triton_offload.connector import geometry
+
+    geometry.install()
     if "vllm.engine.arg_utils" in sys.modules:
         # The front-end process (vLLM calls this from EngineArgs, which builds the engine's config there): check our
         # configuration once that config is built, before any engine process loads the model (preflight.py).

@@ -56,8 +56,19 @@ _UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 # Keys this spec reads.
 OUR_KEYS = frozenset(
-    {"cpu_bytes_to_use", "eviction_policy", "num_ctas", "transfer_path", "numa_node", "huge_pages", "pinning"}
+    {
+        "cpu_bytes_to_use",
+        "eviction_policy",
+        "num_ctas",
+        "transfer_path",
+        "numa_node",
+        "huge_pages",
+        "pinning",
+        "host_regions",
+    }
 )
+# How a host row is shared by the KV-cache groups (connector/geometry.py, docs/vllm.md "Hybrid models").
+HOST_REGION_MODES = ("auto", "per_group", "shared")
 # Keys vLLM's OffloadingConnector reads itself, whatever the spec (block_size becomes blocks_per_chunk).
 VLLM_KEYS = frozenset(
     {
@@ -216,6 +227,8 @@ class TritonOffloadConfig:
             (triton_offload/numa.py, docs/host-memory.md).
         huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host_pages.py).
         pinning: ``"auto"``, ``"register"`` or ``"alloc"`` (how a CUDA host cache is pinned).
+        host_regions: ``"auto"``, ``"per_group"`` or ``"shared"``: which KV-cache groups' keys share a region of
+            the host rows (connector/geometry.py).
     """
 
     cpu_bytes_to_use: int
@@ -226,6 +239,7 @@ class TritonOffloadConfig:
     numa_node: str | int = "auto"
     huge_pages: str = "thp"
     pinning: str = "auto"
+    host_regions: str = "auto"
 
     @classmethod
     def from_extra_config(
@@ -265,6 +279,12 @@ class TritonOffloadConfig:
         huge_pages = huge_pages_setting(extra.get("huge_pages", "thp"))
         pinning = pinning_setting(extra.get("pinning", "auto"))
         check_settings(huge_pages, pinning)
+        regions = extra.get("host_regions", "auto")
+        if regions not in HOST_REGION_MODES:
+            raise ValueError(
+                f"host_regions = {regions!r} is not supported; accepted: {', '.join(map(repr, HOST_REGION_MODES))} "
+                "(how the KV-cache groups of a hybrid model share the host rows; docs/vllm.md)"
+            )
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
@@ -275,4 +295,4 @@ class TritonOffloadConfig:
                 f"block_size = {block_size!r} tokens, but vLLM passed blocks_per_chunk = {f} for GPU blocks of "
                 f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
             )
-        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning)
+        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, regions)

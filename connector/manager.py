@@ -76,10 +76,12 @@ class TritonOffloadingManager(OffloadingManager):
     Single-threaded, like vLLM's own CPU manager: the 0.33 ``lock`` stays the default no-op.
 
     Args:
-        num_blocks: host blocks in the cache (identical to every worker's host cache).
+        num_blocks: host blocks (rows) in the cache (identical to every worker's host cache).
         eviction_policy: ``"lru"`` or ``"arc"``.
         enable_events: report stores and evictions as vLLM ``OffloadingEvent``\\ s.
         info: static facts published through 0.33's ``config_info`` (label name to value).
+        pools: host regions of a row (each a block pool: a row holds one key per region); ``pool_of`` maps a key to
+            its region (see :class:`~triton_offload.manager.OffloadManager`).
     """
 
     def __init__(
@@ -89,12 +91,15 @@ class TritonOffloadingManager(OffloadingManager):
         *,
         enable_events: bool = False,
         info: dict[str, str | int | float | bool] | None = None,
+        pools: int = 1,
+        pool_of=None,
     ) -> None:
         self.num_blocks = num_blocks
         self.eviction_policy = eviction_policy
         self.enable_events = enable_events
+        self._pools, self._pool_of = pools, pool_of
         self._info = dict(info or {})
-        self._manager = OffloadManager(num_blocks, eviction_policy, enable_events=enable_events)
+        self._manager = self._new_manager()
         # Ours, not the inner manager's: they must survive reset_cache, which replaces the inner manager.
         self._totals = dict.fromkeys(_COUNTERS, 0)
         self._reported = dict.fromkeys(_COUNTERS, 0)
@@ -176,7 +181,16 @@ class TritonOffloadingManager(OffloadingManager):
         # vLLM never completes the jobs in flight at a reset (their reports are dropped as stale), so pinned and
         # storing keys must go too: start from an empty manager. Reusing their blocks at once is safe because vLLM
         # makes the workers wait for those jobs (jobs_to_flush) before it submits any new transfer.
-        self._manager = OffloadManager(self.num_blocks, self.eviction_policy, enable_events=self.enable_events)
+        self._manager = self._new_manager()
+
+    def _new_manager(self) -> OffloadManager:
+        return OffloadManager(
+            self.num_blocks,
+            self.eviction_policy,
+            enable_events=self.enable_events,
+            pools=self._pools,
+            pool_of=self._pool_of,
+        )
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
@@ -198,7 +212,12 @@ class TritonOffloadingManager(OffloadingManager):
     @property
     def counters(self) -> dict[str, int]:
         """Totals since start: host blocks loaded (hits), stored, evicted; and the blocks cached now."""
-        return {**self._totals, "cached_blocks": self._manager.num_cached, "host_blocks": self.num_blocks}
+        return {
+            **self._totals,
+            "cached_blocks": self._manager.num_cached,
+            "host_blocks": self.num_blocks,
+            "host_keys": self.num_blocks * self._pools,
+        }
 
     @property
     def occupancy(self) -> dict[str, int]:

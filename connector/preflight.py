@@ -30,13 +30,68 @@ from typing import Any
 from triton_offload.connector import SPEC_NAME, TIERING_SPEC_NAME
 from triton_offload.connector.config import did_you_mean
 
-__all__ = ["install", "check_vllm_config", "check_block_size", "check_memory", "MemoryFacts"]
+__all__ = [
+    "install",
+    "check_vllm_config",
+    "check_block_size",
+    "check_memory",
+    "check_multi_connector",
+    "MemoryFacts",
+    "MULTI_CONNECTOR_MIN_VLLM",
+]
 
 logger = logging.getLogger(__name__)
 
 _MARK = "_triton_offload_preflight"
 _CONNECTOR = "OffloadingConnector"
 GiB = 2**30
+# The first vLLM whose offloading scheduler records every block allocation (vLLM #46951): before it, our spec under
+# MultiConnector can store KV another connector is already writing over.
+MULTI_CONNECTOR_MIN_VLLM = (0, 33)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``(major, minor, ...)`` of a version string such as ``0.33.0``, ``0.32.0+cpu`` or ``0.33.1rc1.dev5``."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+
+
+def check_multi_connector(kv_connector: str | None, version: str | None = None) -> None:
+    """Refuses our specs under ``MultiConnector`` on a vLLM older than 0.33.
+
+    vLLM 0.32's offloading scheduler returns from ``update_state_after_alloc`` before recording a request's new
+    blocks when the offloading connector has no hit for it (``num_external_tokens == 0``), and records only scheduled
+    requests' blocks elsewhere. Under ``MultiConnector`` a request that waits for another connector's KV (not
+    scheduled) can then be given a block whose store is still pending: the store is not flushed, the other
+    connector writes the block while the store reads it, and the host block holds a mix of two requests' KV, loaded
+    later as a hit. vLLM 0.33 records the allocation whatever the hit (vLLM #46951).
+
+    Args:
+        kv_connector: the configured ``kv_connector`` (only ``"MultiConnector"`` is checked).
+        version: vLLM's version; None: the installed one.
+
+    Raises:
+        ValueError: ``MultiConnector`` on vLLM < 0.33, naming the version, the defect and the fix.
+    """
+    if kv_connector != "MultiConnector":
+        return
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if _release(version)[:2] >= MULTI_CONNECTOR_MIN_VLLM:
+        return
+    raise ValueError(
+        f"triton-offload under MultiConnector needs vLLM >= 0.33; this is vLLM {version}, whose offloading scheduler "
+        "does not record a request's blocks when the offloading connector has no hit for it, so another connector "
+        "can write a block whose store is still reading it and the host cache keeps the mix as a hit (vLLM #46951, "
+        "fixed in vLLM 0.33). Upgrade vLLM to 0.33 or later, or use OffloadingConnector alone (kv_connector = "
+        "'OffloadingConnector')"
+    )
 
 
 def install() -> bool:
@@ -83,14 +138,17 @@ def check_vllm_config(vllm_config) -> None:
     each names a spec vLLM can build.
 
     Raises:
-        ValueError: naming the key: an unknown ``spec_name`` (listing the registered ones, with the closest), or
-            anything the spec would refuse once built (see :func:`check_block_size`, :func:`check_memory` and the
-            specs' configuration classes).
+        ValueError: naming the key: an unknown ``spec_name`` (listing the registered ones, with the closest), our
+            spec under ``MultiConnector`` on vLLM < 0.33 (:func:`check_multi_connector`), or anything the spec
+            would refuse once built (see :func:`check_block_size`, :func:`check_memory` and the specs'
+            configuration classes).
         ConnectionError: an ``obj`` tier's store unreachable (``network_tiers.check_reachable``).
     """
-    for extra in _offloading_configs(vllm_config.kv_transfer_config):
+    transfer = vllm_config.kv_transfer_config
+    for extra in _offloading_configs(transfer):
         spec_cls = _spec_class(extra)
         if spec_cls is not None:
+            check_multi_connector(transfer.kv_connector)
             _check_ours(spec_cls, extra, vllm_config)
 
 

@@ -2,8 +2,10 @@
 
 vLLM builds the spec once in each process that runs an ``OffloadingConnector``: the engine core calls only
 :meth:`~TritonOffloadingSpec.get_manager`, each worker only :meth:`~TritonOffloadingSpec.get_worker`. Both sides
-must agree on the number of host blocks without talking to each other, so it is computed here, in ``__init__``,
-from values both receive identically: the budget, the world size and vLLM's bytes per GPU block.
+must agree on the host rows without talking to each other, so they are computed here, in ``__init__``, from values
+both receive identically: the budget, the world size and the bytes one GPU block of each KV-cache group moves (read
+from vLLM's ``KVCacheConfig``, :mod:`~triton_offload.connector.geometry`; vLLM's own bytes per GPU block where that
+is not available).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from triton_offload.connector import route_logs_through_vllm
 from triton_offload.connector.config import TritonOffloadConfig
+from triton_offload.connector.geometry import KVGeometry, geometry_for, host_regions, region_bytes
 from triton_offload.connector.manager import METRICS, TritonOffloadingManager
-from triton_offload.connector.preflight import host_memory_note
+from triton_offload.connector.preflight import check_multi_connector, host_memory_note
 from triton_offload.host_cache import check_host_memory, host_blocks_for_budget
 
 __all__ = ["TritonOffloadingSpec"]
@@ -40,8 +43,13 @@ class TritonOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``cpu_bytes_to_use`` (required; bytes or ``"40GiB"``, for the whole
     instance), ``block_size`` (tokens per host block, read by vLLM), ``eviction_policy`` (``lru`` | ``arc``),
-    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``. See
+    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``, ``host_regions``. See
     :class:`~triton_offload.connector.config.TritonOffloadConfig`.
+
+    Host rows: a row holds ``f`` GPU blocks of one key per host *region*; each KV-cache group's keys live in one
+    region, sized for its largest group (:func:`~triton_offload.connector.geometry.host_regions`), so the budget is
+    divided by ``f x`` the regions' bytes, not by vLLM's bytes per block (which counts every group of a model whose
+    groups sit on separate tensors: vLLM's #56871).
     """
 
     @classmethod
@@ -74,26 +82,103 @@ class TritonOffloadingSpec(OffloadingSpec):
             raise ValueError(
                 f"vLLM reports worker_kv_bytes_per_block = {config.worker_kv_bytes_per_block}: no KV cache to offload"
             )
-        # vLLM's bytes per GPU block are those of the whole backing allocation (padding included), an upper bound
-        # on the packed bytes a worker moves per block. Both sides know it before any worker has its tensors.
-        self.budget_block_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
-        self.num_host_blocks = host_blocks_for_budget(
-            self.offload_config.cpu_bytes_to_use, self.budget_block_bytes, max(1, config.parallel.world_size)
-        )
+        self.geometry = self._geometry(config)
+        if self.geometry is not None:
+            check_multi_connector(self.geometry.kv_connector)
+        self._size_rows(config)
         self._manager: TritonOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
+
+    @staticmethod
+    def _geometry(config: OffloadingConfig) -> KVGeometry | None:
+        """The KV-cache groups' bytes read from vLLM's config (connector/geometry.py), if they describe exactly the
+        groups of ``config``."""
+        geometry = geometry_for(config)
+        if geometry is None:
+            return None
+        if tuple(g.group_id for g in geometry.groups) != tuple(g.group_id for g in config.groups):
+            logger.warning(
+                "triton-offload: the KV-cache groups read from vLLM's config (%s) are not the offloaded ones (%s): "
+                "host rows are sized from vLLM's bytes per block",
+                [g.group_id for g in geometry.groups],
+                [g.group_id for g in config.groups],
+            )
+            return None
+        return geometry
+
+    def _size_rows(self, config: OffloadingConfig) -> None:
+        """The host rows: each group's region, the bytes of a row, and how many rows this rank's share of the
+        budget holds (the same on the scheduler and on every worker)."""
+        f, world_size = self.blocks_per_chunk, max(1, config.parallel.world_size)
+        if self.geometry is not None:
+            regions = host_regions(self.geometry, self.offload_config.host_regions)
+            self.region_bytes = region_bytes(self.geometry.group_bytes, regions)
+            self.group_regions = regions if len(self.region_bytes) > 1 else None
+            self.sized_from = "the KV-cache groups' bytes per block"
+            self.budget_block_bytes = f * sum(self.region_bytes)
+        else:
+            # vLLM's bytes per GPU block are those of the whole backing allocation (padding included), an upper
+            # bound on the packed bytes a worker moves per block; for groups on separate tensors, or vLLM's branch
+            # that sums the groups' bytes, it counts every group, so a row would hold one group's bytes in G x
+            # theirs. Both sides know it before any worker has its tensors.
+            self.region_bytes, self.group_regions = (config.worker_kv_bytes_per_block,), None
+            self.sized_from = "vLLM's worker_kv_bytes_per_block"
+            self.budget_block_bytes = config.worker_kv_bytes_per_block * f
+            if len(config.groups) > 1:
+                logger.warning(
+                    "triton-offload: %d KV-cache groups, but their bytes per block are not known here (the plugin's "
+                    "entry point did not run in this process, e.g. spec_module_path without the installed package): "
+                    "host rows are sized from vLLM's worker_kv_bytes_per_block = %d, which for groups on separate "
+                    "tensors counts all of them, so the cache may hold 1/%d of the keys the budget allows",
+                    len(config.groups),
+                    config.worker_kv_bytes_per_block,
+                    len(config.groups),
+                )
+        self.num_host_blocks = host_blocks_for_budget(
+            self.offload_config.cpu_bytes_to_use, self.budget_block_bytes, world_size
+        )
+        self.num_regions = len(self.region_bytes)
+
+    def budget_note(self) -> str | None:
+        """A warning when this rank's share of ``cpu_bytes_to_use`` cannot be used: less than 95 % of it fits in
+        whole rows (None otherwise)."""
+        share = self.offload_config.cpu_bytes_to_use // max(1, self.config.parallel.world_size)
+        used = self.num_host_blocks * self.budget_block_bytes
+        if used >= 0.95 * share:
+            return None
+        return (
+            f"cpu_bytes_to_use = {self.offload_config.cpu_bytes_to_use} bytes gives this rank {share} bytes, but only "
+            f"{self.num_host_blocks} rows of {self.budget_block_bytes} bytes fit ({used} bytes, "
+            f"{100 * used / share:.1f} %): the rest is less than one row. A row is block_size / GPU block size = "
+            f"{self.blocks_per_chunk} GPU block(s) of every host region ({list(self.region_bytes)} bytes per block); "
+            "raise the budget or lower block_size to use it"
+        )
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             cfg = self.offload_config
+            pools, pool_of = self.num_regions, None
+            if self.group_regions is not None:
+                # An offload key ends with its vLLM group id (4 bytes, big-endian): its pool is its group's region.
+                region_of = {g.group_id: r for g, r in zip(self.config.groups, self.group_regions)}
+
+                def pool_of(key, _region_of=region_of):
+                    return _region_of[int.from_bytes(key[-4:], "big")]
+
             self._manager = TritonOffloadingManager(
                 self.num_host_blocks,
                 cfg.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 info=dict(zip(_INFO_KEYS, (self.num_host_blocks, cfg.blocks_per_host_block, cfg.eviction_policy))),
+                pools=pools,
+                pool_of=pool_of,
             )
+            note = self.budget_note()
+            if note is not None:
+                logger.warning("triton-offload: %s", note)
             logger.info(
-                "triton-offload scheduler: %d host blocks of %d GPU block(s) (GPU block tokens %s) for %d rank(s), "
+                "triton-offload scheduler: %d host rows of %d GPU block(s) (GPU block tokens %s) for %d rank(s), "
+                "%d bytes per row (host regions %s of KV-cache groups %s, sized from %s), %d keys in all, "
                 "cpu_bytes_to_use=%d, eviction_policy=%s, kv events %s. Counters: vLLM metrics "
                 "vllm:triton_offload_{hit,stored,evicted,cached}_blocks and vllm:kv_offload_{load,store}_bytes; "
                 "totals are logged at shutdown",
@@ -101,6 +186,11 @@ class TritonOffloadingSpec(OffloadingSpec):
                 cfg.blocks_per_host_block,
                 list(self.tokens_per_block),
                 self.config.parallel.world_size,
+                self.budget_block_bytes,
+                list(self.region_bytes),
+                list(self.group_regions or (0,) * len(self.config.groups)),
+                self.sized_from,
+                self.num_host_blocks * self.num_regions,
                 cfg.cpu_bytes_to_use,
                 cfg.eviction_policy,
                 "on" if self.kv_events_config.enable_kv_cache_events else "off",
@@ -134,6 +224,8 @@ class TritonOffloadingSpec(OffloadingSpec):
                 num_ctas=self.offload_config.num_ctas,
                 transfer_path=self.offload_config.transfer_path,
                 budget_block_bytes=self.budget_block_bytes,
+                group_regions=self.group_regions,
+                geometry=self.geometry,
                 numa_node=self.offload_config.numa_node,
                 huge_pages=self.offload_config.huge_pages,
                 pinning=self.offload_config.pinning,

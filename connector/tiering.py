@@ -43,8 +43,9 @@ from triton_offload.connector.config import (
     parse_size,
 )
 from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
+from triton_offload.connector.geometry import geometry_for
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
-from triton_offload.connector.preflight import host_memory_note
+from triton_offload.connector.preflight import check_multi_connector, host_memory_note
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 from triton_offload.host_cache import check_host_memory
 from triton_offload.numa import check_node_memory, choose_node, numa_setting, run_on_node
@@ -68,7 +69,13 @@ OUR_TIERING_KEYS = {
     "num_ctas": "programs per transfer launch: the SMs a transfer takes from the model",
     "transfer_path": "'auto' (per call, the faster of the kernel and the copy engines), 'kernel' or 'dma'",
     "numa_node": "'auto' (each worker's slots on its GPU's node), a node number, or 'off'",
+    "host_layout": "'worker_slots' (vLLM's bytes, shared with its own worker) or 'packed' (a row per key sized for "
+    "the largest KV-cache group, ours on both ends)",
 }
+HOST_LAYOUTS = ("worker_slots", "packed")
+# What the packed layout adds to the model name the secondary tiers build their namespace from (vLLM's FileMapper:
+# fs directory names, obj keys, the p2p handshake): its rows are not vLLM's, and must never be read as vLLM's.
+PACKED_NAMESPACE = "+triton-offload-packed-v1"
 # Keys of TritonOffloadingSpec that cannot apply to vLLM's shared region, with the reason given when they are set.
 _REFUSED_KEYS = {
     "huge_pages": (
@@ -175,6 +182,8 @@ class TritonTieringConfig:
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         object_stores: the object stores of the ``obj`` tiers, checked for reachability at startup.
         numa_node: ``"auto"``, a node number or ``"off"``: where each worker's slots of the region are placed.
+        host_layout: ``"worker_slots"`` (vLLM's, byte-compatible with its own worker and every instance running it)
+            or ``"packed"`` (our packed rows, sized for the largest KV-cache group: see docs/tiering.md).
     """
 
     cpu_bytes_to_use: int
@@ -185,6 +194,7 @@ class TritonTieringConfig:
     transfer_path: str | None = None
     object_stores: tuple[ObjectStore, ...] = ()
     numa_node: str | int = "auto"
+    host_layout: str = "worker_slots"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -219,6 +229,12 @@ class TritonTieringConfig:
             )
         num_ctas, path = engine_settings(extra)
         numa_node = numa_setting(extra.get("numa_node", "auto"))
+        layout = extra.get("host_layout", "worker_slots")
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(
+                f"host_layout = {layout!r} is not supported; accepted: {', '.join(map(repr, HOST_LAYOUTS))} "
+                "(docs/tiering.md, 'Hybrid models')"
+            )
         for key, why in _REFUSED_KEYS.items():
             if key in extra:
                 raise ValueError(f"{key} = {extra[key]!r} is not supported by {TIERING_SPEC_NAME}: {why}")
@@ -245,7 +261,7 @@ class TritonTieringConfig:
         root_dirs = tuple((i, root) for i, (_, root, _) in enumerate(checked) if root is not None)
         types = tuple(tier_type for tier_type, _, _ in checked)
         stores = tuple(store for _, _, store in checked if store is not None)
-        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node)
+        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node, layout)
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -267,9 +283,24 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
     def __init__(self, config: OffloadingConfig):
         route_logs_through_vllm()
         self.tiering_config = cfg = TritonTieringConfig.from_extra_config(config.extra_config)  # refuses canonical
+        self.geometry = geometry_for(config)
+        if self.geometry is not None:
+            check_multi_connector(self.geometry.kv_connector)
         # vLLM's spec reads int(cpu_bytes_to_use): hand it the parsed size ("40GiB" is ours).
         config = replace(config, extra_config={**config.extra_config, "cpu_bytes_to_use": cfg.cpu_bytes_to_use})
+        if cfg.host_layout == "packed":
+            if self.geometry is None or len(self.geometry.groups) != len(config.groups):
+                raise ValueError(
+                    "host_layout = 'packed' sizes the rows from the KV-cache groups' bytes, which this process could "
+                    "not read from vLLM's config (the plugin's entry point did not run: install the package, or "
+                    "leave host_layout at 'worker_slots')"
+                )
+            # The secondary tiers name what they persist after the model (vLLM's FileMapper, also the p2p
+            # handshake): packed rows get a namespace of their own, never read as vLLM's worker slots.
+            config = replace(config, model=replace(config.model, name=config.model.name + PACKED_NAMESPACE))
         super().__init__(config)
+        if cfg.host_layout == "packed":
+            self._size_packed_rows(config)
         if config.worker_kv_bytes_per_block > 0 and self.num_chunks <= 0:
             raise ValueError(
                 f"cpu_bytes_to_use = {cfg.cpu_bytes_to_use} bytes is less than one chunk of "
@@ -280,6 +311,22 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         for i, root in cfg.root_dirs:
             make_private_root_dir(root, where(i, "root_dir"))
         self._worker: OffloadingWorker | None = None
+
+    def _size_packed_rows(self, config: OffloadingConfig) -> None:
+        """vLLM sized the region from ``worker_kv_bytes_per_block``: one worker slot holds every canonical tensor's
+        page, so a key of one KV-cache group reserves every group's bytes (vLLM's #56871). Packed rows hold one key
+        of f blocks of the largest group instead (vLLM's manager keeps one pool of slots for every group)."""
+        from vllm.utils.math_utils import round_up
+
+        f = self.blocks_per_chunk
+        self.cpu_page_size_per_worker = f * max(self.geometry.group_bytes)
+        copies = 1 if self.replicated_layout else max(1, config.parallel.world_size)
+        self.kv_bytes_per_chunk = round_up(self.cpu_page_size_per_worker * copies, self.BLOCK_SIZE_ALIGNMENT)
+        self.num_chunks = self.tiering_config.cpu_bytes_to_use // self.kv_bytes_per_chunk
+        if hasattr(self, "cpu_info"):  # vLLM >= 0.33: the CPU tier's capacity, published as metrics
+            from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+
+            self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's ``TieringOffloadingManager``, unchanged, once every object store has answered; then the region's
@@ -306,11 +353,14 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             # nobody opens it by name any more.
             unlink_paths(region_paths(region))
         logger.info(
-            "triton-offload tiering scheduler: %d chunks of %d GPU block(s) (%d bytes per row, all workers), "
+            "triton-offload tiering scheduler: %d chunks of %d GPU block(s) (%d bytes per row, all workers; %s), "
             "eviction_policy=%s, secondary tiers %s; region %s",
             self.num_chunks,
             self.blocks_per_chunk,
             self.kv_bytes_per_chunk,
+            "vLLM's worker slots"
+            if self.tiering_config.host_layout == "worker_slots"
+            else "packed rows of the largest KV-cache group",
             self.tiering_config.eviction_policy,
             list(self.tiering_config.secondary_tiers),
             region.mmap_path,
@@ -365,6 +415,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 slot_offset=slot * self.cpu_page_size_per_worker,
                 slot_bytes=self.cpu_page_size_per_worker,
                 blocks_per_chunk=self.blocks_per_chunk,
+                geometry=self.geometry if self.tiering_config.host_layout == "packed" else None,
                 num_ctas=self.tiering_config.num_ctas,
                 transfer_path=self.tiering_config.transfer_path,
                 numa=node,

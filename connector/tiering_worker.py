@@ -54,6 +54,9 @@ class TritonTieringWorker(TritonOffloadingWorker):
         pin: register the region with CUDA (default: when the KV caches are on CUDA).
         numa: the node this worker's slots were placed on (the spec built the region on it); the registering threads
             run on its CPUs. None: not bound.
+        geometry: for the packed layout (``host_layout = "packed"``), the KV-cache groups read from vLLM's config:
+            this worker's slot holds our packed format (one key of f blocks of the largest group) instead of vLLM's
+            worker slot. None: vLLM's worker slot, checked against vLLM's own views.
     """
 
     def __init__(
@@ -69,25 +72,29 @@ class TritonTieringWorker(TritonOffloadingWorker):
         transfer_path: str | None = None,
         pin: bool | None = None,
         numa: NodeChoice | None = None,
+        geometry=None,
     ) -> None:
         self.region, self.name = region, name
         self.numa = numa or NodeChoice("off", None, why="not bound")
         # Unregistered at shutdown, or by the finalizer (which holds no reference to the worker) if it is dropped.
         self._registered: list[tuple[int, int]] = []
         self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
-        self.kv = canonical_kv_spec(kv_caches, worker_slots=True)
+        packed = geometry is not None
+        self.kv = canonical_kv_spec(kv_caches, worker_slots=not packed, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_chunk
         used = self.kv.host_block_bytes(f)
         if used > slot_bytes:
+            pages = f"pages {list(self.kv.host_slots.pages)}" if not packed else f"groups {list(self.kv.group_bytes)}"
             raise ValueError(
-                f"the canonical tensors take {used} bytes per chunk ({f} x pages {list(self.kv.host_slots.pages)}), "
-                f"more than the {slot_bytes}-byte worker slot vLLM sized from worker_kv_bytes_per_block"
+                f"the canonical tensors take {used} bytes per chunk ({f} x {pages}), more than the {slot_bytes}-byte "
+                "worker slot the spec sized"
             )
         num_chunks = region.num_chunks
         row = region.total_size_bytes // num_chunks
         base = region.base_tensor
         self.host = torch.as_strided(base, (num_chunks, used), (row, 1), storage_offset=slot_offset)
-        self._check_against_vllm_views(kv_caches, slot_offset, row)
+        if not packed:  # vLLM's worker slot: placed exactly as vLLM's own worker would place its views
+            self._check_against_vllm_views(kv_caches, slot_offset, row)
         # Read back before registration: until then this process maps only the pages it touched, its own slots
         # (registration faults in every worker's).
         self.placement = read_placement(base.data_ptr(), region.total_size_bytes)

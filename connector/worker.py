@@ -4,7 +4,9 @@ vLLM hands the worker its KV caches once, canonicalised (``CanonicalKVCaches``):
 ``(num_blocks, page_size_bytes)`` (stride(0) may exceed the page) and, per offloaded KV-cache group, one ref per
 layer naming a tensor and the un-padded bytes to move. They become one grouped ``canonical``
 :class:`~triton_offload.layouts.KVCacheSpec`; after that every job is one engine submission, so one kernel launch
-for all groups, layers and blocks.
+for all groups, layers and blocks. For a packed allocation (vLLM's DeepSeek-V4 path hands every group the whole
+block of every layer) the groups' own pages are found from vLLM's config (:mod:`~triton_offload.connector.geometry`),
+so a key stores and moves only its group's bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from triton_offload.connector.geometry import KVGeometry
 from triton_offload.engine import LOAD, TransferEngine
 from triton_offload.host_cache import HostCache
 from triton_offload.layouts import HostSlots, KVCacheSpec
@@ -32,18 +35,34 @@ __all__ = ["canonical_kv_spec", "TritonOffloadingWorker"]
 logger = logging.getLogger(__name__)
 
 
-def canonical_kv_spec(kv_caches: CanonicalKVCaches, *, worker_slots: bool = False) -> KVCacheSpec:
+def canonical_kv_spec(
+    kv_caches: CanonicalKVCaches,
+    *,
+    worker_slots: bool = False,
+    group_regions=None,
+    geometry: KVGeometry | None = None,
+) -> KVCacheSpec:
     """One grouped ``canonical`` spec for vLLM's canonical KV caches.
 
     Each distinct (tensor, un-padded page) pair becomes one entry, sliced to the page so padding is never moved.
     Refs of one group that name the same tensor (layers aliasing one allocation) are moved once, with the largest
     page any of them names; the same tensor may appear in several groups (HMA groups overlaying one another).
     With ``worker_slots``, the host side is vLLM's worker-slot layout (``CPUOffloadingWorker`` over a
-    ``SharedOffloadRegion``): a region per canonical tensor, in order, of f full (padded) pages each.
+    ``SharedOffloadRegion``): a region per canonical tensor, in order, of f full (padded) pages each. Otherwise the
+    packed format, with ``group_regions`` (one host region number per group) where given.
+
+    A packed allocation reaches here as one tensor whose whole block every group refs (vLLM's worker role does that
+    for block-outermost layouts, DeepSeek-V4's): with ``geometry`` each group then moves only its own layers' pages
+    of the block (:func:`packed_group_views`), as vLLM's own worker does since its #56953.
 
     Raises:
         ValueError: a group without refs, a ref to a tensor that does not exist, or a page larger than its tensor.
     """
+    if not worker_slots and geometry is not None:
+        split = packed_group_views(kv_caches, geometry)
+        if split is not None:
+            views, groups = split
+            return KVCacheSpec(views, "canonical", groups=groups, group_regions=group_regions)
     tensors = kv_caches.tensors
     views: list[torch.Tensor] = []
     regions: list[int] = []  # the canonical tensor of each entry: its host region in the worker-slot layout
@@ -73,7 +92,55 @@ def canonical_kv_spec(kv_caches: CanonicalKVCaches, *, worker_slots: bool = Fals
             members.append(index[key])
         groups.append(members)
     slots = HostSlots(tuple(t.page_size_bytes for t in tensors), tuple(regions)) if worker_slots else None
-    return KVCacheSpec(views, "canonical", groups=groups, host_slots=slots)
+    return KVCacheSpec(
+        views, "canonical", groups=groups, host_slots=slots, group_regions=None if worker_slots else group_regions
+    )
+
+
+def packed_group_views(
+    kv_caches: CanonicalKVCaches, geometry: KVGeometry
+) -> tuple[list[torch.Tensor], list[list[int]]] | None:
+    """For a packed allocation (one canonical tensor whose whole block every group refs), each group's own bytes:
+    ``(views, groups)``, a view of the tensor per run of the group's layers' pages that lie side by side in a block
+    (``geometry`` places each layer's page in the block), shared by groups that name the same run. None when the
+    caches are not in that form, or ``geometry`` does not place every layer inside the block (then the whole block
+    is moved, as before)."""
+    tensors, refs = kv_caches.tensors, kv_caches.group_data_refs
+    if len(tensors) != 1 or len(refs) != len(geometry.groups) or len(refs) < 2:
+        return None
+    slab = tensors[0].tensor
+    width = slab.shape[1]
+    if any([(r.tensor_idx, r.page_size_bytes) for r in group] != [(0, width)] for group in refs):
+        return None
+    views: list[torch.Tensor] = []
+    index: dict[tuple[int, int], int] = {}
+    groups: list[list[int]] = []
+    for group in geometry.groups:
+        runs: list[list[int]] = []  # [column, bytes], the group's layers in order, adjacent pages merged
+        for layer in group.layers:
+            if layer.column is None or layer.block_stride != width or not 0 <= layer.column <= width - layer.page:
+                logger.info(
+                    "triton-offload: layer %s of KV-cache group %d is not placed inside the packed block of %d bytes "
+                    "(column %s, block stride %s): every group moves the whole block",
+                    layer.name,
+                    group.group_id,
+                    width,
+                    layer.column,
+                    layer.block_stride,
+                )
+                return None
+            if runs and runs[-1][0] + runs[-1][1] == layer.column:
+                runs[-1][1] += layer.page
+            else:
+                runs.append([layer.column, layer.page])
+        members = []
+        for column, nbytes in runs:
+            if (column, nbytes) not in index:
+                index[(column, nbytes)] = len(views)
+                views.append(slab[:, column : column + nbytes])
+            members.append(index[(column, nbytes)])
+        groups.append(members)
+    return views, groups
 
 
 class TritonOffloadingWorker(OffloadingWorker):
@@ -85,7 +152,11 @@ class TritonOffloadingWorker(OffloadingWorker):
         blocks_per_host_block: GPU blocks per host block (vLLM's ``blocks_per_chunk``).
         num_ctas: programs per launch; None for the kernel's default.
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
-        budget_block_bytes: the bytes per host block the budget was divided by; a larger packed block is warned of.
+        budget_block_bytes: the bytes per host block the budget was divided by; a row that is larger, or much
+            smaller, is warned of.
+        group_regions: the host region of each KV-cache group (``KVCacheSpec(group_regions=...)``), as the
+            scheduler's manager keeps one block pool per region; None: one region.
+        geometry: the KV-cache groups read from vLLM's config, to split a packed allocation per group.
         numa_node, huge_pages, pinning: where and how the host cache is allocated and pinned (:class:`HostCache`;
             ``"auto"`` places it on the node of this rank's GPU).
     """
@@ -104,11 +175,13 @@ class TritonOffloadingWorker(OffloadingWorker):
         num_ctas: int | None = None,
         transfer_path: str | None = None,
         budget_block_bytes: int | None = None,
+        group_regions=None,
+        geometry: KVGeometry | None = None,
         numa_node: str | int = "auto",
         huge_pages: str = "thp",
         pinning: str = "auto",
     ) -> None:
-        self.kv = canonical_kv_spec(kv_caches)
+        self.kv = canonical_kv_spec(kv_caches, group_regions=group_regions, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_host_block
         host_block_bytes = self.kv.host_block_bytes(f)
         if budget_block_bytes is not None and host_block_bytes > budget_block_bytes:
@@ -117,6 +190,18 @@ class TritonOffloadingWorker(OffloadingWorker):
                 "the host cache exceeds its share of cpu_bytes_to_use",
                 host_block_bytes,
                 budget_block_bytes,
+            )
+        elif budget_block_bytes is not None and host_block_bytes < 0.95 * budget_block_bytes:
+            # The scheduler counted more bytes per row than this worker's tensors move (padding, layers that alias
+            # one another): the rows it sized hold less than the budget allows.
+            logger.warning(
+                "a packed host block takes %d bytes, %.1f %% of the %d bytes per block the budget was divided by "
+                "(%s): %d of this rank's bytes of cpu_bytes_to_use are not used",
+                host_block_bytes,
+                100 * host_block_bytes / budget_block_bytes,
+                budget_block_bytes,
+                self.kv,
+                num_host_blocks * (budget_block_bytes - host_block_bytes),
             )
         # The scheduler fixed the block count from the budget; the buffer must have exactly that many rows.
         self.host_cache = HostCache(
@@ -165,7 +250,9 @@ class TritonOffloadingWorker(OffloadingWorker):
             raise TypeError(f"expected the host block ids of TritonOffloadingSpec's manager, got {spec!r}")
         return spec.block_ids
 
-    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool) -> bool:
+    def _submit(
+        self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool, expedited: bool = False
+    ) -> bool:
         f = self.blocks_per_host_block
         # block_indices[g] is the position of group g's first GPU block in its request: mid host block when the
         # device prefix cache already holds part of a host block (loads) or the leading blocks are null (stores).
@@ -180,8 +267,19 @@ class TritonOffloadingWorker(OffloadingWorker):
                 skips,
                 self._host_ids(host).tolist(),
             )
-        submit = self.engine.submit_store if store else self.engine.submit_load
-        submit(job_id, gpu.block_ids, self._host_ids(host), skip=skips, group_sizes=list(gpu.group_sizes))
+        if store:
+            self.engine.submit_store(
+                job_id, gpu.block_ids, self._host_ids(host), skip=skips, group_sizes=list(gpu.group_sizes)
+            )
+        else:
+            self.engine.submit_load(
+                job_id,
+                gpu.block_ids,
+                self._host_ids(host),
+                skip=skips,
+                group_sizes=list(gpu.group_sizes),
+                expedited=expedited,
+            )
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -190,9 +288,11 @@ class TritonOffloadingWorker(OffloadingWorker):
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        # vLLM 0.33 marks sync loads expedited and waits for them before the forward pass. Our loads have their own
-        # stream and never queue behind stores; they do queue behind earlier loads, which vLLM also waits for.
-        return self._submit(job_id, dst_spec, src_spec, store=False)
+        # vLLM 0.33 marks a synchronous load (budgeted by sync_load_budget_bytes) expedited and then waits for it, and
+        # only for it (worker.wait(sync job ids)), before the step's forward pass. It goes on a lane of its own, as
+        # vLLM's own worker gives it a handler and stream of their own: on the load lane it would wait for every
+        # asynchronous load submitted earlier, and the whole step with it. vLLM 0.32 never passes the flag.
+        return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
 
     def get_finished(self) -> list[TransferResult]:
         out = []

@@ -294,9 +294,9 @@ def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning) -> Launch
 
 
 def table_key(spec: KVCacheSpec, blocks_per_host_block: int) -> int:
-    """The f a segment table depends on: only worker slots place a region after f pages of the earlier ones, so the
-    packed format's table is the same for every f (key 1)."""
-    return blocks_per_host_block if spec.host_slots is not None else 1
+    """The f a segment table depends on: only worker slots and host regions (``group_regions``) place a region after
+    f sub-blocks of the earlier ones, so the plain packed format's table is the same for every f (key 1)."""
+    return blocks_per_host_block if spec.host_slots is not None or spec.group_regions is not None else 1
 
 
 def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int = 1) -> torch.Tensor:

@@ -50,10 +50,29 @@ def _slot_view(host_buffer: torch.Tensor, f: int, slots: HostSlots, region: int)
     return host_buffer.view(torch.uint8)[:, start : start + f * page].unflatten(1, (f, page))
 
 
-def _destinations(layers, host_buffer, f, slots: HostSlots | None):
+def _block_bytes(kv_caches, layers, layout: Layout) -> int:
+    """Bytes one GPU block of ``layers`` holds (every part of every layer)."""
+    return sum(p[0].numel() * p.element_size() for i in layers for p in _parts(kv_caches[i], layout))
+
+
+def _group_region_view(host_buffer, f: int, kv_caches, groups, gi: int, layout: Layout, regions) -> torch.Tensor:
+    """(num_host_blocks, f, region bytes) byte view of group ``gi``'s region in rows with host regions: a region's
+    sub-block is the largest of its groups' blocks, and it follows f sub-blocks of every earlier region."""
+    sizes = [_block_bytes(kv_caches, layers, layout) for layers in groups]
+    count = max(regions) + 1
+    region_bytes = [max(b for b, r in zip(sizes, regions) if r == k) for k in range(count)]
+    r = regions[gi]
+    start = f * sum(region_bytes[:r])
+    return host_buffer.view(torch.uint8)[:, start : start + f * region_bytes[r]].unflatten(1, (f, region_bytes[r]))
+
+
+def _destinations(layers, host_buffer, f, slots: HostSlots | None, region: torch.Tensor | None = None):
     """Per group: where each layer's bytes of a block go, as (layer indices, host view) pairs; each host view is
     (num_host_blocks, f, bytes) and the layers' bytes are laid side by side at its start. Packed: all the group's
-    layers share the packed sub-block. Worker slots: each layer starts its own region's sub-block."""
+    layers share the packed sub-block (``region``: the group's region of the row). Worker slots: each layer
+    starts its own region's sub-block."""
+    if region is not None:
+        return [(list(layers), region)]
     if slots is None:
         return [(list(layers), _host_view(host_buffer, f))]
     return [([i], _slot_view(host_buffer, f, slots, slots.regions[i])) for i in layers]
@@ -61,18 +80,26 @@ def _destinations(layers, host_buffer, f, slots: HostSlots | None):
 
 def _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, device):
     """Splits a (possibly grouped) transfer into one ungrouped transfer per group that moves blocks:
-    (its layer indices, GPU ids, host block and sub-block of each GPU block)."""
+    (group index, its layer indices, GPU ids, host block and sub-block of each GPU block)."""
     g_all, h_all = _ids(gpu_block_ids), _ids(host_block_ids)
     if groups is None:
         groups, group_sizes, skip = [range(len(kv_caches))], [g_all.numel()], [skip]
     skips = [skip] * len(groups) if isinstance(skip, int) else list(skip)
     g0 = h0 = 0
-    for layers, n, s in zip(groups, group_sizes, skips):
+    for gi, (layers, n, s) in enumerate(zip(groups, group_sizes, skips)):
         m = -(-(s + n) // f) if n else 0
         if n:
             rows, subs = _slots(n, h_all[h0 : h0 + m], f, int(s), device)
-            yield list(layers), g_all[g0 : g0 + n], rows, subs
+            yield gi, list(layers), g_all[g0 : g0 + n], rows, subs
         g0, h0 = g0 + n, h0 + m
+
+
+def _region(host_buffer, f, kv_caches, groups, gi, layout, group_regions):
+    """Group ``gi``'s region of the rows with host regions (``group_regions``, one region number per group), else
+    None (the plain packed format)."""
+    if group_regions is None or groups is None or set(group_regions) == {0}:
+        return None
+    return _group_region_view(host_buffer, f, kv_caches, groups, gi, layout, list(group_regions))
 
 
 def gather_blocks_ref(
@@ -87,14 +114,17 @@ def gather_blocks_ref(
     groups: Sequence[Sequence[int]] | None = None,
     group_sizes: Sequence[int] | None = None,
     host_slots: HostSlots | None = None,
+    group_regions: Sequence[int] | None = None,
 ) -> None:
-    """Reference of :func:`triton_offload.gather_blocks` (``groups`` and ``host_slots`` as in :class:`KVCacheSpec`)."""
+    """Reference of :func:`triton_offload.gather_blocks` (``groups``, ``host_slots`` and ``group_regions`` as in
+    :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
     f = blocks_per_host_block
     parts = _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, host_buffer.device)
-    for layers, g, rows, subs in parts:
+    for gi, layers, g, rows, subs in parts:
         n = g.numel()
-        for dest_layers, host_view in _destinations(layers, host_buffer, f, host_slots):
+        region = _region(host_buffer, f, kv_caches, groups, gi, layout, group_regions)
+        for dest_layers, host_view in _destinations(layers, host_buffer, f, host_slots, region):
             # (n, bytes): each block's parts side by side, in layer order.
             blocks = torch.cat(
                 [
@@ -119,15 +149,17 @@ def scatter_blocks_ref(
     groups: Sequence[Sequence[int]] | None = None,
     group_sizes: Sequence[int] | None = None,
     host_slots: HostSlots | None = None,
+    group_regions: Sequence[int] | None = None,
 ) -> None:
-    """Reference of :func:`triton_offload.scatter_blocks` (``groups`` and ``host_slots`` as in
+    """Reference of :func:`triton_offload.scatter_blocks` (``groups``, ``host_slots`` and ``group_regions`` as in
     :class:`KVCacheSpec`)."""
     layout = resolve_layout(layout)
     f = blocks_per_host_block
     parts = _per_group(kv_caches, gpu_block_ids, host_block_ids, f, skip, groups, group_sizes, host_buffer.device)
-    for layers, g, rows, subs in parts:
+    for gi, layers, g, rows, subs in parts:
         n = g.numel()
-        for dest_layers, host_view in _destinations(layers, host_buffer, f, host_slots):
+        region = _region(host_buffer, f, kv_caches, groups, gi, layout, group_regions)
+        for dest_layers, host_view in _destinations(layers, host_buffer, f, host_slots, region):
             blocks = host_view[rows, subs]  # (n, bytes), a copy
             offset = 0
             for i in dest_layers:

@@ -74,9 +74,9 @@ class FailingEngine(TransferEngine):
 class FaultWorker(TritonOffloadingWorker):
     engine_class = FailingEngine
 
-    def _submit(self, job_id, gpu, host, store):
+    def _submit(self, job_id, gpu, host, store, **kwargs):
         record("submit", job_id=job_id, direction="store" if store else "load", host_ids=self._host_ids(host).tolist())
-        return super()._submit(job_id, gpu, host, store)
+        return super()._submit(job_id, gpu, host, store, **kwargs)
 
     def get_finished(self):
         try:

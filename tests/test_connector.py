@@ -61,6 +61,38 @@ def make_config(extra, *, groups=((0, 1),), worker_bytes=1024, f=2, tokens=16, w
 # -- registration and sizing -----------------------------------------------------------------------------------------
 
 
+def test_under_multiconnector_the_spec_needs_vllm_033():
+    """In the engine processes too (where the front end's check did not run, e.g. without ``vllm serve``): vLLM's
+    own MultiConnector building our spec as a child refuses vLLM < 0.33 (vLLM #46951), and builds on 0.33."""
+    import vllm
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm_hybrid import Case, HybridKV, full, vllm_config
+
+    kv = HybridKV(Case(((full(), 2),), "overlaid"), 16, views=False)
+    extra = {"spec_name": plugin.SPEC_NAME, "cpu_bytes_to_use": 1 << 20}
+    config = vllm_config(extra)
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        engine_id="test",
+        kv_connector_extra_config={
+            "connectors": [
+                {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+            ]
+        },
+    )
+    config.scheduler_config = type("SchedulerConfig", (), {"disable_hybrid_kv_cache_manager": False})()
+    if vllm.__version__.startswith("0.32"):
+        with pytest.raises(ValueError, match=r"needs vLLM >= 0.33; this is vLLM 0.32"):
+            MultiConnector(config, KVConnectorRole.SCHEDULER, kv.config)
+    else:
+        connector = MultiConnector(config, KVConnectorRole.SCHEDULER, kv.config)
+        (child,) = connector._connectors
+        assert child.connector_scheduler.manager is not None
+
+
 def test_register_is_idempotent_and_resolves_by_name():
     plugin.register()
     plugin.register()  # vLLM may call plugins again in the same process: must not raise
@@ -235,6 +267,7 @@ def test_stats_report_deltas_and_counters_survive_reset():
         "evicted_blocks": 0,
         "cached_blocks": 0,
         "host_blocks": 2,
+        "host_keys": 2,
     }
     assert m.config_info() == [{"triton_offload_host_blocks": 2}]
     assert set(TritonOffloadingSpec.build_metric_definitions({})) >= set(first) - set(zeros)

@@ -180,3 +180,46 @@ def test_vllm_hands_the_spec_one_tensor_per_layer_or_one_packed_region():
         shapes[layout.name] = [tuple(t.shape) for t in role.worker.kv.kv_caches]
         role.shutdown()
     assert shapes == {"LBHNC": [(BLOCKS, 8192)] * LAYERS, "BLHNC": [(BLOCKS, LAYERS * 8192)]}
+
+
+def test_a_sync_load_completes_while_an_earlier_async_load_is_held_back():
+    """vLLM 0.33's worker role submits a synchronous load with ``expedited=True`` and waits for it before the step's
+    forward pass: it must not wait behind an asynchronous load submitted earlier. On a simulated device whose load
+    lane is held back (tests/sim_cuda.py), the sync load completes and is waited for; the async one completes once
+    released, and only then is its request reported as received."""
+    from sim_cuda import deferred, lane_stream
+
+    from triton_offload.engine import LOAD
+
+    kv = VllmKV("llama", KVCacheLayout.LBHNC, "cpu")
+    mgr, role = _worker_role(kv)
+    rc = ctx()
+    keys = [key(c) for c in range(2)]
+    out = mgr.prepare_store(keys, rc)
+    src = [3, 7, 1, 9]
+    role.prepare_store_kv(
+        OffloadingConnectorMetadata(load_jobs={}, store_jobs={0: TransferJob("r", GPULoadStoreSpec(src, [4], [0]),
+                                                                             out.store_spec)})
+    )  # fmt: skip
+    role.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={}, store_jobs={}))
+    _step_done(role, {0})
+    mgr.complete_store(keys, rc)
+    before = kv.raw.clone()
+
+    engine = role.worker.engine
+    sim = deferred(engine)
+    sim.held.add(lane_stream(engine, LOAD).name)  # the asynchronous load is slow
+    slow = TransferJob("r2", mgr.prepare_load(keys[:1], rc), GPULoadStoreSpec([20, 21], [2], [0]), sync=False)
+    role.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={1: slow}, store_jobs={}))
+    fast = TransferJob("r", mgr.prepare_load(keys[1:], rc), GPULoadStoreSpec([13, 14], [2], [0]), sync=True)
+    # Submits job 2 expedited and waits for it: the simulator fails this if the wait blocks behind job 1.
+    role.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={2: fast}, store_jobs={}))
+    assert torch.equal(kv.block_bytes(kv.raw, [13, 14]), kv.block_bytes(before, src[2:]))
+    assert torch.equal(kv.block_bytes(kv.raw, [20, 21]), kv.block_bytes(before, [20, 21])), "job 1 is held back"
+    assert role.get_finished(set()) == (set(), set())
+    assert role.build_connector_worker_meta().completed_jobs == {2: 1}
+    sim.held.clear()
+    role.worker.wait({1})
+    assert role.get_finished(set()) == (set(), {"r2"})
+    assert torch.equal(kv.block_bytes(kv.raw, [20, 21]), kv.block_bytes(before, src[:2]))
+    role.shutdown()

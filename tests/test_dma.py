@@ -43,8 +43,10 @@ def _spec(kind: str):
     caches = make_caches("canonical", 3, 16, dict(page_bytes=32, pad=pad), torch.int8, seed=4)
     groups = [[0, 1], [2]] if kind != "slots" else None
     slots = HostSlots((32 + pad,) * 3, (0, 1, 2)) if kind.startswith("slots") else None
-    spec = to.KVCacheSpec(caches, "canonical", groups=groups, host_slots=slots)
-    return caches, spec, "canonical", dict(groups=spec.groups if groups else None, host_slots=slots)
+    regions = (0, 1) if kind == "group-regions" else None  # unequal groups (64, 32 bytes), a region each
+    spec = to.KVCacheSpec(caches, "canonical", groups=groups, host_slots=slots, group_regions=regions)
+    ref = dict(groups=spec.groups if groups else None, host_slots=slots, group_regions=regions)
+    return caches, spec, "canonical", ref
 
 
 def _round_trip(kind, f, skip, ids_kind, coalesce=True):
@@ -84,7 +86,7 @@ def _round_trip(kind, f, skip, ids_kind, coalesce=True):
 
 @pytest.mark.parametrize("ids_kind", sorted(IDS))
 @pytest.mark.parametrize("f,skip", [(1, 0), (2, 1), (4, 3)], ids=lambda v: str(v))
-@pytest.mark.parametrize("kind", ["kv_first", "block_first", "mla", "groups", "slots", "slots-padded"])
+@pytest.mark.parametrize("kind", ["kv_first", "block_first", "mla", "groups", "group-regions", "slots", "slots-padded"])
 def test_descriptors_move_exactly_the_reference_bytes(kind, f, skip, ids_kind):
     _round_trip(kind, f, skip, ids_kind)
 

@@ -127,13 +127,32 @@ def test_a_spec_module_that_does_not_import_is_refused(engine_config):
         engine_config({**PACKED, "spec_name": "MySpec", "spec_module_path": "some.where"})
 
 
-def test_a_multiconnector_child_is_checked():
+def _multi(extra):
     from types import SimpleNamespace
 
-    child = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {**PACKED, "num_cta": 4}}
-    ktc = SimpleNamespace(kv_connector="MultiConnector", kv_connector_extra_config={"connectors": [child]})
+    child = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+    return _Config(SimpleNamespace(kv_connector="MultiConnector", kv_connector_extra_config={"connectors": [child]}))
+
+
+def test_a_multiconnector_child_is_checked(monkeypatch):
+    monkeypatch.setattr("vllm.__version__", "0.33.0")  # past the version check below
     with pytest.raises(ValueError, match=re.escape("'num_cta' (did you mean 'num_ctas'?)")):
-        preflight.check_vllm_config(_Config(ktc))
+        preflight.check_vllm_config(_multi({**PACKED, "num_cta": 4}))
+
+
+@pytest.mark.parametrize("version, refused", [("0.32.0", True), ("0.32.1+cpu", True), ("0.33.0", False)])
+def test_multiconnector_needs_vllm_033(monkeypatch, version, refused):
+    """vLLM 0.32 under MultiConnector can store a block another connector is writing (its scheduler skips recording
+    an allocation without an offload hit, vLLM #46951): refused before the model loads, naming the version and the
+    fix. OffloadingConnector alone is accepted on 0.32."""
+    monkeypatch.setattr("vllm.__version__", version)
+    if refused:
+        with pytest.raises(ValueError, match=rf"needs vLLM >= 0.33; this is vLLM {re.escape(version)}.*#46951"):
+            preflight.check_vllm_config(_multi(PACKED))
+    else:
+        preflight.check_vllm_config(_multi(PACKED))
+    preflight.check_multi_connector("OffloadingConnector", "0.32.0")
+    preflight.check_multi_connector("MultiConnector", "0.33.1rc1.dev5+gabcdef")
 
 
 class _Config:

@@ -76,6 +76,16 @@ def test_the_readme_json_line_is_the_quick_starts_configuration_and_valid():
     }
 
 
+def test_the_readme_names_the_supported_vllm_versions_per_feature():
+    """The README's version table: a row per feature, a column per vLLM version; MultiConnector refused on 0.32."""
+    text = README.read_text().split("## Install into your vLLM environment", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| feature | vLLM 0.32 | vLLM 0.33 |"
+    multi = next(row for row in rows if "MultiConnector" in row)
+    assert "refused at startup" in multi.split("|")[2] and multi.split("|")[3].strip() == "yes"
+    assert "## vLLM versions" in VLLM_DOC.read_text()
+
+
 def test_the_measured_table_names_its_device_date_driver_and_commit():
     section = README.read_text().split("## What it measured", 1)[1].split("\n## ", 1)[0]
     for fact in ("NVIDIA H100 80GB HBM3", "2026-11-22", "driver 580.159.04", "the commit measured is not recorded"):

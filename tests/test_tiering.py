@@ -432,6 +432,7 @@ BAD = {
     "policy": ({"eviction_policy": "fifo"}, "eviction_policy = 'fifo' is not usable"),
     "store-threshold": ({"store_threshold": 2}, "store_threshold = 2 is not supported"),
     "canonical": ({"canonical_layout": True}, "canonical_layout = True is not supported"),
+    "host-layout": ({"host_layout": "compact"}, r"host_layout = 'compact' is not supported; accepted: 'worker_slots'"),
     "num-ctas": ({"num_ctas": 0}, "num_ctas = 0 must be a positive int"),
     "transfer-path": ({"transfer_path": "DMA"}, "transfer_path = 'DMA' must be one of 'auto', 'kernel', 'dma'"),
     "no-budget": ({"cpu_bytes_to_use": None}, "needs 'cpu_bytes_to_use'"),

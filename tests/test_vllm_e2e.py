@@ -50,8 +50,15 @@ def f2():
     return run_driver("f2", "--spec-module-path", "triton_offload.connector", "--extra", json.dumps(HOST_MEMORY["f2"]))
 
 
-def test_every_repeated_prompt_gives_the_cold_tokens(f1, f2):
-    for result in (f1, f2):
+@pytest.fixture(scope="module")
+def hybrid():
+    """A hybrid model: layer 0 attends within a 64-token sliding window, layer 1 to everything, so vLLM keeps two
+    KV-cache groups overlaid on one allocation; a host region per group, room for 5 rows."""
+    return run_driver("hybrid")
+
+
+def test_every_repeated_prompt_gives_the_cold_tokens(f1, f2, hybrid):
+    for result in (f1, f2, hybrid):
         mismatched = [p["label"] for p in result["probes"] if not p["match"]]
         assert not mismatched, f"{result['config']}: greedy tokens differ from the cold run in {mismatched}"
 
@@ -113,7 +120,7 @@ def test_counters_and_bytes_reach_vllm_metrics(f1, f2):
 
 def test_startup_is_logged_once_per_process(f1):
     log = f1["log"]
-    assert log.count("triton-offload scheduler: 14 host blocks of 1 GPU block(s)") == 1
+    assert log.count("triton-offload scheduler: 14 host rows of 1 GPU block(s)") == 1
     assert log.count("triton-offload worker: host cache") == 1
     import torch
 
@@ -139,3 +146,21 @@ def test_host_memory_settings_reach_the_cache_and_its_pages_are_read_back(f1, f2
     assert reserved != bool(fallback), "either the reserved pages were used, or the fallback was announced"
     if fallback:
         assert "transparent huge pages advised" in w2 and "falling back to transparent huge pages" in f2["log"]
+
+
+def test_a_hybrid_model_hits_with_the_tokens_computed_without_offload(hybrid):
+    """Sliding-window and full-attention groups: a prompt comes back whole from the host (192 tokens) with the tokens
+    its cold run computed (no offload hit then). Each key moves only its group's layer: 32 KiB per GPU block, half
+    the model's block. The full-attention pool holds 5 keys: q's store evicts p's tail key, and p, its
+    sliding-window key kept only for its whole prompt's end, is then recomputed (vLLM finds no boundary where both
+    groups hit) with the same tokens."""
+    got = cached(hybrid)
+    assert (got["p_cold"], got["p_offload_hit"], got["q_cold"], got["q_offload_hit"]) == (0, 192, 0, 192)
+    assert got["p_after_eviction"] == 0
+    m = hybrid["metrics"]
+    half = GPU_BLOCK_BYTES // 2
+    # Keys: p 3 full-attention + 1 sliding-window, q the same, then p's tail full-attention key again.
+    assert m["vllm:triton_offload_stored_blocks"] == 9 and m["vllm:kv_offload_store_bytes"] == 9 * 2 * half
+    assert m["vllm:triton_offload_hit_blocks"] == 8 and m["vllm:kv_offload_load_bytes"] == 8 * 2 * half
+    assert m["vllm:triton_offload_evicted_blocks"] == 2
+    assert m["vllm:triton_offload_cached_blocks"] == 7, "5 full-attention keys (its pool full) and 2 sliding-window"

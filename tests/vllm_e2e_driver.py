@@ -6,6 +6,7 @@ runs all its scenarios in one ``LLM``). Prints ``E2E_RESULT {json}``: per probe,
 
     python tests/vllm_e2e_driver.py --config f1    # host block = GPU block, budget of 14 host blocks: eviction
     python tests/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
+    python tests/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
 """
 
 from __future__ import annotations
@@ -27,7 +28,17 @@ CONFIGS = {
     "f1": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * GPU_BLOCK_BYTES, "eviction_policy": "lru"},
     # Host block = 2 GPU blocks; a budget given as a string, ample for every prompt here.
     "f2": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": "16MiB", "num_ctas": 4},
+    # A hybrid model (sliding window + full attention), host block = 2 GPU blocks, a host region per KV-cache group:
+    # room for 5 rows, fewer than the 3 + 3 full-attention keys of two prompts (one row also holds a sliding-window
+    # key): the second prompt's store evicts the first's tail, in its group's pool only.
+    "hybrid": {
+        "block_size": 2 * GPU_BLOCK,
+        "cpu_bytes_to_use": 5 * 4 * GPU_BLOCK_BYTES // 2,
+        "host_regions": "per_group",
+    },
 }
+# The hybrid model's sliding window, in tokens (2 GPU blocks).
+SLIDING_WINDOW = 2 * GPU_BLOCK
 
 
 class Runner:
@@ -88,7 +99,16 @@ def scenario_f2(r: Runner) -> None:
     r.run("p_after_connector_reset", "p", p)  # host cache emptied: computed from scratch
 
 
-SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2}
+def scenario_hybrid(r: Runner) -> None:
+    p, q = r.prompt(), r.prompt()
+    r.run("p_cold", "p", p)
+    r.probe("p_offload_hit", "p", p)  # every group's keys of p from the host: 3 host blocks of 64 tokens
+    r.run("q_cold", "q", q)  # stores q: the full-attention pool holds 5 keys, so p's tail key goes
+    r.probe("q_offload_hit", "q", q)
+    r.probe("p_after_eviction", "p", p)  # p's head survives in the full-attention pool; its tail is recomputed
+
+
+SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid}
 
 
 def main(argv=None) -> int:
@@ -103,7 +123,7 @@ def main(argv=None) -> int:
     if args.spec_module_path:
         extra["spec_module_path"] = args.spec_module_path
     with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
-        build_tiny_llama(model_dir)
+        build_tiny_llama(model_dir, sliding_window=SLIDING_WINDOW if args.config == "hybrid" else None)
         t_model = time.perf_counter()
         llm = tiny_llm(model_dir, extra)
         t_llm = time.perf_counter()

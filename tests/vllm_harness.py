@@ -119,9 +119,11 @@ def require_engine(api_module: str = "vllm.v1.kv_offload.base") -> list:
     return []
 
 
-def build_tiny_llama(path: str, seed: int = 0) -> None:
+def build_tiny_llama(path: str, seed: int = 0, sliding_window: int | None = None) -> None:
     """A random-weight 2-layer Llama. initializer_range=0.5 makes greedy tokens depend strongly on the KV, so a
-    wrong byte loaded back changes the output (the HF default 0.02 gives near-constant tokens)."""
+    wrong byte loaded back changes the output (the HF default 0.02 gives near-constant tokens). With
+    ``sliding_window`` (tokens), a hybrid model: layer 0 attends within that window, layer 1 to everything (vLLM's
+    Llama reads ``layer_types``), so vLLM keeps two KV-cache groups, a sliding-window one and a full-attention one."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -141,6 +143,9 @@ def build_tiny_llama(path: str, seed: int = 0) -> None:
         initializer_range=0.5,
         torch_dtype="float32",
     )
+    if sliding_window is not None:
+        cfg.layer_types = ["sliding_attention", "full_attention"]
+        cfg.sliding_window = sliding_window
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 

@@ -1,13 +1,14 @@
 """Worker-side transfer engine: a store or load is planned (:mod:`triton_offload.plan`), its path chosen
 (:mod:`triton_offload.path_choice`), issued (the kernel, :mod:`triton_offload.kernel_issuer`, or the copy engines,
-:mod:`triton_offload.dma`) and tracked to completion on a side stream per direction (:mod:`triton_offload.jobs`).
-Everything that does not change per call is built and checked once, at construction.
+:mod:`triton_offload.dma`) and tracked to completion on a side stream per lane (:mod:`triton_offload.jobs`): stores,
+loads, and expedited loads. Everything that does not change per call is built and checked once, at construction.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from triton_offload._checks import AUTO, DMA, KERNEL, int_in_range, transfer_path
@@ -24,12 +25,18 @@ from triton_offload.path_choice import Calibration, cheapest
 from triton_offload.plan import BlockIds, Direction, TransferPlan, TransferPlanner, check_host_buffer
 from triton_offload.staging import IdStager
 
-__all__ = ["TransferEngine", "JobResult", "STORE", "LOAD"]
+__all__ = ["TransferEngine", "JobResult", "STORE", "LOAD", "EXPEDITED", "LANES"]
 
 logger = logging.getLogger(__name__)
 
 # The directions by their short names, as the connector and the benchmarks spell them.
 STORE, LOAD = Direction.STORE, Direction.LOAD
+# The lane of expedited loads (vLLM 0.33's synchronous loads, which the step waits for): a stream of their own, so
+# they never queue behind asynchronous loads submitted earlier (as vLLM's own worker gives them a handler and stream of
+# their own).
+EXPEDITED = "expedited load"
+# The engine's lanes, one side stream each.
+LANES = (STORE, LOAD, EXPEDITED)
 
 
 class TransferEngine:
@@ -85,10 +92,27 @@ class TransferEngine:
         self._launcher = self._kernel_launcher(fast_launch)
         dma = self._copy_engines() if self.path != KERNEL else None
         self.calibration = self._calibration(calibration, dma) if self.path == AUTO else None
-        # Chosen once here: a store lane and a load lane, so loads (on the critical path of a request waiting for
-        # its prefix) never queue behind a long store.
-        self._tracker = JobTracker(kv.device, tuple(Direction), name="the transfer engine")
-        self._issuers = {d: self._lane_issuers(d, dma) for d in Direction}
+        # Chosen once here: a store lane, a load lane and an expedited-load lane, so loads (on the critical path of a
+        # request waiting for its prefix) never queue behind a long store, and a load the step waits for (expedited)
+        # never queues behind earlier asynchronous loads.
+        #
+        # The lanes are not ordered against each other, and do not need to be, under one invariant: a GPU block that
+        # a pending store still reads is not overwritten (by a load, or by the model) before that store completes.
+        # vLLM keeps it: when it hands out again a block whose store is pending, it flushes that store
+        # (jobs_to_flush) and waits for it (wait) before it submits any transfer of the step (vLLM 0.33; vLLM 0.32
+        # under MultiConnector does not, and is refused at startup: connector/preflight.py). Broken, a load would
+        # overwrite the block while the store reads it, and the host block would hold a mix of two requests' KV,
+        # loaded later as a hit. Guarded here too, cheaply: a load into a block a pending store of this engine reads
+        # waits for that store on the device (_stores_reading, tests/test_engine_lanes.py).
+        self._tracker = JobTracker(kv.device, LANES, name="the transfer engine")
+        self._issuers = {lane: self._lane_issuers(lane, dma) for lane in LANES}
+        # Per GPU block, the sequence number of the last store that reads it (0: none); the pending stores by number;
+        # the highest number reported complete (a lane completes in order, so every lower one is complete too).
+        self._store_reads = np.zeros(kv.num_blocks, dtype=np.int64)
+        self._store_seq = self._stores_done = 0
+        self._pending_stores: dict[int, int] = {}  # store sequence number -> job id
+        self._store_seq_of: dict[int, int] = {}  # job id -> store sequence number
+        self.ordered_loads = 0  # loads that had to wait for a pending store of the same blocks
         # Per (direction, path): jobs, bytes, measured seconds and the chosen path's predicted seconds.
         self._path_totals: dict[tuple[Direction, str], list] = {}
 
@@ -140,11 +164,11 @@ class TransferEngine:
         )
         return calibration
 
-    def _lane_issuers(self, direction: Direction, dma: DmaIssuer | None) -> dict[str, Issuer]:
+    def _lane_issuers(self, lane, dma: DmaIssuer | None) -> dict[str, Issuer]:
         """The issuers of one lane's jobs, the kernel first (it wins ties). Id slots are allocated on the lane's
         stream: if a job fails and its slot is dropped, the caching allocator hands that memory out again only in
         that stream's order, after the queued copy."""
-        stager = IdStager(self.kv.device, self._tracker.streams[direction]) if self.cuda else None
+        stager = IdStager(self.kv.device, self._tracker.streams[lane]) if self.cuda else None
         issuers: dict[str, Issuer] = {}
         if self.path != DMA:
             issuers[KERNEL] = KernelIssuer(self._launcher, stager, self.num_ctas, self.launch_shape)
@@ -163,15 +187,24 @@ class TransferEngine:
         before anything is queued, a ``job_id`` still pending (submitted, its result not yet returned by
         :meth:`get_finished`) included.
         """
-        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes)
+        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes, STORE)
 
     def submit_load(
-        self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip=0, group_sizes=None
+        self,
+        job_id: int,
+        gpu_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        *,
+        skip=0,
+        group_sizes=None,
+        expedited: bool = False,
     ) -> None:
-        """Queues a copy of host blocks into GPU blocks; arguments as :meth:`submit_store`."""
-        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip, group_sizes)
+        """Queues a copy of host blocks into GPU blocks; arguments as :meth:`submit_store`. ``expedited``: a load the
+        caller will wait for soon (vLLM 0.33's synchronous loads), on a stream of its own, so that it never queues
+        behind earlier loads that are not."""
+        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip, group_sizes, EXPEDITED if expedited else LOAD)
 
-    def _submit(self, job_id, direction: Direction, gpu_block_ids, host_block_ids, skip, group_sizes) -> None:
+    def _submit(self, job_id, direction: Direction, gpu_block_ids, host_block_ids, skip, group_sizes, lane) -> None:
         # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
         self._tracker.check_new(job_id)
         trace = self.trace
@@ -182,20 +215,58 @@ class TransferEngine:
         )
         if trace is not None:
             trace("plan")
-        issuers = self._issuers[direction]
+        issuers = self._issuers[lane]
         path, predicted = self._choose(plan, issuers)
+        after = ()
+        if self._tracker.cuda and plan.n_blocks:
+            if direction is STORE:
+                self._store_seq += 1
+                self._store_reads[plan.gpu_ids] = self._store_seq
+                self._pending_stores[self._store_seq] = job_id
+                self._store_seq_of[job_id] = self._store_seq
+            elif self._pending_stores:
+                after = self._stores_reading(plan.gpu_ids)
         self._tracker.submit(
             job_id,
             direction,
             plan.num_bytes,
             issuers[path],
             plan if plan.n_blocks else None,
+            lane=lane,
             path=path,
             predicted=predicted,
             trace=trace,
+            after=after,
         )
         if trace is not None:
             trace("done")
+
+    def _stores_reading(self, gpu_ids: np.ndarray) -> tuple[int, ...]:
+        """The pending store a load into ``gpu_ids`` must follow, as a job id in a tuple (empty: none). The stores
+        complete in order on their lane, so following the last one that reads any of the blocks follows them all.
+        Nothing vLLM submits should ever need it (the engine's invariant, in ``__init__``): it is logged."""
+        last = int(self._store_reads[gpu_ids].max())
+        if last <= self._stores_done or last not in self._pending_stores:
+            return ()
+        if not self._tracker.running(self._pending_stores[last]):
+            # Waited for (vLLM's jobs_to_flush), so complete on the device, with every earlier store of its lane.
+            return ()
+        self.ordered_loads += 1
+        blocks = gpu_ids[self._store_reads[gpu_ids] > self._stores_done]
+        logger.warning(
+            "triton-offload engine: a load overwrites GPU block(s) %s that store job %d still reads: ordered after it "
+            "(the caller should have waited for the store)",
+            blocks[:8].tolist(),
+            self._pending_stores[last],
+        )
+        return (self._pending_stores[last],)
+
+    def _stores_reported(self, results: list[JobResult]) -> None:
+        for r in results:
+            seq = self._store_seq_of.pop(r.job_id, None)
+            if seq is not None:
+                self._pending_stores.pop(seq, None)
+                self._stores_done = max(self._stores_done, seq)
 
     def _choose(self, plan: TransferPlan, issuers: dict[str, Issuer]) -> tuple[str, dict[str, float] | None]:
         """(the path of ``plan``, each path's predicted seconds): the engine's path, or with ``auto`` the one
@@ -209,7 +280,10 @@ class TransferEngine:
     # -- completion ---------------------------------------------------------------------------------------------
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished since the last call, each reported once, without blocking."""
-        return self._tally_paths(self._tracker.get_finished())
+        results = self._tracker.get_finished()
+        if self._pending_stores:
+            self._stores_reported(results)
+        return self._tally_paths(results)
 
     def wait(self, job_ids) -> None:
         """Blocks until the given jobs are finished; unknown or already reported ids are ignored."""
@@ -222,7 +296,9 @@ class TransferEngine:
     def shutdown(self) -> list[JobResult]:
         """Drains every job, then re-raises the first error any job hit. Returns the results not yet reported."""
         try:
-            return self._tally_paths(self._tracker.shutdown())
+            results = self._tracker.shutdown()
+            self._stores_reported(results)
+            return self._tally_paths(results)
         finally:
             if self.calibration is not None:
                 logger.info("triton-offload engine: auto's transfers by path: %s", self.describe_paths())

@@ -49,7 +49,9 @@ def canary_spec(spec: KVCacheSpec, num_blocks: int = _CANARY_BLOCKS) -> KVCacheS
         c = torch.empty(shape, dtype=t.dtype, device=t.device)
         c.view(torch.uint8).random_(0, 256, generator=gen)
         tensors.append(c)
-    return KVCacheSpec(tensors, spec.layout, groups=spec.groups, host_slots=spec.host_slots)
+    return KVCacheSpec(
+        tensors, spec.layout, groups=spec.groups, host_slots=spec.host_slots, group_regions=spec.group_regions
+    )
 
 
 def _canary_transfer(spec: KVCacheSpec, f: int, direction: Direction):
@@ -67,7 +69,14 @@ def _canary_transfer(spec: KVCacheSpec, f: int, direction: Direction):
 
 
 def _reference(spec: KVCacheSpec, direction: Direction, host: torch.Tensor, gpu, host_ids, f, skips, sizes) -> None:
-    kw = dict(blocks_per_host_block=f, skip=skips, groups=spec.groups, group_sizes=sizes, host_slots=spec.host_slots)
+    kw = dict(
+        blocks_per_host_block=f,
+        skip=skips,
+        groups=spec.groups,
+        group_sizes=sizes,
+        host_slots=spec.host_slots,
+        group_regions=spec.group_regions,
+    )
     if direction is Direction.STORE:
         reference.gather_blocks_ref(spec.kv_caches, spec.layout, gpu, host, host_ids, **kw)
     else:

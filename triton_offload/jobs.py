@@ -1,8 +1,9 @@
 """Tracks asynchronous transfer jobs: a side stream per *lane*, each job fenced after the compute stream and timed
 between pooled events, completion polled FIFO per lane without blocking, ``wait`` on chosen jobs, and a shutdown that
 drains every job before re-raising the first error. Any :class:`~triton_offload.issuer.Issuer` can be tracked; lanes
-are names, so another lane (expedited loads) is one more name. Without CUDA a job runs synchronously at submission.
-Not thread-safe: one worker thread submits and polls.
+are names (the engine's: stores, loads, and expedited loads). A job may also be ordered after chosen earlier jobs of
+other lanes (``after``). Without CUDA a job runs synchronously at submission. Not thread-safe: one worker thread
+submits and polls.
 """
 
 from __future__ import annotations
@@ -73,17 +74,23 @@ class JobTracker:
     Args:
         device: where the transfers run (CUDA: side streams and events; otherwise jobs run at submission).
         lanes: the names of the side streams, one each: a lane's jobs complete in submission order, and never queue
-            behind another lane's.
+            behind another lane's (unless a job names one in ``after``).
         name: how errors name the owner (``"the transfer engine"``).
         cuda: the CUDA API to use (``torch.cuda``; tests pass a stand-in to check the orderings on CPU).
+
+    Lanes are not ordered against each other: two jobs of different lanes that touch the same bytes (a load into a
+    GPU block a pending store still reads) must be ordered by the caller, with ``after`` or by waiting for the first
+    (the transfer engine does the former for its stores and loads; vLLM does the latter, see
+    :class:`~triton_offload.engine.TransferEngine`).
     """
 
     def __init__(self, device: torch.device, lanes: Sequence[Hashable], *, name: str = "the job tracker", cuda=None):
         self.device, self.name = device, name
         self.cuda = device.type == "cuda"
         self._pending: dict[Hashable, collections.deque[_Job]] = {lane: collections.deque() for lane in lanes}
-        # Ids submitted and not yet reported: a second job under one of them would report two results with one id.
-        self._pending_ids: set[int] = set()
+        # Jobs submitted and not yet reported, by id: a second job under one of them would report two results with
+        # one id; ``after`` finds the jobs it names here.
+        self._pending_ids: dict[int, _Job] = {}
         self._done: list[JobResult] = []
         self._first_error: BaseException | None = None
         self._closed = False
@@ -120,21 +127,24 @@ class JobTracker:
         path: str | None = None,
         predicted: Mapping[str, float] | None = None,
         trace=None,
+        after: Iterable[int] = (),
     ) -> None:
         """Issues ``plan`` through ``issuer`` as job ``job_id`` on ``lane`` (default: the lane named after the
         direction); ``plan`` None moves nothing and completes at once. An issue that raises fails the job, reported
         once by :meth:`get_finished`; :meth:`shutdown` re-raises the first. ``path`` defaults to the issuer's;
-        ``predicted`` (each path's predicted seconds, where one was chosen) goes into the result."""
+        ``predicted`` (each path's predicted seconds, where one was chosen) goes into the result. ``after``: ids of
+        earlier jobs (of any lane) the job must follow on the device; ids not pending, or already finished, are
+        ignored."""
         job = _Job(job_id, direction, num_bytes, issuer.path if path is None else path, predicted)
         lane = direction if lane is None else lane
         if plan is None:
             job.finish(0.0)
         elif self.cuda:
-            self._issue_cuda(job, lane, issuer, plan, trace)
+            self._issue_cuda(job, lane, issuer, plan, trace, after)
         else:
             self._issue_now(job, issuer, plan, trace)
         self._pending[lane].append(job)
-        self._pending_ids.add(job_id)
+        self._pending_ids[job_id] = job
 
     def _issue_now(self, job: _Job, issuer: Issuer, plan, trace) -> None:
         t0 = time.perf_counter()
@@ -144,7 +154,7 @@ class JobTracker:
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
-    def _issue_cuda(self, job: _Job, lane, issuer: Issuer, plan, trace) -> None:
+    def _issue_cuda(self, job: _Job, lane, issuer: Issuer, plan, trace, after: Iterable[int] = ()) -> None:
         cuda = self._api
         stream, fence = self.streams[lane], self._fences[lane]
         job.issuer = issuer
@@ -153,11 +163,15 @@ class JobTracker:
             # Every job waits for the compute stream as it is at submission: a store reads KV the model may still be
             # writing; a load overwrites blocks the model (or the allocator's previous owner) last wrote there.
             # Earlier jobs of the same lane are ordered by its stream, so they also complete in submission order.
-            # Lanes are not ordered against each other: the connector only loads into blocks no store is reading
-            # (vLLM keeps a block allocated until its store completes), and a host block is only loaded after its
-            # store completed (the manager's complete_store).
+            # Lanes are not ordered against each other (a load never waits for a long store), except after the jobs
+            # the caller names: the engine names the pending stores that still read a block a load overwrites. A host
+            # block is only loaded after its store completed (the manager's complete_store).
             fence.record(cuda.current_stream(self.device))
             stream.wait_event(fence)
+            for earlier in after:
+                prior = self._pending_ids.get(earlier)
+                if prior is not None and prior.end is not None and prior.result is None:
+                    stream.wait_event(prior.end)
             if trace is not None:
                 trace("fence")
             # The start event precedes everything the issuer does (an id upload included), so every path's jobs are
@@ -207,7 +221,8 @@ class JobTracker:
             # FIFO per lane: the stream completes jobs in order, so the first unfinished one ends the scan.
             while queue and self._poll(queue[0], block=False):
                 out.append(queue.popleft().result)
-        self._pending_ids.difference_update(r.job_id for r in out)
+        for r in out:
+            self._pending_ids.pop(r.job_id, None)
         return out
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -217,6 +232,12 @@ class JobTracker:
             for job in list(queue):
                 if job.job_id in wanted:
                     self._poll(job, block=True)
+
+    def running(self, job_id: int) -> bool:
+        """Whether job ``job_id`` was submitted and is not known to be finished (not waited for, or not yet seen
+        complete by :meth:`get_finished`)."""
+        job = self._pending_ids.get(job_id)
+        return job is not None and job.result is None
 
     @property
     def num_pending(self) -> int:

@@ -1,8 +1,10 @@
 """GPU KV-cache layouts and their byte segments: every layout is named once (:data:`LAYOUTS`), and everything else
 (segments, sizes, validation) is derived from the per-layer tensors' addresses, strides and element sizes. A layer
 contributes one *segment* per K/V half (one for MLA and canonical views), and the packed host format lays a GPU block
-out as its segments in layer order, so a prepared :class:`KVCacheSpec` describes everything the kernel moves;
-:class:`HostSlots` describes the other host format it writes, vLLM's worker slots (docs/design.md, sections 3-4).
+out as its segments in layer order, so a prepared :class:`KVCacheSpec` describes everything the kernel moves. The
+packed rows hold one key per *region* (by default one region, sized for the largest group; with ``group_regions``,
+several, each sized for its groups), and :class:`HostSlots` describes the other host format it writes, vLLM's worker
+slots (docs/design.md, sections 3-4).
 """
 
 from __future__ import annotations
@@ -97,8 +99,10 @@ class Segment:
 
     On the host, the run of the GPU block at sub-block ``j`` of a host block of ``f`` sub-blocks starts at
     ``f * host_region + j * host_stride + host_offset`` in the host block's row. Packed format: ``host_region = 0``,
-    ``host_stride`` the bytes of a packed sub-block (all layers); :class:`HostSlots`: ``host_region`` the bytes of the
-    regions before this one per sub-block, ``host_stride`` the region's page.
+    ``host_stride`` the bytes of a packed sub-block (the largest group's); packed with ``group_regions``:
+    ``host_region`` the bytes per GPU block of the regions before its group's, ``host_stride`` its region's bytes;
+    :class:`HostSlots`: ``host_region`` the bytes of the regions before this one per sub-block, ``host_stride`` the
+    region's page.
 
     Attributes:
         layer: index of the layer tensor it comes from.
@@ -165,12 +169,37 @@ def _layer_runs(t: torch.Tensor, i: int, layout: Layout) -> list[tuple[int, int,
     return [(t.data_ptr() + half * kv_step, t.stride(dims.block_dim) * esize, nbytes) for half in halves]
 
 
+def _region_bytes(group_bytes: Sequence[int], regions: Sequence[int] | None) -> tuple[int, ...]:
+    """Bytes of one sub-block of each host region: the largest of its groups' (one region when ``regions`` is
+    None).
+
+    Raises:
+        ValueError: ``regions`` does not give each group a region, or leaves a region number unused.
+    """
+    if regions is None:
+        return (max(group_bytes),)
+    regions = list(regions)
+    if len(regions) != len(group_bytes) or any(type(r) is not int or r < 0 for r in regions):
+        raise ValueError(
+            f"group_regions = {regions}: expected one region number (an int >= 0) per group, {len(group_bytes)}"
+        )
+    count = max(regions) + 1
+    if set(regions) != set(range(count)):
+        raise ValueError(f"group_regions = {regions}: regions must be numbered 0, 1, ... without a gap")
+    return tuple(max(b for b, r in zip(group_bytes, regions) if r == region) for region in range(count))
+
+
 def _group_segments(
-    runs: list[list[tuple[int, int, int]]], pages: list[int], groups: list[list[int]], host_slots: HostSlots | None
+    runs: list[list[tuple[int, int, int]]],
+    pages: list[int],
+    groups: list[list[int]],
+    host_slots: HostSlots | None,
+    group_regions: Sequence[int] | None = None,
 ) -> tuple[tuple[Segment, ...], ...]:
     """Each group's segments in packed order (its layers in the order given, K before V), with their host placement:
-    packed (one sub-block of the largest group's bytes, the layers side by side) or ``host_slots``. ``pages[i]`` is
-    entry i's bytes per block (the sum of its runs)."""
+    packed (one sub-block of the largest group's bytes, the layers side by side), packed in its region of the row
+    (``group_regions``: sub-blocks of the region's bytes) or ``host_slots``. ``pages[i]`` is entry i's bytes per
+    block (the sum of its runs)."""
     for gi, layers in enumerate(groups):
         if not layers:
             raise ValueError(f"group {gi} is empty: every group needs at least one layer")
@@ -178,22 +207,27 @@ def _group_segments(
             raise ValueError(f"group {gi} = {layers}: indices must be distinct layers in [0, {len(runs)})")
     if host_slots is not None and len(host_slots.regions) != len(runs):
         raise ValueError(f"host_slots names a region for {len(host_slots.regions)} entries, but there are {len(runs)}")
-    packed_stride = max(sum(pages[i] for i in layers) for layers in groups)
+    if host_slots is not None and group_regions is not None:
+        raise ValueError("host_slots and group_regions are two host layouts: give one")
+    group_bytes = [sum(pages[i] for i in layers) for layers in groups]
+    region_bytes = _region_bytes(group_bytes, group_regions)
     out = []
-    for layers in groups:
+    for gi, layers in enumerate(groups):
         offset, segs = 0, []
+        region = 0 if group_regions is None else group_regions[gi]
         for i in layers:
             if host_slots is not None:
                 # Each entry's bytes start its own region's sub-block, whatever the group holds before it.
-                region = host_slots.regions[i]
-                offset, host_stride, host_region = 0, host_slots.pages[region], sum(host_slots.pages[:region])
+                slot = host_slots.regions[i]
+                offset, host_stride, host_region = 0, host_slots.pages[slot], sum(host_slots.pages[:slot])
                 if pages[i] > host_stride:
                     raise ValueError(
                         f"entry {i} moves {pages[i]} bytes per block, more than the "
-                        f"{host_stride}-byte page of its host region {region}"
+                        f"{host_stride}-byte page of its host region {slot}"
                     )
             else:
-                host_stride, host_region = packed_stride, 0
+                # The group's region of the row: f sub-blocks of the region's bytes, after the earlier regions'.
+                host_stride, host_region = region_bytes[region], sum(region_bytes[:region])
             for base, stride, nbytes in runs[i]:
                 segs.append(Segment(i, base, stride, nbytes, offset, host_stride, host_region))
                 offset += nbytes
@@ -215,9 +249,15 @@ class KVCacheSpec:
         groups: KV-cache groups (vLLM's hybrid-model groups), as lists of indices into ``kv_caches``. A GPU block
             of group g holds exactly the layers of group g, and its packed host sub-block holds those layers in
             the order given. Every group's sub-block has the same stride on the host, ``bytes_per_block``, the
-            largest group's. Default: one group of all layers in order.
+            largest group's (unless ``group_regions``). Default: one group of all layers in order.
         host_slots: lay the host rows out as vLLM's worker slots (:class:`HostSlots`, one region index per entry
             of ``kv_caches``) instead of the packed format. The GPU side and the bytes moved are the same.
+        group_regions: packed rows with several regions: for each group, the number of the host region its keys
+            live in (0, 1, ...; groups may share one). A row (host block) holds, region after region, ``f``
+            sub-blocks of each region's bytes (the largest of its groups'), and a host block id names one key *per
+            region*: the caller keeps a block pool per region, and the same id in two regions is two keys of one
+            row. With a region per group a key costs exactly its group's bytes, however unequal the groups
+            (docs/design.md, "Host rows and regions"). None, or every group in region 0: the plain packed format.
     """
 
     def __init__(
@@ -227,6 +267,7 @@ class KVCacheSpec:
         *,
         groups: Sequence[Sequence[int]] | None = None,
         host_slots: HostSlots | None = None,
+        group_regions: Sequence[int] | None = None,
     ):
         self.layout = resolve_layout(layout)
         if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
@@ -249,20 +290,26 @@ class KVCacheSpec:
         self.groups = tuple(tuple(g) for g in groups)
         self.num_groups = len(groups)
         self.host_slots = host_slots
+        if group_regions is not None and set(group_regions) == {0} and len(group_regions) == len(groups):
+            group_regions = None  # one region: the plain packed format
+        self.group_regions = None if group_regions is None else tuple(group_regions)
         pages = [sum(nbytes for _, _, nbytes in layer_runs) for layer_runs in runs]
-        self.group_segments = _group_segments(runs, pages, groups, host_slots)
+        self.group_segments = _group_segments(runs, pages, groups, host_slots, self.group_regions)
         # Rows per group in the kernel's segment table: the largest group's segment count (others are padded).
         self.segments_per_group = max(len(segs) for segs in self.group_segments)
         self.segments = tuple(s for segs in self.group_segments for s in segs)
         self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in self.group_segments)
         self.bytes_per_block = max(self.group_bytes)
+        # Bytes of one sub-block of each host region (one region, the largest group's, unless group_regions).
+        self.region_bytes = _region_bytes(self.group_bytes, self.group_regions)
+        self.num_regions = len(self.region_bytes)
         self.max_segment_bytes = max(s.nbytes for s in self.segments)
         self._layer_page_bytes = tuple(pages)
         # Largest power of two (at most MAX_ACCESS_BYTES) dividing every GPU address, stride, size and host position:
         # the widest access the kernel may use. Computed once: the per-call path must not loop over layers.
         self.alignment = math.gcd(
             MAX_ACCESS_BYTES,
-            self.bytes_per_block,
+            *self.region_bytes,
             *(
                 math.gcd(s.base, s.block_stride, s.nbytes, s.host_offset, s.host_stride, s.host_region)
                 for s in self.segments
@@ -270,11 +317,19 @@ class KVCacheSpec:
         )
 
     def host_block_bytes(self, blocks_per_host_block: int = 1) -> int:
-        """Bytes of one host block holding ``blocks_per_host_block`` GPU blocks of all layers (with
-        :class:`HostSlots`: every region, ``f * sum(pages)``)."""
+        """Bytes of one host block (a row of the host buffer) holding ``blocks_per_host_block`` GPU blocks of all
+        layers (with :class:`HostSlots`: every region, ``f * sum(pages)``; with ``group_regions``: every group's
+        region, ``f * sum(group_bytes)``)."""
         if self.host_slots is not None:
             return blocks_per_host_block * sum(self.host_slots.pages)
-        return blocks_per_host_block * self.bytes_per_block
+        return blocks_per_host_block * sum(self.region_bytes)
+
+    def key_bytes(self, blocks_per_host_block: int = 1) -> tuple[int, ...]:
+        """Host bytes one key of each group occupies: its whole row, except with ``group_regions``, where a row
+        holds one key per region and a key occupies its group's region (``f * region_bytes[region]``)."""
+        if self.group_regions is not None:
+            return tuple(blocks_per_host_block * self.region_bytes[r] for r in self.group_regions)
+        return (self.host_block_bytes(blocks_per_host_block),) * self.num_groups
 
     @property
     def page_bytes(self) -> tuple[int, ...]:
@@ -283,12 +338,13 @@ class KVCacheSpec:
 
     def __repr__(self) -> str:
         pages = sorted(set(self.page_bytes))
+        host = "" if self.host_slots is None else "host=worker slots, "
+        if self.group_regions is not None:
+            host = f"host regions {list(self.region_bytes)} of groups {list(self.group_regions)}, "
         return (
             f"KVCacheSpec(layout={self.layout.label}, layers={self.num_layers}, num_blocks={self.num_blocks}, "
             f"page_bytes={pages if len(pages) > 1 else pages[0]}, bytes_per_block={self.bytes_per_block}, "
-            f"groups={self.num_groups}, "
-            f"{'' if self.host_slots is None else 'host=worker slots, '}"
-            f"device={self.device})"
+            f"groups={self.num_groups}, {host}device={self.device})"
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,8 +83,9 @@ class ManagerSnapshot:
         ready: key to host block id of every ready key.
         storing: key to host block id of every key whose store is in flight.
         pins: key to the number of loads in flight, for pinned keys only.
-        free_block_ids: the free list, in the order blocks are handed out last to first.
-        policy: the policy's own snapshot.
+        free_block_ids: the free list, in the order blocks are handed out last to first (with several pools, one
+            such tuple per pool).
+        policy: the policy's own snapshot (with several pools, ``{"pools": (each pool's snapshot, ...)}``).
         stats: the counters.
         pending_events: events not yet taken (empty when events are disabled).
     """
@@ -125,28 +126,59 @@ class RequestUse:
 
 
 class OffloadManager:
-    """Host block allocation, pinning and eviction for a cache of ``num_blocks`` host blocks.
+    """Host block allocation, pinning and eviction for a cache of ``num_blocks`` host blocks (per pool).
 
     Args:
-        num_blocks: host blocks in the cache; also the policy's capacity.
+        num_blocks: host blocks in the cache (in each pool); also the policy's capacity.
         eviction_policy: a name in :data:`triton_offload.policies.POLICIES` (``"lru"`` or ``"arc"``).
         enable_events: record :class:`OffloadEvent`\\ s for :meth:`take_events`.
+        pools: independent block pools, each of ``num_blocks`` blocks with ids ``[0, num_blocks)`` of its own and an
+            eviction policy of its own: a key only ever takes a block of its pool and only evicts keys of its pool.
+            For host rows with several regions (``KVCacheSpec(group_regions=...)``), where block id ``i`` of pool
+            r names region r of row ``i``.
+        pool_of: the pool of a key (required with several pools).
 
     Raises:
-        ValueError: ``num_blocks`` is not a positive int or the policy name is unknown (the message lists the
-            supported names).
+        ValueError: ``num_blocks`` or ``pools`` is not a positive int, several pools without ``pool_of``, or the
+            policy name is unknown (the message lists the supported names).
     """
 
-    def __init__(self, num_blocks: int, eviction_policy: str = "lru", *, enable_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        eviction_policy: str = "lru",
+        *,
+        enable_events: bool = False,
+        pools: int = 1,
+        pool_of: Callable[[Hashable], int] | None = None,
+    ) -> None:
         self.num_blocks = positive_int(num_blocks, "num_blocks")
-        self._policy: EvictionPolicy = make_policy(eviction_policy, num_blocks)
+        self.num_pools = positive_int(pools, "pools")
+        if pools > 1 and pool_of is None:
+            raise ValueError(f"pools = {pools} needs pool_of, the pool of a key")
+        self._pool_of = pool_of
+        self._policies: list[EvictionPolicy] = [make_policy(eviction_policy, num_blocks) for _ in range(pools)]
+        # A stack per pool: popping from the end hands out low ids first on a fresh cache, and a freed block is
+        # reused first.
+        self._frees: list[list[int]] = [list(range(num_blocks - 1, -1, -1)) for _ in range(pools)]
+        # One pool (the common case) keeps its policy and free list at hand: the per-key loops below use them
+        # directly.
+        self._policy, self._free = self._policies[0], self._frees[0]
         self._ready: dict[Hashable, int] = {}
         self._storing: dict[Hashable, int] = {}
         self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always a subset of _ready
-        # A stack: popping from the end hands out low ids first on a fresh cache, and a freed block is reused first.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._events: list[OffloadEvent] | None = [] if enable_events else None
         self._hits = self._misses = self._stores = self._store_failures = self._evictions = 0
+
+    def _by_pool(self, keys) -> list[tuple[int, list[Hashable]]]:
+        """``keys`` split by pool, each pool's keys in call order (pools in order, those without keys left out)."""
+        if self.num_pools == 1:
+            return [(0, list(keys))]
+        split: list[list[Hashable]] = [[] for _ in range(self.num_pools)]
+        pool_of = self._pool_of
+        for key in keys:
+            split[pool_of(key)].append(key)
+        return [(p, ks) for p, ks in enumerate(split) if ks]
 
     # -- queries -------------------------------------------------------------------------------------------------
 
@@ -174,8 +206,8 @@ class OffloadManager:
 
     @property
     def num_free(self) -> int:
-        """Blocks holding no key."""
-        return len(self._free)
+        """Blocks holding no key (all pools)."""
+        return sum(len(free) for free in self._frees)
 
     @property
     def num_cached(self) -> int:
@@ -193,7 +225,7 @@ class OffloadManager:
         return len(self._pins)
 
     def __len__(self) -> int:
-        """Keys holding a block, ready or storing, so ``len(m) + m.num_free == m.num_blocks``."""
+        """Keys holding a block, ready or storing, so ``len(m) + m.num_free == m.num_blocks * m.num_pools``."""
         return len(self._ready) + len(self._storing)
 
     @property
@@ -260,10 +292,12 @@ class OffloadManager:
         keys) ends up the most recently used. The request's key list is emptied, so a second call does nothing.
         """
         keys = list(request.keys) if order is None else order
-        resident, refresh = self._policy.__contains__, self._policy.refresh
-        for key in reversed(keys):
-            if resident(key):
-                refresh(key)
+        for pool, pool_keys in self._by_pool(keys):
+            policy = self._policies[pool]
+            resident, refresh = policy.__contains__, policy.refresh
+            for key in reversed(pool_keys):
+                if resident(key):
+                    refresh(key)
         request.keys.clear()
 
     def _use(self, keys: Sequence[Hashable], request: RequestUse | None, new: frozenset | set = frozenset()) -> None:
@@ -272,7 +306,19 @@ class OffloadManager:
         A key named twice in one call is one use, at its first position.
         """
         keys = dict.fromkeys(keys)
-        ready, storing, policy = self._ready, self._storing, self._policy
+        if self.num_pools == 1:
+            self._use_pool(self._policy, keys, request, new)
+        else:
+            for pool, pool_keys in self._by_pool(keys):
+                self._use_pool(self._policies[pool], pool_keys, request, new)
+        if request is not None:
+            ready, storing = self._ready, self._storing
+            # dict.update keeps the first position of a key seen before: the request's prefix order.
+            request.keys.update((key, None) for key in keys if key in ready or key in storing)
+
+    def _use_pool(self, policy: EvictionPolicy, keys, request: RequestUse | None, new) -> None:
+        """:meth:`_use` on one pool's keys (distinct, in call order) and its policy."""
+        ready, storing = self._ready, self._storing
         access, refresh, insert = policy.access, policy.refresh, policy.insert
         if request is None:
             for key in reversed(keys):
@@ -296,8 +342,6 @@ class OffloadManager:
                     reused.add(key)
             elif key in storing:
                 refresh(key)  # not loadable yet, so not a reuse; still in use by this request
-        # dict.update keeps the first position of a key seen before: the request's prefix order.
-        request.keys.update((key, None) for key in keys if key in ready or key in storing)
 
     # -- stores --------------------------------------------------------------------------------------------------
 
@@ -316,32 +360,43 @@ class OffloadManager:
         ready, storing = self._ready, self._storing
         # dict.fromkeys drops repeats and keeps call order.
         to_store = [key for key in dict.fromkeys(keys) if key not in ready and key not in storing]
-        shortfall = len(to_store) - len(self._free)
+        by_pool = self._by_pool(to_store) if to_store else []
+        shortfalls = [(pool, len(pool_keys) - len(self._frees[pool])) for pool, pool_keys in by_pool]
         victims: list[Hashable] = []
-        if shortfall > 0:
+        if any(short > 0 for _, short in shortfalls):
             # Pinned keys are ready and never evictable: reject in O(1) rather than walking a cache full of them.
-            if shortfall > len(ready) - len(self._pins):
+            if sum(max(0, short) for _, short in shortfalls) > len(ready) - len(self._pins):
                 return None
             pins, in_call = self._pins, set(keys)
-            # Collect first, evict after: a call that cannot be satisfied must leave everything untouched.
-            for key in self._policy.evict_candidates():
-                if key in pins or key in in_call or key in storing:
+            # Collect first, evict after: a call that cannot be satisfied must leave everything untouched. A pool's
+            # policy holds only that pool's keys, so its victims free blocks of that pool.
+            for pool, shortfall in shortfalls:
+                if shortfall <= 0:
                     continue
-                victims.append(key)
-                if len(victims) == shortfall:
-                    break
-            else:
-                return None
-        free = self._free
+                found = 0
+                for key in self._policies[pool].evict_candidates():
+                    if key in pins or key in in_call or key in storing:
+                        continue
+                    victims.append((pool, key))
+                    found += 1
+                    if found == shortfall:
+                        break
+                else:
+                    return None
         if victims:
-            on_evict = self._policy.on_evict
-            for key in victims:
-                on_evict(key)
-                free.append(ready.pop(key))
+            for pool, key in victims:
+                self._policies[pool].on_evict(key)
+                self._frees[pool].append(ready.pop(key))
+            victims = [key for _, key in victims]
             self._evictions += len(victims)
             if self._events is not None:
                 self._events.append(OffloadEvent("removed", list(victims)))
-        block_ids = [free.pop() for _ in to_store]
+        if self.num_pools == 1:
+            free = self._free
+            block_ids = [free.pop() for _ in to_store]
+        else:
+            pool_of, frees = self._pool_of, self._frees
+            block_ids = [frees[pool_of(key)].pop() for key in to_store]
         storing.update(zip(to_store, block_ids))
         self._use(keys, request, new=set(to_store))
         return StoreAllocation(to_store, block_ids, victims)
@@ -367,18 +422,21 @@ class OffloadManager:
                     "already stored" if key in self._ready else "not being stored",
                 )
         if success:
-            ready, on_stored = self._ready, self._policy.on_stored
-            for key in unique:
-                ready[key] = storing.pop(key)
-                on_stored(key)
+            ready = self._ready
+            for pool, pool_keys in self._by_pool(unique):
+                on_stored = self._policies[pool].on_stored
+                for key in pool_keys:
+                    ready[key] = storing.pop(key)
+                    on_stored(key)
             self._stores += len(unique)
             if self._events is not None and unique:
                 self._events.append(OffloadEvent("stored", unique))
         else:
-            free, remove = self._free, self._policy.remove
-            for key in unique:
-                free.append(storing.pop(key))
-                remove(key)
+            for pool, pool_keys in self._by_pool(unique):
+                free, remove = self._frees[pool], self._policies[pool].remove
+                for key in pool_keys:
+                    free.append(storing.pop(key))
+                    remove(key)
             self._store_failures += len(unique)
         return unique
 
@@ -397,11 +455,13 @@ class OffloadManager:
         The dropped keys are removed from the policy without counting as evictions (ARC keeps no ghost of them)
         and are reported in one ``"removed"`` event when events are enabled.
         """
-        pins, ready, free, remove = self._pins, self._ready, self._free, self._policy.remove
+        pins, ready = self._pins, self._ready
         dropped = [key for key in ready if key not in pins]
-        for key in dropped:
-            remove(key)
-            free.append(ready.pop(key))
+        for pool, pool_keys in self._by_pool(dropped):
+            free, remove = self._frees[pool], self._policies[pool].remove
+            for key in pool_keys:
+                remove(key)
+                free.append(ready.pop(key))
         if self._events is not None and dropped:
             self._events.append(OffloadEvent("removed", list(dropped)))
         return dropped
@@ -412,14 +472,17 @@ class OffloadManager:
             ready=dict(self._ready),
             storing=dict(self._storing),
             pins=dict(self._pins),
-            free_block_ids=tuple(self._free),
-            policy=self._policy.snapshot(),
+            free_block_ids=tuple(self._free) if self.num_pools == 1 else tuple(tuple(free) for free in self._frees),
+            policy=self._policy.snapshot()
+            if self.num_pools == 1
+            else {"pools": tuple(p.snapshot() for p in self._policies)},
             stats=self.stats,
             pending_events=tuple(self._events or ()),
         )
 
     def __repr__(self) -> str:
         return (
-            f"OffloadManager(num_blocks={self.num_blocks}, policy={self._policy.name!r}, ready={len(self._ready)}, "
-            f"storing={len(self._storing)}, pinned={len(self._pins)}, free={len(self._free)})"
+            f"OffloadManager(num_blocks={self.num_blocks}, "
+            f"{f'pools={self.num_pools}, ' if self.num_pools > 1 else ''}policy={self._policy.name!r}, "
+            f"ready={len(self._ready)}, storing={len(self._storing)}, pinned={len(self._pins)}, free={self.num_free})"
         )

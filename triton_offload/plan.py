@@ -230,16 +230,16 @@ class TransferPlanner:
                 expect = f"per group ceil((skip + n) / f) = {list(need)}, {sum(need)} in all"
             raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
         if g.size:
-            self._check_ids(direction, g, h)
+            self._check_ids(direction, g, h, sizes, need)
         if spec.num_groups == 1:
             num_bytes = g.size * spec.bytes_per_block
         else:
             num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
         return TransferPlan(direction, g, h, g.size, h.size, sizes, skips, need, num_bytes)
 
-    def _check_ids(self, direction: Direction, g: np.ndarray, h: np.ndarray) -> None:
+    def _check_ids(self, direction: Direction, g: np.ndarray, h: np.ndarray, sizes, host_counts) -> None:
         """Ranges of both arrays, and distinct destinations (sources may repeat; two writers of one block would
-        race)."""
+        race). With host regions (``spec.group_regions``), host ids are distinct per region."""
         n, m = g.size, h.size
         with self._lock:
             # Both arrays side by side in a scratch buffer kept between calls: one reduction then takes both maxima,
@@ -257,12 +257,21 @@ class TransferPlanner:
             if top[1] >= self.num_host_blocks:
                 _check_range(h, "host_block_ids", self.num_host_blocks)
             if direction is _STORE:
-                self._check_unique(both[n:], "host_block_ids", self.num_host_blocks)
+                regions = self.spec.group_regions
+                if regions is not None:
+                    # A row holds one key per region: an id repeated in two regions names two keys. Per region,
+                    # destinations are distinct: offset each group's ids into a range of its region's.
+                    limit = self.num_host_blocks * self.spec.num_regions
+                    owner = np.repeat(np.asarray(regions, dtype=np.int64) * self.num_host_blocks, host_counts)
+                    self._check_unique(both[n:] + owner, "host_block_ids", limit, self.num_host_blocks)
+                else:
+                    self._check_unique(both[n:], "host_block_ids", self.num_host_blocks)
             else:
                 self._check_unique(both[:n], "gpu_block_ids", self.spec.num_blocks)
 
-    def _check_unique(self, ids: np.ndarray, name: str, limit: int) -> None:
-        """Raises if ``ids`` (in range) repeats an id. Called under the lock."""
+    def _check_unique(self, ids: np.ndarray, name: str, limit: int, modulo: int | None = None) -> None:
+        """Raises if ``ids`` (in range) repeats an id (named modulo ``modulo`` where ids were offset per group).
+        Called under the lock."""
         n = ids.size
         if n < 2:
             return
@@ -277,4 +286,9 @@ class TransferPlanner:
         # Compared as bytes: a memcmp, several times cheaper than an elementwise comparison and a reduction.
         if seen.tobytes() != ramp.tobytes():
             dup = int(ids[int(np.argmax(seen != ramp))])
-            raise ValueError(f"{name} holds destination id {dup} more than once: each destination is written once")
+            where = ""
+            if modulo is not None:
+                dup, where = dup % modulo, f" in host region {dup // modulo}"
+            raise ValueError(
+                f"{name} holds destination id {dup} more than once{where}: each destination is written once"
+            )
