@@ -1,6 +1,7 @@
 """The vLLM plugin (installed as ``triton_offload.connector``): ``TritonOffloadingSpec`` for vLLM's
 ``OffloadingConnector``, and ``TritonTieringOffloadingSpec``, vLLM's tiering (fs / obj / p2p secondary tiers) with our
-worker as its GPU <-> CPU step (docs/tiering.md).
+worker as its GPU <-> CPU step (docs/tiering.md); ``TritonOffloadingConnector``, vLLM's connector reporting blocks that
+fail their integrity check as load errors (docs/integrity.md).
 
 Use it with ``kv_connector_extra_config={"spec_name": "TritonOffloadingSpec", "cpu_bytes_to_use": "8GiB", ...}``.
 The name resolves through :func:`register`, which vLLM calls in each of its processes through the
@@ -18,12 +19,14 @@ import sys
 from typing import Any
 
 __all__ = [
+    "CONNECTOR_NAME",
     "SPEC_NAME",
     "TIERING_SPEC_NAME",
     "register",
     "route_logs_through_vllm",
     "TritonOffloadingSpec",
     "TritonTieringOffloadingSpec",
+    "TritonOffloadingConnector",
 ]
 
 SPEC_NAME = "TritonOffloadingSpec"
@@ -32,6 +35,10 @@ TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
 _TIERING_MODULE = "triton_offload.connector.tiering"
 # Every spec this package registers: name -> module.
 _SPECS = {SPEC_NAME: _SPEC_MODULE, TIERING_SPEC_NAME: _TIERING_MODULE}
+# vLLM's OffloadingConnector reporting failed integrity checks as load errors (docs/integrity.md).
+CONNECTOR_NAME = "TritonOffloadingConnector"
+_CONNECTOR_MODULE = "triton_offload.connector.load_errors"
+_LAZY = {**_SPECS, CONNECTOR_NAME: _CONNECTOR_MODULE}
 
 
 def _require_vllm() -> None:
@@ -90,14 +97,21 @@ def register() -> None:
             OffloadingSpecFactory.register_spec(name, module, name)
         except ValueError:  # registered meanwhile under the same name: nothing to do
             pass
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in getattr(KVConnectorFactory, "_registry", {}):
+        try:
+            KVConnectorFactory.register_connector(CONNECTOR_NAME, _CONNECTOR_MODULE, CONNECTOR_NAME)
+        except ValueError:  # registered meanwhile
+            pass
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import triton_offload.connector` works without vLLM while vLLM's factory can still resolve
     # getattr(module, "TritonOffloadingSpec") for spec_module_path="triton_offload.connector".
-    if name in _SPECS:
+    if name in _LAZY:
         _require_vllm()
         import importlib
 
-        return getattr(importlib.import_module(_SPECS[name]), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload._checks import positive_int, positive_int_setting, transfer_path
+from triton_offload._checks import OFF, integrity_setting, positive_int, positive_int_setting, transfer_path
 from triton_offload.connector import SPEC_NAME
 from triton_offload.host_pages import check_settings, huge_pages_setting, pinning_setting
 from triton_offload.numa import numa_setting
@@ -64,6 +64,7 @@ OUR_KEYS = frozenset(
         "numa_node",
         "huge_pages",
         "pinning",
+        "integrity",
         "host_regions",
     }
 )
@@ -227,6 +228,7 @@ class TritonOffloadConfig:
             (triton_offload/numa.py, docs/host-memory.md).
         huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host_pages.py).
         pinning: ``"auto"``, ``"register"`` or ``"alloc"`` (how a CUDA host cache is pinned).
+        integrity: ``"off"``, ``"verify"`` or ``"require"``: the integrity checks (docs/integrity.md).
         host_regions: ``"auto"``, ``"per_group"`` or ``"shared"``: which KV-cache groups' keys share a region of
             the host rows (connector/geometry.py).
     """
@@ -239,6 +241,7 @@ class TritonOffloadConfig:
     numa_node: str | int = "auto"
     huge_pages: str = "thp"
     pinning: str = "auto"
+    integrity: str = OFF
     host_regions: str = "auto"
 
     @classmethod
@@ -279,6 +282,7 @@ class TritonOffloadConfig:
         huge_pages = huge_pages_setting(extra.get("huge_pages", "thp"))
         pinning = pinning_setting(extra.get("pinning", "auto"))
         check_settings(huge_pages, pinning)
+        checks = integrity_setting(extra.get("integrity", OFF))
         regions = extra.get("host_regions", "auto")
         if regions not in HOST_REGION_MODES:
             raise ValueError(
@@ -295,4 +299,4 @@ class TritonOffloadConfig:
                 f"block_size = {block_size!r} tokens, but vLLM passed blocks_per_chunk = {f} for GPU blocks of "
                 f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
             )
-        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, regions)
+        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, checks, regions)

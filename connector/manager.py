@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from triton_offload.integrity import identities_of_keys
 from triton_offload.manager import OffloadManager, RequestUse
 
 __all__ = ["HostBlocksSpec", "TritonOffloadingManager", "METRICS", "VLLM_TRANSFER_COUNTERS"]
@@ -64,10 +65,16 @@ _LOOKUP = {"ready": LookupResult.HIT, "storing": LookupResult.HIT_PENDING, None:
 
 
 class HostBlocksSpec(BlockIDsLoadStoreSpec):
-    """Host block ids in our packed host cache, one per offload key, in the keys' order.
+    """Host block ids in our packed host cache, one per offload key, in the keys' order; with the integrity checks,
+    each key's identity too (:func:`triton_offload.integrity.identities_of_keys`), which the workers mix into the
+    blocks' checksums (docs/integrity.md).
 
-    Small and picklable (a NumPy array): it travels to the workers inside vLLM's connector metadata.
+    Small and picklable (NumPy arrays): it travels to the workers inside vLLM's connector metadata.
     """
+
+    def __init__(self, block_ids, identities=None):
+        super().__init__(block_ids)
+        self.identities = identities
 
 
 class TritonOffloadingManager(OffloadingManager):
@@ -80,6 +87,7 @@ class TritonOffloadingManager(OffloadingManager):
         eviction_policy: ``"lru"`` or ``"arc"``.
         enable_events: report stores and evictions as vLLM ``OffloadingEvent``\\ s.
         info: static facts published through 0.33's ``config_info`` (label name to value).
+        identities: give each host block the identity of its key in the specs (the integrity checks).
         pools: host regions of a row (each a block pool: a row holds one key per region); ``pool_of`` maps a key to
             its region (see :class:`~triton_offload.manager.OffloadManager`).
     """
@@ -91,10 +99,14 @@ class TritonOffloadingManager(OffloadingManager):
         *,
         enable_events: bool = False,
         info: dict[str, str | int | float | bool] | None = None,
+        identities: bool = False,
         pools: int = 1,
         pool_of=None,
     ) -> None:
         self.num_blocks = num_blocks
+        self.identities = identities
+        # Key slot (:meth:`key_slots`) -> key of the blocks pinned by loads: a failed integrity check names them.
+        self._loading: dict[int, OffloadKey] = {}
         self.eviction_policy = eviction_policy
         self.enable_events = enable_events
         self._pools, self._pool_of = pools, pool_of
@@ -121,7 +133,19 @@ class TritonOffloadingManager(OffloadingManager):
             where = dict(zip(ordered, block_ids))
             block_ids = [where[key] for key in keys]
         self._totals["hit_blocks"] += len(keys)
-        return HostBlocksSpec(block_ids)
+        if not self.identities:
+            return HostBlocksSpec(block_ids)
+        self._loading.update(zip(self.key_slots(keys, block_ids), keys))
+        return HostBlocksSpec(block_ids, identities_of_keys(keys))
+
+    def key_slots(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> list[int]:
+        """Where each key lives, as one number: its block id, or with several host regions (pools) ``pool x
+        num_blocks + block id`` (the same block id in two pools is two keys of one row). The workers name the host
+        blocks of a failed integrity check so (``LoadError.key_slots``)."""
+        if self._pools == 1:
+            return [int(b) for b in block_ids]
+        pool_of, n = self._pool_of, self.num_blocks
+        return [pool_of(key) * n + int(b) for key, b in zip(keys, block_ids)]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         # Every hit of this spec comes from host memory: vLLM's metrics count it under source="host", as they do for
@@ -132,7 +156,22 @@ class TritonOffloadingManager(OffloadingManager):
         self._manager.touch(_prefix_order(list(keys), req_context), self._request_use(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.complete_load(list(keys))
+        keys = list(keys)
+        slots = self.key_slots(keys, [self._manager.key_block(key) for key in keys]) if self._loading else None
+        self._manager.complete_load(keys)
+        if slots:  # a key with no load left in flight (dropped or not) no longer names its block here
+            pinned = self._manager.is_pinned
+            for key, slot in zip(keys, slots):
+                if not pinned(key):
+                    self._loading.pop(slot, None)
+
+    def discard_failed(self, key_slots: Iterable[int]) -> list[OffloadKey]:
+        """The keys whose bytes failed an integrity check on a worker (loads in flight, or completed in the same
+        step), by their slots (:meth:`key_slots`), are dropped: later lookups miss them, so requests recompute and
+        store them anew. Returns the keys. Call before the loads' completion is processed."""
+        keys = [self._loading[h] for h in dict.fromkeys(key_slots) if h in self._loading]
+        self._manager.discard(keys)
+        return keys
 
     # -- stores --------------------------------------------------------------------------------------------------
 
@@ -148,9 +187,10 @@ class TritonOffloadingManager(OffloadingManager):
             where = dict(zip(keys_to_store, host_ids))
             keys_to_store = [key for key in dict.fromkeys(keys) if key in where]
             host_ids = [where[key] for key in keys_to_store]
+        identities = identities_of_keys(keys_to_store) if self.identities else None
         return PrepareStoreOutput(
             keys_to_store=list(keys_to_store),
-            store_spec=HostBlocksSpec(host_ids),
+            store_spec=HostBlocksSpec(host_ids, identities),
             evicted_keys=list(out.evicted_keys),
         )
 
@@ -182,6 +222,7 @@ class TritonOffloadingManager(OffloadingManager):
         # storing keys must go too: start from an empty manager. Reusing their blocks at once is safe because vLLM
         # makes the workers wait for those jobs (jobs_to_flush) before it submits any new transfer.
         self._manager = self._new_manager()
+        self._loading.clear()
 
     def _new_manager(self) -> OffloadManager:
         return OffloadManager(

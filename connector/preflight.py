@@ -27,7 +27,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from triton_offload.connector import SPEC_NAME, TIERING_SPEC_NAME
+from triton_offload.connector import CONNECTOR_NAME, SPEC_NAME, TIERING_SPEC_NAME
 from triton_offload.connector.config import did_you_mean
 
 __all__ = [
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 _MARK = "_triton_offload_preflight"
 _CONNECTOR = "OffloadingConnector"
+# The connectors whose spec configuration is ours to check: vLLM's, and ours that reports load errors.
+_CONNECTORS = (_CONNECTOR, CONNECTOR_NAME)
 GiB = 2**30
 # The first vLLM whose offloading scheduler records every block allocation (vLLM #46951): before it, our spec under
 # MultiConnector can store KV another connector is already writing over.
@@ -119,18 +121,18 @@ def install() -> bool:
     return True
 
 
-def _offloading_configs(kv_transfer_config) -> Iterator[Mapping[str, Any]]:
-    """The ``kv_connector_extra_config`` of every ``OffloadingConnector`` configured: the top-level one, or
-    ``MultiConnector``'s children."""
+def _offloading_configs(kv_transfer_config) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(connector name, kv_connector_extra_config)`` of every ``OffloadingConnector`` (or ours) configured: the
+    top-level one, or ``MultiConnector``'s children."""
     if kv_transfer_config is None:
         return
     extra = kv_transfer_config.kv_connector_extra_config or {}
-    if kv_transfer_config.kv_connector == _CONNECTOR:
-        yield extra
+    if kv_transfer_config.kv_connector in _CONNECTORS:
+        yield kv_transfer_config.kv_connector, extra
     elif kv_transfer_config.kv_connector == "MultiConnector":
         for child in extra.get("connectors", []) or []:
-            if isinstance(child, Mapping) and child.get("kv_connector") == _CONNECTOR:
-                yield child.get("kv_connector_extra_config") or {}
+            if isinstance(child, Mapping) and child.get("kv_connector") in _CONNECTORS:
+                yield child["kv_connector"], child.get("kv_connector_extra_config") or {}
 
 
 def check_vllm_config(vllm_config) -> None:
@@ -145,11 +147,11 @@ def check_vllm_config(vllm_config) -> None:
         ConnectionError: an ``obj`` tier's store unreachable (``network_tiers.check_reachable``).
     """
     transfer = vllm_config.kv_transfer_config
-    for extra in _offloading_configs(transfer):
+    for connector, extra in _offloading_configs(transfer):
         spec_cls = _spec_class(extra)
         if spec_cls is not None:
             check_multi_connector(transfer.kv_connector)
-            _check_ours(spec_cls, extra, vllm_config)
+            _check_ours(spec_cls, extra, vllm_config, connector)
 
 
 def _spec_class(extra: Mapping[str, Any]):
@@ -182,7 +184,7 @@ def _spec_class(extra: Mapping[str, Any]):
     return spec_cls if issubclass(spec_cls, (TritonOffloadingSpec, TritonTieringOffloadingSpec)) else None
 
 
-def _check_ours(spec_cls, extra: Mapping[str, Any], vllm_config) -> None:
+def _check_ours(spec_cls, extra: Mapping[str, Any], vllm_config, connector: str = _CONNECTOR) -> None:
     from triton_offload.connector.config import TritonOffloadConfig
     from triton_offload.connector.tiering import TritonTieringOffloadingSpec
 
@@ -200,6 +202,10 @@ def _check_ours(spec_cls, extra: Mapping[str, Any], vllm_config) -> None:
             extra, blocks_per_host_block=f or 1, gpu_block_tokens=gpu_block if f else None
         )
         what = "the host cache"
+    if connector != CONNECTOR_NAME:
+        from triton_offload.connector.load_errors import check_reporting
+
+        check_reporting(None, cfg.integrity)
     parallel = vllm_config.parallel_config
     if getattr(parallel, "nnodes", 1) <= 1 and getattr(parallel, "data_parallel_size", 1) <= 1:
         check_memory(cfg.cpu_bytes_to_use, what, MemoryFacts.read(vllm_config))

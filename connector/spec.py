@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from triton_offload.connector import route_logs_through_vllm
 from triton_offload.connector.config import TritonOffloadConfig
 from triton_offload.connector.geometry import KVGeometry, geometry_for, host_regions, region_bytes
+from triton_offload.connector.load_errors import check_reporting, integrity_metric_definitions, reporting_connector
 from triton_offload.connector.manager import METRICS, TritonOffloadingManager
 from triton_offload.connector.preflight import check_multi_connector, host_memory_note
 from triton_offload.host_cache import check_host_memory, host_blocks_for_budget
@@ -43,7 +44,7 @@ class TritonOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``cpu_bytes_to_use`` (required; bytes or ``"40GiB"``, for the whole
     instance), ``block_size`` (tokens per host block, read by vLLM), ``eviction_policy`` (``lru`` | ``arc``),
-    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``, ``host_regions``. See
+    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``, ``integrity``, ``host_regions``. See
     :class:`~triton_offload.connector.config.TritonOffloadConfig`.
 
     Host rows: a row holds ``f`` GPU blocks of one key per host *region*; each KV-cache group's keys live in one
@@ -51,6 +52,10 @@ class TritonOffloadingSpec(OffloadingSpec):
     divided by ``f x`` the regions' bytes, not by vLLM's bytes per block (which counts every group of a model whose
     groups sit on separate tensors: vLLM's #56871).
     """
+
+    # True when TritonOffloadingConnector built this spec: it reports the blocks failing an integrity check to vLLM as
+    # load errors (vLLM's OffloadingConnector asserts every transfer succeeds, so the checks need ours).
+    reports_load_errors = False
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
@@ -63,6 +68,7 @@ class TritonOffloadingSpec(OffloadingSpec):
                 documentation="Host blocks evicted to make room for new stores."
             ),
             METRICS["cached_blocks"]: OffloadingGaugeMetadata(documentation="Host blocks holding loadable KV now."),
+            **integrity_metric_definitions(),
         }
 
     @classmethod
@@ -72,6 +78,7 @@ class TritonOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
         route_logs_through_vllm()
+        self.reports_load_errors = reporting_connector()
         block_tokens = set(self.tokens_per_block)
         self.offload_config = TritonOffloadConfig.from_extra_config(
             self.extra_config,
@@ -157,6 +164,7 @@ class TritonOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             cfg = self.offload_config
+            check_reporting(self, cfg.integrity)
             pools, pool_of = self.num_regions, None
             if self.group_regions is not None:
                 # An offload key ends with its vLLM group id (4 bytes, big-endian): its pool is its group's region.
@@ -170,6 +178,7 @@ class TritonOffloadingSpec(OffloadingSpec):
                 cfg.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 info=dict(zip(_INFO_KEYS, (self.num_host_blocks, cfg.blocks_per_host_block, cfg.eviction_policy))),
+                identities=cfg.integrity != "off",
                 pools=pools,
                 pool_of=pool_of,
             )
@@ -206,6 +215,7 @@ class TritonOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            check_reporting(self, self.offload_config.integrity)
             # This rank's share, checked when it is allocated: ranks on one machine allocate one after another or at
             # once, so each sees what the others left (or will take).
             world_size = max(1, self.config.parallel.world_size)
@@ -229,5 +239,6 @@ class TritonOffloadingSpec(OffloadingSpec):
                 numa_node=self.offload_config.numa_node,
                 huge_pages=self.offload_config.huge_pages,
                 pinning=self.offload_config.pinning,
+                integrity=self.offload_config.integrity,
             )
         return self._worker

@@ -27,8 +27,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingMetricMetadata, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    LookupResult,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -44,10 +51,12 @@ from triton_offload.connector.config import (
 )
 from triton_offload.connector.fs_root import check_root_dir, make_private_root_dir, warn_if_shared
 from triton_offload.connector.geometry import geometry_for
+from triton_offload.connector.load_errors import check_reporting, integrity_metric_definitions, reporting_connector
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
 from triton_offload.connector.preflight import check_multi_connector, host_memory_note
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
 from triton_offload.host_cache import check_host_memory
+from triton_offload.integrity import OFF, VERSION, identities_of_keys, integrity_setting
 from triton_offload.numa import check_node_memory, choose_node, numa_setting, run_on_node
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
@@ -69,6 +78,7 @@ OUR_TIERING_KEYS = {
     "num_ctas": "programs per transfer launch: the SMs a transfer takes from the model",
     "transfer_path": "'auto' (per call, the faster of the kernel and the copy engines), 'kernel' or 'dma'",
     "numa_node": "'auto' (each worker's slots on its GPU's node), a node number, or 'off'",
+    "integrity": "'off', 'verify' or 'require': checksums in a trailer of each worker slot (docs/integrity.md)",
     "host_layout": "'worker_slots' (vLLM's bytes, shared with its own worker) or 'packed' (a row per key sized for "
     "the largest KV-cache group, ours on both ends)",
 }
@@ -76,6 +86,20 @@ HOST_LAYOUTS = ("worker_slots", "packed")
 # What the packed layout adds to the model name the secondary tiers build their namespace from (vLLM's FileMapper:
 # fs directory names, obj keys, the p2p handshake): its rows are not vLLM's, and must never be read as vLLM's.
 PACKED_NAMESPACE = "+triton-offload-packed-v1"
+# With the integrity checks, the tiers' namespace (vLLM's FileMapper names files and objects, and p2p peers compare
+# it, from the model name) gets this suffix: the rows carry trailers, so their files and objects must never mix with
+# those of a layout without them (vLLM's fs tier deletes a file shorter than a row).
+INTEGRITY_NAMESPACE = f"+triton-offload-integrity-v{VERSION}"
+# Bytes between the trailer's entries and the slot's start are aligned to this.
+_TRAILER_ALIGN = 16
+
+
+def trailer_bytes(blocks_per_chunk: int) -> int:
+    """Bytes of a worker slot's trailer with the integrity checks: the row marker and one checksum per sub-block
+    (int64 each), rounded up to 16 bytes."""
+    return -(-8 * (1 + blocks_per_chunk) // _TRAILER_ALIGN) * _TRAILER_ALIGN
+
+
 # Keys of TritonOffloadingSpec that cannot apply to vLLM's shared region, with the reason given when they are set.
 _REFUSED_KEYS = {
     "huge_pages": (
@@ -182,6 +206,7 @@ class TritonTieringConfig:
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"``; None for the engine's default.
         object_stores: the object stores of the ``obj`` tiers, checked for reachability at startup.
         numa_node: ``"auto"``, a node number or ``"off"``: where each worker's slots of the region are placed.
+        integrity: ``"off"``, ``"verify"`` or ``"require"`` (docs/integrity.md).
         host_layout: ``"worker_slots"`` (vLLM's, byte-compatible with its own worker and every instance running it)
             or ``"packed"`` (our packed rows, sized for the largest KV-cache group: see docs/tiering.md).
     """
@@ -194,6 +219,7 @@ class TritonTieringConfig:
     transfer_path: str | None = None
     object_stores: tuple[ObjectStore, ...] = ()
     numa_node: str | int = "auto"
+    integrity: str = OFF
     host_layout: str = "worker_slots"
 
     @classmethod
@@ -229,6 +255,7 @@ class TritonTieringConfig:
             )
         num_ctas, path = engine_settings(extra)
         numa_node = numa_setting(extra.get("numa_node", "auto"))
+        checks = integrity_setting(extra.get("integrity", OFF))
         layout = extra.get("host_layout", "worker_slots")
         if layout not in HOST_LAYOUTS:
             raise ValueError(
@@ -261,7 +288,7 @@ class TritonTieringConfig:
         root_dirs = tuple((i, root) for i, (_, root, _) in enumerate(checked) if root is not None)
         types = tuple(tier_type for tier_type, _, _ in checked)
         stores = tuple(store for _, _, store in checked if store is not None)
-        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node, layout)
+        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node, checks, layout)
 
 
 class TritonTieringOffloadingSpec(TieringOffloadingSpec):
@@ -278,11 +305,12 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         # vLLM may build the metrics (front-end process) before any spec exists: check the configuration first, so a
         # bad tier is reported the same way everywhere.
         TritonTieringConfig.from_extra_config(extra_config)
-        return super().build_metric_definitions(extra_config)
+        return {**super().build_metric_definitions(extra_config), **integrity_metric_definitions()}
 
     def __init__(self, config: OffloadingConfig):
         route_logs_through_vllm()
         self.tiering_config = cfg = TritonTieringConfig.from_extra_config(config.extra_config)  # refuses canonical
+        self.reports_load_errors = reporting_connector()
         self.geometry = geometry_for(config)
         if self.geometry is not None:
             check_multi_connector(self.geometry.kv_connector)
@@ -298,9 +326,15 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             # The secondary tiers name what they persist after the model (vLLM's FileMapper, also the p2p
             # handshake): packed rows get a namespace of their own, never read as vLLM's worker slots.
             config = replace(config, model=replace(config.model, name=config.model.name + PACKED_NAMESPACE))
+        if cfg.integrity != OFF:
+            # Another namespace for the tiers (files, objects, peers): the rows of this layout carry trailers.
+            config = replace(config, model=replace(config.model, name=config.model.name + INTEGRITY_NAMESPACE))
         super().__init__(config)
         if cfg.host_layout == "packed":
             self._size_packed_rows(config)
+        self.trailer_bytes = 0
+        if cfg.integrity != OFF and config.worker_kv_bytes_per_block > 0:
+            self._add_trailers()  # after the packed rows are sized: the trailer follows either slot's pages
         if config.worker_kv_bytes_per_block > 0 and self.num_chunks <= 0:
             raise ValueError(
                 f"cpu_bytes_to_use = {cfg.cpu_bytes_to_use} bytes is less than one chunk of "
@@ -311,6 +345,38 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         for i, root in cfg.root_dirs:
             make_private_root_dir(root, where(i, "root_dir"))
         self._worker: OffloadingWorker | None = None
+
+    def _add_trailers(self) -> None:
+        """The integrity checks' layout (version 1): each worker slot grows by a trailer after its pages, which holds
+        the slot's row marker and one checksum per sub-block, so that every tier carries them with the bytes. vLLM
+        sized the slots and rows from ``worker_kv_bytes_per_block``; both sides recompute them the same way here.
+
+        The CPU tier keeps the number of chunks vLLM gave it from ``cpu_bytes_to_use``: the checks must never cost an
+        intact chunk its place (issue 41, "nothing lost"), so the region grows by what the trailers add to each row
+        (the trailer and the rounding of the row to a memory page: at most 4 KiB + 48 bytes per chunk), as the host
+        cache spec's checksum table is kept outside its budget. The region's actual size is what is checked against
+        the machine's memory (``create_worker``)."""
+        copies = max(1, self.kv_bytes_per_chunk // max(1, self.cpu_page_size_per_worker))
+        num_copies = 1 if self.replicated_layout else max(1, self.config.parallel.world_size)
+        assert copies >= num_copies, "vLLM's rows hold one slot per copy"
+        unchecked = self.kv_bytes_per_chunk
+        self.trailer_bytes = trailer_bytes(self.blocks_per_chunk)
+        pages = -(-self.cpu_page_size_per_worker // _TRAILER_ALIGN) * _TRAILER_ALIGN
+        self.cpu_page_size_per_worker = pages + self.trailer_bytes
+        self.kv_bytes_per_chunk = -(-num_copies * self.cpu_page_size_per_worker // self.BLOCK_SIZE_ALIGNMENT) * (
+            self.BLOCK_SIZE_ALIGNMENT
+        )
+        if self.kv_bytes_per_chunk != unchecked:
+            logger.info(
+                "triton-offload tiering: the integrity checks' trailers grow each row from %d to %d bytes; the CPU "
+                "tier keeps its %d chunks, so its region is %d bytes (cpu_bytes_to_use = %d)",
+                unchecked,
+                self.kv_bytes_per_chunk,
+                self.num_chunks,
+                self.num_chunks * self.kv_bytes_per_chunk,
+                self.tiering_config.cpu_bytes_to_use,
+            )
+        self._publish_cpu_info()
 
     def _size_packed_rows(self, config: OffloadingConfig) -> None:
         """vLLM sized the region from ``worker_kv_bytes_per_block``: one worker slot holds every canonical tensor's
@@ -323,22 +389,30 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         copies = 1 if self.replicated_layout else max(1, config.parallel.world_size)
         self.kv_bytes_per_chunk = round_up(self.cpu_page_size_per_worker * copies, self.BLOCK_SIZE_ALIGNMENT)
         self.num_chunks = self.tiering_config.cpu_bytes_to_use // self.kv_bytes_per_chunk
-        if hasattr(self, "cpu_info"):  # vLLM >= 0.33: the CPU tier's capacity, published as metrics
+        self._publish_cpu_info()
+
+    def _publish_cpu_info(self) -> None:
+        """vLLM >= 0.33 publishes the CPU tier's capacity as metrics (``cpu_info``): from the rows as sized here."""
+        if hasattr(self, "cpu_info"):
             from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
-            self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+            self.cpu_info = CPUOffloadingInfo.from_config(self.config, self.num_chunks, self.kv_bytes_per_chunk)
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's ``TieringOffloadingManager``, unchanged, once every object store has answered; then the region's
-        name is dropped (see ``RegionName``)."""
+        name is dropped (see ``RegionName``). With the integrity checks, its load and store specs also carry each
+        chunk's identity (its key's: :func:`attach_identities`)."""
         if self._manager is not None:
             return self._manager
+        check_reporting(self, self.tiering_config.integrity)
         path = f"/dev/shm/vllm_offload_{self._engine_id}.mmap"  # SharedOffloadRegion's name for this engine
         for i, root in self.tiering_config.root_dirs:  # once per instance: only the scheduler builds the tiers
             warn_if_shared(root, where(i, "root_dir"))
         try:
             check_reachable(self.tiering_config.object_stores)
             manager = super().get_manager()
+            if self.tiering_config.integrity != OFF:
+                attach_identities(manager)
         except BaseException:
             # The engine will not start: the region's workers may have created the name, nobody needs it now.
             unlink_paths([path])
@@ -373,8 +447,15 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             self._worker = self.create_worker(kv_caches)
         return self._worker
 
-    def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+    @staticmethod
+    def _worker_class() -> type[OffloadingWorker]:
+        """The worker built by :meth:`create_worker`; a subclass of ours may substitute another (tests do)."""
         from triton_offload.connector.tiering_worker import TritonTieringWorker  # torch/Triton: workers only
+
+        return TritonTieringWorker
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        check_reporting(self, self.tiering_config.integrity)
 
         # Replicated MLA (every TP rank holds the same latent): one copy, slot 0, as vLLM's tiering does. Only rank 0
         # stores (vLLM's connector acks the others' stores); every rank loads from slot 0.
@@ -408,7 +489,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         )
         name = RegionName(region, take_over=True)
         try:
-            return TritonTieringWorker(
+            return self._worker_class()(
                 kv_caches,
                 region=region,
                 name=name,
@@ -419,6 +500,9 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 num_ctas=self.tiering_config.num_ctas,
                 transfer_path=self.tiering_config.transfer_path,
                 numa=node,
+                integrity=self.tiering_config.integrity,
+                trailer_bytes=self.trailer_bytes,
+                slot=slot,
             )
         except BaseException:
             try:
@@ -426,3 +510,66 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             finally:
                 name.release()
             raise
+
+
+class IdentifiedChunks(CPULoadStoreSpec):
+    """vLLM's CPU-tier chunk ids, with the identity of each chunk's key (the integrity checks): what the tiering
+    manager's specs become with them, so that the workers mix the keys into the checksums."""
+
+    def __init__(self, block_ids, identities):
+        super().__init__(block_ids)
+        self.identities = identities
+
+
+# Keys marked bad by failed checks that a tiering manager remembers (the oldest are forgotten beyond it).
+MAX_BAD_KEYS = 1 << 16
+
+
+def attach_identities(manager: OffloadingManager) -> None:
+    """Makes vLLM's tiering manager hand its load and store specs over with each chunk's key identity
+    (:class:`IdentifiedChunks`, :func:`triton_offload.integrity.identities_of_keys`), and gives it
+    ``discard_failed(chunk_ids)``: the keys of chunks whose bytes failed an integrity check become misses (vLLM's CPU
+    tier has no way to drop one, and would otherwise hand the same bad bytes to the retried request forever), until
+    the CPU tier stores them anew (once it evicted the bad chunk, a request's store brings fresh bytes). The
+    manager is vLLM's, unchanged otherwise: three of its methods are wrapped on this instance. Each loaded chunk id is
+    remembered with its key and where it was loaded from (``chunk_sources``), for messages about failed checks."""
+    prepare_load, prepare_store, lookup = manager.prepare_load, manager.prepare_store, manager.lookup
+    sources: dict[int, tuple] = {}
+    bad: dict[bytes, None] = {}
+
+    def load(keys, req_context):
+        keys = list(keys)
+        spec = prepare_load(keys, req_context)
+        identities = identities_of_keys(keys)
+        for chunk, key in zip(spec.block_ids.tolist(), keys):
+            source = manager.get_load_source(key, req_context)
+            sources[chunk] = (key, getattr(source, "value", source))
+        if len(sources) > 4 * len(keys) + 4096:  # a bound: only the latest loads are ever asked about
+            for chunk in list(sources)[: len(sources) // 2]:
+                del sources[chunk]
+        return IdentifiedChunks(spec.block_ids, identities)
+
+    def store(keys, req_context):
+        out = prepare_store(keys, req_context)
+        if out is None:
+            return None
+        for key in out.keys_to_store:  # stored anew (the bad chunk was evicted meanwhile): its fresh bytes may hit
+            bad.pop(key, None)
+        spec = IdentifiedChunks(out.store_spec.block_ids, identities_of_keys(out.keys_to_store))
+        return replace(out, store_spec=spec)
+
+    def checked_lookup(key, req_context, *args, **kwargs):
+        if key in bad:
+            return LookupResult.MISS
+        return lookup(key, req_context, *args, **kwargs)
+
+    def discard_failed(chunk_ids) -> list:
+        keys = [sources[c][0] for c in dict.fromkeys(chunk_ids) if c in sources]
+        for key in keys:
+            bad[key] = None
+        while len(bad) > MAX_BAD_KEYS:
+            del bad[next(iter(bad))]
+        return keys
+
+    manager.prepare_load, manager.prepare_store, manager.lookup = load, store, checked_lookup
+    manager.discard_failed, manager.chunk_sources = discard_failed, sources

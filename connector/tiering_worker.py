@@ -29,6 +29,7 @@ from triton_offload.host_cache import (
     register_host_range,
     unregister_host_ranges,
 )
+from triton_offload.integrity import OFF, slot_identity
 from triton_offload.numa import NodeChoice, read_placement
 
 __all__ = ["TritonTieringWorker"]
@@ -54,10 +55,15 @@ class TritonTieringWorker(TritonOffloadingWorker):
         pin: register the region with CUDA (default: when the KV caches are on CUDA).
         numa: the node this worker's slots were placed on (the spec built the region on it); the registering threads
             run on its CPUs. None: not bound.
+        integrity: ``"off"``, ``"verify"`` or ``"require"`` (docs/integrity.md): with the checks, the last
+            ``trailer_bytes`` of the slot hold its row marker and checksums, and each chunk's identity is mixed with
+            ``slot`` (the rank's slot: a slot's bytes and trailer copied into another's fail).
         geometry: for the packed layout (``host_layout = "packed"``), the KV-cache groups read from vLLM's config:
             this worker's slot holds our packed format (one key of f blocks of the largest group) instead of vLLM's
             worker slot. None: vLLM's worker slot, checked against vLLM's own views.
     """
+
+    tier = "CPU tier"
 
     def __init__(
         self,
@@ -72,9 +78,15 @@ class TritonTieringWorker(TritonOffloadingWorker):
         transfer_path: str | None = None,
         pin: bool | None = None,
         numa: NodeChoice | None = None,
+        integrity: str = OFF,
+        trailer_bytes: int = 0,
+        slot: int = 0,
         geometry=None,
     ) -> None:
         self.region, self.name = region, name
+        self.integrity, self.slot = integrity, slot
+        if (integrity != OFF) != (trailer_bytes > 0):
+            raise ValueError(f"integrity = {integrity!r} with a {trailer_bytes}-byte trailer: the spec sizes both")
         self.numa = numa or NodeChoice("off", None, why="not bound")
         # Unregistered at shutdown, or by the finalizer (which holds no reference to the worker) if it is dropped.
         self._registered: list[tuple[int, int]] = []
@@ -83,16 +95,23 @@ class TritonTieringWorker(TritonOffloadingWorker):
         self.kv = canonical_kv_spec(kv_caches, worker_slots=not packed, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_chunk
         used = self.kv.host_block_bytes(f)
-        if used > slot_bytes:
+        if used > slot_bytes - trailer_bytes:
             pages = f"pages {list(self.kv.host_slots.pages)}" if not packed else f"groups {list(self.kv.group_bytes)}"
             raise ValueError(
-                f"the canonical tensors take {used} bytes per chunk ({f} x {pages}), more than the {slot_bytes}-byte "
-                "worker slot the spec sized"
+                f"the canonical tensors take {used} bytes per chunk ({f} x {pages}), more than the "
+                f"{slot_bytes - trailer_bytes}-byte worker slot the spec sized"
             )
         num_chunks = region.num_chunks
         row = region.total_size_bytes // num_chunks
         base = region.base_tensor
         self.host = torch.as_strided(base, (num_chunks, used), (row, 1), storage_offset=slot_offset)
+        self.checksums = None
+        if trailer_bytes:
+            # The slot's trailer, as int64 rows of 1 + f (the row marker, then each sub-block's checksum).
+            start = slot_offset + slot_bytes - trailer_bytes
+            assert start % 8 == 0 and row % 8 == 0, "the spec aligns trailers to 16 bytes"
+            words = base.view(torch.int64)
+            self.checksums = torch.as_strided(words, (num_chunks, 1 + f), (row // 8, 1), storage_offset=start // 8)
         if not packed:  # vLLM's worker slot: placed exactly as vLLM's own worker would place its views
             self._check_against_vllm_views(kv_caches, slot_offset, row)
         # Read back before registration: until then this process maps only the pages it touched, its own slots
@@ -124,7 +143,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
                 ) from e
             self._registered.extend(ranges)
         try:
-            self._start_engine(self.host, num_ctas, transfer_path)
+            self._start_engine(self.host, num_ctas, transfer_path, self.checksums)
         except BaseException:
             unregister_host_ranges(self._registered)  # the caller releases the region and its name
             raise
@@ -146,6 +165,10 @@ class TritonTieringWorker(TritonOffloadingWorker):
             "kernel default" if num_ctas is None else num_ctas,
             self.engine.path,
         )
+
+    def _identities(self, spec):
+        # Each rank's slot of a chunk is its own: its identity is the chunk's key's, mixed with the slot.
+        return slot_identity(super()._identities(spec), self.slot)
 
     def _check_against_vllm_views(self, kv_caches: CanonicalKVCaches, slot_offset: int, row: int) -> None:
         """vLLM's worker takes one view per canonical tensor, in order, of f pages; ours must start where each of
@@ -175,7 +198,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
                 # Our views of the mapping (ours, the engine's and its launcher's) must go before vLLM closes it: it
                 # cannot close a buffer still exported. The interpreter's launches leave reference cycles holding
                 # views, hence the collection.
-                self.host = self.engine = None
+                self.host = self.engine = self.checksums = None
                 gc.collect()
                 self.region.cleanup()
             finally:

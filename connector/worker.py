@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -28,9 +30,45 @@ from vllm.v1.kv_offload.base import (
 from triton_offload.connector.geometry import KVGeometry
 from triton_offload.engine import LOAD, TransferEngine
 from triton_offload.host_cache import HostCache
+from triton_offload.integrity import OFF
 from triton_offload.layouts import HostSlots, KVCacheSpec
 
-__all__ = ["canonical_kv_spec", "TritonOffloadingWorker"]
+__all__ = ["canonical_kv_spec", "LoadError", "TritonOffloadingWorker"]
+
+
+@dataclass(frozen=True)
+class LoadError:
+    """The blocks of one load job that failed their integrity check (docs/integrity.md), as this worker saw them.
+
+    Attributes:
+        job_id: vLLM's load job.
+        gpu_block_ids: the GPU blocks the job wrote them into (vLLM must not use them).
+        host_block_ids: the host blocks (chunks) they came from, one per GPU block.
+        identities: the identity each was loaded under (its key's), one per GPU block.
+        tier: where the worker read them: ``"host cache"`` or ``"CPU tier"`` (vLLM's shared region).
+        regions: with host regions (``KVCacheSpec.group_regions``), the region of each host block's key, one per
+            GPU block (a row holds one key per region); empty without.
+        key_slots: the scheduler's name of each one's key, one per GPU block: its host block id, or with regions
+            ``region x rows + host block id`` (``TritonOffloadingManager.key_slots``); empty: the host block ids.
+    """
+
+    job_id: int
+    gpu_block_ids: tuple[int, ...]
+    host_block_ids: tuple[int, ...]
+    identities: tuple[int, ...]
+    tier: str
+    regions: tuple[int, ...] = ()
+    key_slots: tuple[int, ...] = ()
+
+
+def host_index_of_blocks(sizes, skips, f: int) -> np.ndarray:
+    """For a job's GPU blocks (group by group), the index of each one's host id in the job's host ids."""
+    out, h0 = [], 0
+    for n, s in zip(sizes, skips):
+        out.append(h0 + (s + np.arange(n)) // f)
+        h0 += -(-(s + n) // f) if n else 0
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +197,13 @@ class TritonOffloadingWorker(OffloadingWorker):
         geometry: the KV-cache groups read from vLLM's config, to split a packed allocation per group.
         numa_node, huge_pages, pinning: where and how the host cache is allocated and pinned (:class:`HostCache`;
             ``"auto"`` places it on the node of this rank's GPU).
+        integrity: ``"off"``, ``"verify"`` or ``"require"`` (docs/integrity.md): with the checks, the host cache keeps
+            a checksum table, and the blocks of a load that fail their check are reported by
+            :meth:`take_load_errors` (the connector hands them to vLLM as load errors), never as loaded.
     """
+
+    # Where this worker's host blocks are, for messages about them.
+    tier = "host cache"
 
     # Test hook: a subclass may name another engine class (the spec's ``_worker_class`` picks the subclass).
     # tests/offload_fault_plugin.py uses both to make one transfer fail inside the engine, to check that a failure
@@ -180,7 +224,9 @@ class TritonOffloadingWorker(OffloadingWorker):
         numa_node: str | int = "auto",
         huge_pages: str = "thp",
         pinning: str = "auto",
+        integrity: str = OFF,
     ) -> None:
+        self.integrity = integrity
         self.kv = canonical_kv_spec(kv_caches, group_regions=group_regions, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_host_block
         host_block_bytes = self.kv.host_block_bytes(f)
@@ -212,9 +258,11 @@ class TritonOffloadingWorker(OffloadingWorker):
             huge_pages=huge_pages,
             pinning=pinning,
             device=self.kv.device,
+            checksums=f if integrity != OFF else 0,
+            checksum_regions=self.kv.num_regions,
         )
         try:
-            self._start_engine(self.host_cache.buffer, num_ctas, transfer_path)
+            self._start_engine(self.host_cache.buffer, num_ctas, transfer_path, self.host_cache.checksums)
         except BaseException:
             self.host_cache.close()
             raise
@@ -233,22 +281,43 @@ class TritonOffloadingWorker(OffloadingWorker):
             self.engine.path,
         )
 
-    def _start_engine(self, host_buffer: torch.Tensor, num_ctas: int | None, transfer_path: str | None) -> None:
-        """The transfer engine between ``self.kv`` and ``host_buffer``, and the counters :meth:`get_finished` keeps."""
+    def _start_engine(
+        self, host_buffer: torch.Tensor, num_ctas: int | None, transfer_path: str | None, checksums=None
+    ) -> None:
+        """The transfer engine between ``self.kv`` and ``host_buffer`` (with the integrity checks, ``checksums`` is
+        their table), and the counters :meth:`get_finished` keeps."""
+        checks = {} if self.integrity == OFF else {"integrity": self.integrity, "checksums": checksums}
         self.engine = self.engine_class(
             self.kv,
             host_buffer,
             blocks_per_host_block=self.blocks_per_host_block,
             num_ctas=num_ctas,
             path=transfer_path,
+            **checks,
         )
         self.num_ctas = num_ctas
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
+        if self.integrity != OFF:
+            self.stats |= {"failed_checks": 0, "unchecked_blocks": 0}
+        # With the checks: per load job in flight, what naming its failed blocks needs.
+        self._loads: dict[int, tuple] = {}
+        self._load_errors: list[LoadError] = []
+        self._unchecked = 0
 
     def _host_ids(self, spec: LoadStoreSpec):
         if not isinstance(spec, BlockIDsLoadStoreSpec) or isinstance(spec, GPULoadStoreSpec):
             raise TypeError(f"expected the host block ids of TritonOffloadingSpec's manager, got {spec!r}")
         return spec.block_ids
+
+    def _identities(self, spec: LoadStoreSpec):
+        """The identities the scheduler gave the host blocks (their keys'), with the integrity checks."""
+        identities = getattr(spec, "identities", None)
+        if identities is None:
+            raise TypeError(
+                f"integrity = {self.integrity!r}, but the scheduler's spec carries no block identities ({spec!r}): "
+                "the scheduler and the workers must run the same version and configuration"
+            )
+        return identities
 
     def _submit(
         self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool, expedited: bool = False
@@ -267,19 +336,18 @@ class TritonOffloadingWorker(OffloadingWorker):
                 skips,
                 self._host_ids(host).tolist(),
             )
+        host_ids, sizes = self._host_ids(host), list(gpu.group_sizes)
+        # The identities only with the checks: an engine without them need not take the argument (tests' engines).
+        identities = None if self.integrity == OFF else self._identities(host)
+        checks = {} if identities is None else {"identities": identities}
         if store:
-            self.engine.submit_store(
-                job_id, gpu.block_ids, self._host_ids(host), skip=skips, group_sizes=list(gpu.group_sizes)
-            )
+            self.engine.submit_store(job_id, gpu.block_ids, host_ids, skip=skips, group_sizes=sizes, **checks)
         else:
             self.engine.submit_load(
-                job_id,
-                gpu.block_ids,
-                self._host_ids(host),
-                skip=skips,
-                group_sizes=list(gpu.group_sizes),
-                expedited=expedited,
+                job_id, gpu.block_ids, host_ids, skip=skips, group_sizes=sizes, expedited=expedited, **checks
             )
+            if identities is not None:
+                self._loads[job_id] = (gpu.block_ids, host_ids, identities, sizes, skips)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -306,10 +374,48 @@ class TritonOffloadingWorker(OffloadingWorker):
             self.stats["load_jobs" if is_load else "store_jobs"] += 1
             self.stats["loaded_bytes" if is_load else "stored_bytes"] += r.num_bytes
             self.stats["seconds"] += r.seconds
+            if is_load and self.integrity != OFF:
+                self._checked(r)
             out.append(
                 TransferResult(job_id=r.job_id, success=True, transfer_size=r.num_bytes, transfer_time=r.seconds)
             )
         return out
+
+    def _checked(self, result) -> None:
+        """Keeps the blocks of a finished load that failed their integrity check, for :meth:`take_load_errors`."""
+        gpu, host_ids, identities, sizes, skips = self._loads.pop(result.job_id)
+        failed, unchecked = self.engine.load_failures(result)
+        self._unchecked += unchecked
+        self.stats["unchecked_blocks"] += unchecked
+        if not failed.size:
+            return
+        self.stats["failed_checks"] += int(failed.size)
+        where = host_index_of_blocks(sizes, skips, self.blocks_per_host_block)[failed]
+        hosts = np.asarray(host_ids)[where]
+        regions, slots = (), ()
+        if self.kv.group_regions is not None:  # a row holds one key per region: the scheduler names it by both
+            group = np.repeat(np.arange(len(sizes)), sizes)[failed]
+            region = np.asarray(self.kv.group_regions)[group]
+            regions = tuple(int(r) for r in region)
+            slots = tuple(int(k) for k in region * self.engine.host_buffer.shape[0] + hosts)
+        self._load_errors.append(
+            LoadError(
+                result.job_id,
+                tuple(int(b) for b in np.asarray(gpu)[failed]),
+                tuple(int(h) for h in hosts),
+                tuple(int(i) for i in np.asarray(identities)[where]),
+                self.tier,
+                regions,
+                slots,
+            )
+        )
+
+    def take_load_errors(self) -> tuple[list[LoadError], int]:
+        """(the load errors found since the last call, blocks loaded unchecked since then): what the connector
+        reports to vLLM and counts. A load's errors are here once :meth:`get_finished` reported the job."""
+        errors, self._load_errors = self._load_errors, []
+        unchecked, self._unchecked = self._unchecked, 0
+        return errors, unchecked
 
     def wait(self, job_ids: Iterable[int]) -> None:
         # vLLM may pass ids of jobs this worker never saw or already reported; the engine ignores those.

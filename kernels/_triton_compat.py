@@ -85,3 +85,35 @@ def launch_hooks_idle() -> bool:
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
+
+
+# The combine function of ``tl.sum``. The kernels reduce with ``tl.reduce(x, axis, SUM_COMBINE)`` rather than
+# ``tl.sum``: ``tl.sum`` is a @jit standard-library function, which the interpreter cannot call unless
+# TRITON_INTERPRET=1 was set before Triton was imported (the vLLM CPU platform runs the kernels through the interpreter
+# without it), while ``tl.reduce`` is a builtin the interpreter patches, and it recognises the standard library's own
+# combine function as a sum (its NumPy fast path; Triton 3.6 to 3.9). Compiled, it is exactly what ``tl.sum`` emits.
+# Under TRITON_INTERPRET=1 the standard library's function is itself an interpreted one, which a compiled kernel cannot
+# reference: compiled kernels get a JITFunction of the same code (SUM_COMBINE), interpreted ones the standard
+# library's object (INTERPRETED_SUM_COMBINE, see interpreted_globals).
+def _jit_sum_combine():
+    from triton.runtime.jit import JITFunction
+
+    fn = triton.language.standard._sum_combine
+    return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
+
+
+SUM_COMBINE = _jit_sum_combine()
+INTERPRETED_SUM_COMBINE = triton.language.standard._sum_combine
+
+
+def interpreted_copy(fn, **overrides):
+    """A copy of the kernel function ``fn`` whose globals take ``overrides`` (what the interpreter should see in
+    place of the compiled kernel's globals)."""
+    import types
+
+    copy = types.FunctionType(
+        fn.__code__, {**fn.__globals__, **overrides}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    copy.__annotations__ = dict(fn.__annotations__)
+    return copy

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM
 from triton_offload.kernels._triton_compat import compile_variant as _compile_variant
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
@@ -31,6 +33,11 @@ __all__ = [
     "build_segment_table",
     "packed_size",
     "pack_ids",
+    "pack_integrity",
+    "integrity_offsets",
+    "result_size",
+    "build_integrity_table",
+    "Checks",
     "arguments",
     "launch",
     "compile_variant",
@@ -83,6 +90,8 @@ DEFAULT_TUNINGS = MappingProxyType(
 # A tile batches at most this many segments (rows) of tile / MAX_ROWS bytes or more (each row costs its own id and
 # table loads); shorter segments take one chunk each, so a 64 KiB tile holds 64 rows of 1 KiB.
 MAX_ROWS = 32
+# Blocks the finalising program handles per step of the integrity checks (a few vector registers per thread).
+FIN = tl.constexpr(128)
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -103,11 +112,23 @@ def _copy_blocks_kernel(
     blocks_per_host_block: tl.int64,
     host_row_stride: tl.int64,  # elements between host blocks
     n_chunks: tl.int64,  # CHUNK-sized steps of the longest segment; shorter ones are masked
+    # The integrity checks (docs/integrity.md); all None without INTEGRITY, which Triton then drops from the compiled
+    # signature: the kernel without checks is the same code as before they existed.
+    ck_ptr,  # int64* (groups * n_segs, 3): per (group, segment) the segment's first word in its block's word stream,
+    # the group's words per block, and the host region of the group's keys (its marker and checksums in the table)
+    ident_ptr,  # int64*: the identity of each host id of the plan (ids order)
+    sums_ptr,  # int64*, zeroed: two lane sums per GPU block of the plan, then the programs-done counter
+    res_ptr,  # int64* (host memory): a load's number of failed and of absent blocks, then each block's status
+    tab_ptr,  # int64* (host memory): the checksum table, per host row and region a marker then f checksums
+    tab_row: tl.int64,  # elements between the table's rows
+    mark: tl.int64,  # the row marker (triton_offload/integrity.py: version, f, word size)
     STORE: tl.constexpr,  # True: GPU -> host (a store, gather_blocks); False: host -> GPU (a load, scatter_blocks)
     MULTI_GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     VEC: tl.constexpr,  # every offset and length is a multiple of VEC elements: enables 16-byte accesses
+    INTEGRITY: tl.constexpr,  # also checksum every block moved (stores: write it; loads: check it)
+    COPY: tl.constexpr,  # False: move nothing, only checksum the GPU side (the copy-engine path's check)
 ):
     """Moves every (GPU block, segment) item of one transfer; a program walks tiles ``pid, pid + nprog, ...``.
 
@@ -153,15 +174,123 @@ def _copy_blocks_kernel(
             host_id * host_row_stride + (pos % blocks_per_host_block) * seg_host_stride + seg_host, VEC
         )
         seg_len = tl.multiple_of(seg_len, VEC)
+        if INTEGRITY:
+            # Word positions in the block's stream are 32-bit (a block of 16 GiB would wrap them).
+            if MULTI_GROUP:
+                seg_word = tl.load(ck_ptr + (group * n_segs + seg) * 3, mask=live, other=0).to(tl.uint32)
+            else:
+                seg_word = tl.load(ck_ptr + seg * 3, mask=live, other=0).to(tl.uint32)
+            # Per thread, its VEC words of a step are summed at once (no exchange between threads), so the running
+            # sums take VEC times fewer registers than the tile.
+            acc_a = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
+            acc_b = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
         for k in range(0, n_chunks):
             col = k * CHUNK + cols  # [CHUNK]
             mask = col[None, :] < seg_len[:, None]  # [ROWS, CHUNK]
-            if STORE:
+            if not COPY:  # only read the GPU side: the copy engines moved (or will move) the bytes
+                vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)
+            elif STORE:
                 vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)  # [ROWS, CHUNK]
                 tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)
             else:
                 vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
                 tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
+            if INTEGRITY:
+                # The words just moved, zero-extended, each mixed with its position (triton_offload/integrity.py).
+                if vals.dtype == tl.int8:
+                    w = vals.to(tl.uint8, bitcast=True).to(tl.uint32)
+                elif vals.dtype == tl.int16:
+                    w = vals.to(tl.uint16, bitcast=True).to(tl.uint32)
+                else:
+                    w = vals.to(tl.uint32, bitcast=True)
+                word = seg_word[:, None] + col[None, :].to(tl.uint32)  # the word's position in its block
+                a = w ^ (word * 0x9E3779B1)
+                a = a ^ (a >> 16)
+                a = a * 0x85EBCA6B
+                a = a ^ (a >> 13)
+                a = a * 0xC2B2AE35
+                a = a ^ (a >> 16)
+                b = w ^ (word * 0xCC9E2D51 + 0x1B873593)
+                b = b ^ (b >> 16)
+                b = b * 0x7FEB352D
+                b = b ^ (b >> 15)
+                b = b * 0x846CA68B
+                b = b ^ (b >> 16)
+                acc_a += tl.reduce(tl.reshape(tl.where(mask, a, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
+                acc_b += tl.reduce(tl.reshape(tl.where(mask, b, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
+        if INTEGRITY:
+            # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order.
+            part_a = tl.reduce(acc_a, 1, _SUM).to(tl.int64)
+            part_b = tl.reduce(acc_b, 1, _SUM).to(tl.int64)
+            tl.atomic_add(sums_ptr + 2 * blk, part_a, mask=live)
+            tl.atomic_add(sums_ptr + 2 * blk + 1, part_b, mask=live)
+    if INTEGRITY:
+        # The last program to finish finalises every block's checksum: each program's sums are complete before its
+        # count (every thread's atomics precede the barrier, and the count is an acquire-release atomic), so the
+        # program that counts last sees all of them.
+        tl.debug_barrier()
+        done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1)
+        if done == nprog - 1:
+            fins = tl.arange(0, FIN).to(tl.int64)
+            n_fail = tl.full([FIN], 0, tl.int64)
+            n_absent = tl.full([FIN], 0, tl.int64)
+            for i in range(0, (n_blocks + FIN - 1) // FIN):
+                fblk = i * FIN + fins
+                flive = fblk < n_blocks
+                # Read through the atomics' own path (L2), never a cache line of this program's.
+                lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
+                lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
+                if MULTI_GROUP:
+                    fgroup = tl.load(ids_ptr + n_blocks + n_host + fblk, mask=flive, other=0)
+                    fgroup_row = ids_ptr + 2 * n_blocks + n_host + fgroup * 3
+                    ffirst = tl.load(fgroup_row, mask=flive, other=0)
+                    fpos = fblk - ffirst + tl.load(fgroup_row + 1, mask=flive, other=0)
+                    fhost_idx = tl.load(fgroup_row + 2, mask=flive, other=0) + fpos // blocks_per_host_block
+                    words = tl.load(ck_ptr + fgroup * n_segs * 3 + 1, mask=flive, other=0)
+                    # A row holds one key per host region: the group's region has a marker and f checksums of its own.
+                    fregion = tl.load(ck_ptr + fgroup * n_segs * 3 + 2, mask=flive, other=0)
+                else:
+                    fpos = fblk + skip
+                    fhost_idx = fpos // blocks_per_host_block
+                    words = tl.load(ck_ptr + 1 + 0 * fblk, mask=flive, other=0)
+                    fregion = 0 * fblk
+                fhost_id = tl.load(ids_ptr + n_blocks + fhost_idx, mask=flive, other=0)
+                ident = tl.load(ident_ptr + fhost_idx, mask=flive, other=0).to(tl.uint64, bitcast=True)
+                sub = (fpos % blocks_per_host_block).to(tl.uint64)
+                # h = mix64(ident ^ mix64(sub * SUB_MUL ^ words * LEN_MUL)); checksum = mix64(h ^ lanes)
+                z = (sub * 0x9E3779B97F4A7C15) ^ (words.to(tl.uint64) * 0xC2B2AE3D27D4EB4F)
+                z = z ^ (z >> 30)
+                z = z * 0xBF58476D1CE4E5B9
+                z = z ^ (z >> 27)
+                z = z * 0x94D049BB133111EB
+                z = z ^ (z >> 31)
+                z = ident ^ z
+                z = z ^ (z >> 30)
+                z = z * 0xBF58476D1CE4E5B9
+                z = z ^ (z >> 27)
+                z = z * 0x94D049BB133111EB
+                z = z ^ (z >> 31)
+                z = z ^ ((lane_b << 32) | lane_a)
+                z = z ^ (z >> 30)
+                z = z * 0xBF58476D1CE4E5B9
+                z = z ^ (z >> 27)
+                z = z * 0x94D049BB133111EB
+                z = z ^ (z >> 31)
+                checksum = z.to(tl.int64, bitcast=True)
+                row = tab_ptr + fhost_id * tab_row + fregion * (1 + blocks_per_host_block)
+                if STORE:
+                    tl.store(row + 1 + fpos % blocks_per_host_block, checksum, mask=flive)
+                    tl.store(row + 0 * fblk, mark + 0 * fblk, mask=flive)  # the same value from each block of a row
+                else:
+                    present = tl.load(row + 0 * fblk, mask=flive, other=0) == mark
+                    expected = tl.load(row + 1 + fpos % blocks_per_host_block, mask=flive, other=0)
+                    status = tl.where(present, tl.where(expected == checksum, 0, 1), 2).to(tl.int64)
+                    tl.store(res_ptr + 2 + fblk, status, mask=flive)
+                    n_fail += tl.where(flive & (status == 1), 1, 0)
+                    n_absent += tl.where(flive & (status == 2), 1, 0)
+            if not STORE:
+                tl.store(res_ptr, tl.reduce(n_fail, 0, _SUM))
+                tl.store(res_ptr + 1, tl.reduce(n_absent, 0, _SUM))
 
 
 _NOT_SPECIALIZED = [
@@ -173,11 +302,14 @@ _NOT_SPECIALIZED = [
     "blocks_per_host_block",
     "host_row_stride",
     "n_chunks",
+    "tab_row",
+    "mark",
 ]
 # Pointers whose alignment the compiled code must not assume: the ids are gathered row by row (no vector access to
-# gain), and their buffer changes between calls. The KV anchor and the host buffer keep their alignment
-# specialisation (it enables the 16-byte accesses); both are fixed for a launcher.
-_ALIGNMENT_NOT_SPECIALIZED = ["table_ptr", "ids_ptr"]
+# gain), and their buffer changes between calls; so are the integrity buffers (sub-views of the id buffer, the
+# results, the checksum table). The KV anchor and the host buffer keep their alignment specialisation (it enables the
+# 16-byte accesses); both are fixed for a launcher.
+_ALIGNMENT_NOT_SPECIALIZED = ["table_ptr", "ids_ptr", "ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr"]
 _JIT_OPTIONS = dict(do_not_specialize=_NOT_SPECIALIZED, do_not_specialize_on_alignment=_ALIGNMENT_NOT_SPECIALIZED)
 _jit_kernel = triton.jit(_copy_blocks_kernel, **_JIT_OPTIONS)
 _interpreted = None
@@ -193,10 +325,14 @@ def _interpreted_kernel():
     if _interpreted is None:
         from triton.runtime.interpreter import InterpretedFunction
 
-        from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
+        from triton_offload.kernels._triton_compat import (
+            INTERPRETED_SUM_COMBINE,
+            interpreted_copy,
+            patch_interpreter_scalar_index,
+        )
 
         patch_interpreter_scalar_index()
-        _interpreted = InterpretedFunction(_copy_blocks_kernel)
+        _interpreted = InterpretedFunction(interpreted_copy(_copy_blocks_kernel, _SUM=INTERPRETED_SUM_COMBINE))
     return _interpreted
 
 
@@ -205,10 +341,25 @@ def _interpreted_kernel():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def packed_size(plan: TransferPlan) -> int:
-    """Elements of the kernel's id buffer for ``plan``."""
+def packed_size(plan: TransferPlan, integrity: bool = False) -> int:
+    """Elements of the kernel's id buffer for ``plan``; with ``integrity``, also its identities and zeroed sums
+    (:func:`integrity_offsets`)."""
     n, m = plan.n_blocks, plan.n_host
-    return n + m if len(plan.sizes) == 1 else 2 * n + m + 3 * len(plan.sizes)
+    size = n + m if len(plan.sizes) == 1 else 2 * n + m + 3 * len(plan.sizes)
+    return size + m + 2 * n + 1 if integrity else size
+
+
+def integrity_offsets(plan: TransferPlan) -> tuple[int, int, int]:
+    """Where the integrity checks' parts of an id buffer start (elements): the identities (one per host id), the
+    lane sums (two per GPU block, then the programs-done counter), and the end of what is uploaded."""
+    ident = packed_size(plan)
+    sums = ident + plan.n_host
+    return ident, sums, sums + 2 * plan.n_blocks + 1
+
+
+def result_size(plan: TransferPlan) -> int:
+    """Elements of a load's integrity results: failed and absent counts, then each block's status."""
+    return 2 + plan.n_blocks
 
 
 def pack_ids(plan: TransferPlan, out: np.ndarray | None = None) -> np.ndarray:
@@ -227,6 +378,16 @@ def pack_ids(plan: TransferPlan, out: np.ndarray | None = None) -> np.ndarray:
         first_host = np.cumsum(plan.host_counts) - plan.host_counts
         out[2 * n + m :] = np.stack([first_block, plan.skips, first_host], axis=1).reshape(-1)
     return out
+
+
+def pack_integrity(plan: TransferPlan, out: np.ndarray) -> np.ndarray:
+    """Packs what the integrity checks add to ``plan``'s id buffer into ``out`` after :func:`pack_ids`' part: each
+    host id's identity (the plan's, or the host id itself where it has none) and zeroed lane sums and counter.
+    Returns the packed prefix of ``out`` (what is uploaded)."""
+    ident, sums, end = integrity_offsets(plan)
+    out[ident:sums] = plan.host_ids if plan.identities is None else plan.identities
+    out[sums:end] = 0
+    return out[:end]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,9 +490,56 @@ def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int
     return table
 
 
+def build_integrity_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
+    """The integrity checks' int64 table on the spec's device, (num_groups * segments_per_group, 3): per segment of a
+    group, the word at which its bytes start in the block's word stream (the group's segments in order), the group's
+    words per block, and the group's host region (``spec.group_regions``; 0 without: a row of the checksum table
+    holds a marker and f checksums per region); words of ``elem`` bytes. Padding rows repeat their group's words and
+    region. Built synchronously, like :func:`build_segment_table`."""
+    width = spec.segments_per_group
+    regions = spec.group_regions or (0,) * spec.num_groups
+    rows = []
+    for segs, nbytes, region in zip(spec.group_segments, spec.group_bytes, regions):
+        start = 0
+        for s in segs:
+            rows.append([start // elem, nbytes // elem, region])
+            start += s.nbytes
+        rows += [[0, nbytes // elem, region]] * (width - len(segs))
+    table = torch.tensor(rows, dtype=torch.int64).to(spec.device)
+    if spec.device.type == "cuda":
+        torch.cuda.current_stream(spec.device).synchronize()
+    return table
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The launch
 # ---------------------------------------------------------------------------------------------------------------
+
+
+class Checks(NamedTuple):
+    """The integrity checks' arguments of one launch (docs/integrity.md): tensors, or device addresses for a direct
+    launch.
+
+    Attributes:
+        ck: the spec's integrity table (:func:`build_integrity_table`), on its device.
+        ident: the identity of each host id of the plan (the id buffer's part, :func:`integrity_offsets`).
+        sums: the zeroed lane sums and counter (the id buffer's part).
+        res: a load's results, ``result_size(plan)`` int64 in host memory (a store writes none: may be anything).
+        tab: the checksum table, int64 in host memory, one row of ``regions x (1 + f)`` per host block.
+        tab_row: elements between the table's rows.
+        mark: the row marker (:func:`triton_offload.integrity.marker`).
+    """
+
+    ck: Any
+    ident: Any
+    sums: Any
+    res: Any
+    tab: Any
+    tab_row: int
+    mark: int
+
+
+_NO_CHECKS = (None,) * len(Checks._fields)
 
 
 def arguments(
@@ -346,13 +554,18 @@ def arguments(
     host_row: int,
     store: bool,
     num_ctas: int | None,
+    checks: Checks | None = None,
+    copy: bool = True,
 ) -> tuple[int, tuple]:
     """(programs, every kernel argument in signature order, constexprs included) of one launch moving ``plan``, as
     Triton's dispatch hands them to the compiled kernel's launcher. The pointers are tensors, or device addresses
-    for a direct launch; ``host_row`` is the host buffer's row stride in elements."""
+    for a direct launch; ``host_row`` is the host buffer's row stride in elements. With ``checks``, the launch also
+    checksums every block (``copy`` False: only that, over the GPU side); without, the integrity arguments are None,
+    which Triton compiles out."""
     n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
     programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
     multi_group = len(plan.sizes) > 1
+    assert copy or checks is not None, "a launch that moves nothing must check something"
     args = (
         anchor,
         host,
@@ -366,30 +579,34 @@ def arguments(
         blocks_per_host_block,
         host_row,
         cfg.n_chunks,
+        *(_NO_CHECKS if checks is None else checks),
         store,
         multi_group,
         cfg.rows,
         cfg.chunk,
         cfg.vec,
+        checks is not None,
+        copy,
     )
     return programs, args
 
 
-_CONSTEXPRS = ("STORE", "MULTI_GROUP", "ROWS", "CHUNK", "VEC")
+_CONSTEXPRS = ("STORE", "MULTI_GROUP", "ROWS", "CHUNK", "VEC", "INTEGRITY", "COPY")
+_N_CONST = len(_CONSTEXPRS)
 
 
 def _constexprs(args: tuple) -> dict:
-    """The kernel's constexpr arguments (the last five of :func:`arguments`) by name."""
-    return dict(zip(_CONSTEXPRS, args[-5:]))
+    """The kernel's constexpr arguments (the last ones of :func:`arguments`) by name."""
+    return dict(zip(_CONSTEXPRS, args[-_N_CONST:]))
 
 
 def launch(programs: int, args: tuple, num_warps: int, cuda: bool) -> None:
     """One launch through Triton's dispatch, asynchronously on the current stream; on CPU tensors through the
     interpreter."""
     kernel = _jit_kernel if cuda else _interpreted_kernel()
-    kernel[(programs,)](*args[:-5], **_constexprs(args), num_warps=num_warps)
+    kernel[(programs,)](*args[:-_N_CONST], **_constexprs(args), num_warps=num_warps)
 
 
 def compile_variant(args: tuple, num_warps: int):
     """The compiled kernel a launch with ``args`` uses (compiled now if Triton's cache does not hold it); CUDA only."""
-    return _compile_variant(_jit_kernel, args[:-5], _constexprs(args), num_warps)
+    return _compile_variant(_jit_kernel, args[:-_N_CONST], _constexprs(args), num_warps)

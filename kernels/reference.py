@@ -168,3 +168,77 @@ def scatter_blocks_ref(
                     chunk = blocks[:, offset : offset + nbytes].contiguous().to(p.device)
                     p[g.to(p.device)] = chunk.view(p.dtype).view(n, *p.shape[1:])
                     offset += nbytes
+
+
+def block_streams_ref(
+    kv_caches: Sequence[torch.Tensor],
+    layout: str | Layout,
+    gpu_block_ids: Sequence[int],
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_sizes: Sequence[int] | None = None,
+) -> list[np.ndarray]:
+    """Each GPU block's *word stream* of the integrity checks (triton_offload/integrity.py): the bytes a transfer moves
+    for it, its group's layers in order, K before V, as a (blocks, bytes) uint8 array per group (ids concatenated
+    group by group, as for the transfers). Built by gathering into a packed host buffer of one block per row, so the
+    stream is exactly a packed sub-block."""
+    g_all = _ids(gpu_block_ids)
+    groups = [range(len(kv_caches))] if groups is None else groups
+    group_sizes = [g_all.numel()] if group_sizes is None else group_sizes
+    out, start = [], 0
+    for layers, n in zip(groups, group_sizes):
+        ids = g_all[start : start + n]
+        start += n
+        layers = list(layers)
+        nbytes = sum(
+            sum(p[0].numel() * p.element_size() for p in _parts(kv_caches[i], resolve_layout(layout))) for i in layers
+        )
+        host = torch.zeros((max(n, 1), nbytes), dtype=torch.uint8)
+        if n:
+            gather_blocks_ref([kv_caches[i] for i in layers], layout, ids, host, list(range(n)))
+        out.append(host[:n].numpy())
+    return out
+
+
+def checksums_ref(
+    kv_caches: Sequence[torch.Tensor],
+    layout: str | Layout,
+    gpu_block_ids: Sequence[int],
+    host_block_ids: Sequence[int],
+    *,
+    word_bytes: int,
+    blocks_per_host_block: int = 1,
+    skip: int | Sequence[int] = 0,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_sizes: Sequence[int] | None = None,
+    identities: Sequence[int] | None = None,
+    group_regions: Sequence[int] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference of what a store with the integrity checks writes: for each GPU block (ids concatenated group by
+    group), (its host block id, the column of its checksum in the checksum table, its checksum), the checksum of its
+    word stream with the identity of its host block (``identities``, one per host id; default: the host id) and its
+    sub-block index. A table row holds, per host region (``group_regions``, as in :class:`KVCacheSpec`; one region
+    without), a marker then f checksums: the column is ``region x (1 + f) + 1 + sub-block``, and the marker's
+    ``column - column % (1 + f)``."""
+    from triton_offload.integrity import block_checksums
+
+    f = blocks_per_host_block
+    h_all = _ids(host_block_ids).numpy()
+    ident_all = h_all if identities is None else np.asarray(identities, dtype=np.int64)
+    g_all = _ids(gpu_block_ids)
+    groups = [range(len(kv_caches))] if groups is None else groups
+    group_sizes = [g_all.numel()] if group_sizes is None else group_sizes
+    regions = [0] * len(groups) if group_regions is None else list(group_regions)
+    skips = [skip] * len(groups) if isinstance(skip, int) else list(skip)
+    streams = block_streams_ref(kv_caches, layout, g_all, groups=groups, group_sizes=group_sizes)
+    rows, cols, sums = [], [], []
+    h0 = 0
+    for stream, n, s, region in zip(streams, group_sizes, skips, regions):
+        m = -(-(s + n) // f) if n else 0
+        pos = s + np.arange(n)
+        idx = h0 + pos // f
+        rows.append(h_all[idx])
+        cols.append(region * (1 + f) + 1 + pos % f)
+        sums.append(block_checksums(stream, word_bytes, ident_all[idx], pos % f) if n else np.zeros(0, np.int64))
+        h0 += m
+    return np.concatenate(rows), np.concatenate(cols), np.concatenate(sums)

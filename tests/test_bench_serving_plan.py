@@ -32,8 +32,11 @@ def test_the_decisive_preset_fits_three_minutes_on_an_h100_by_the_model():
     part (8 minutes)."""
     seconds = parts.serving_preset_seconds("decisive")
     assert parts.STARTUP_S < seconds <= 180, seconds
-    # The runner's `serving` stage is the preset; `serving-full` the default run.
-    assert parts.estimate_seconds(parts.SERVING_PART) == seconds
+    # The runner's `serving` stage is the preset, with triton_integrity after it (issue 41); `serving-full` the
+    # default run.
+    assert parts.estimate_seconds(parts.SERVING_PART) == parts.STARTUP_S + parts.serving_plan_seconds(
+        config.with_integrity(config.PRESETS["decisive"])
+    )
     assert parts.estimate_seconds(parts.SERVING_FULL_PART) == parts.STARTUP_S + parts.serving_plan_seconds(
         config.FULL_PLAN
     )

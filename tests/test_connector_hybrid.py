@@ -337,3 +337,52 @@ def test_tiering_packed_rows_round_trip_through_the_shared_region():
         assert torch.equal(loaded[g], kv.block_bytes(g, s)), f"group {g}"
     role.shutdown()
     assert not os.path.exists(region)
+
+
+def test_tiering_packed_rows_with_the_integrity_checks_carry_a_trailer():
+    """host_layout = "packed" with integrity = "verify" (issue 41 beside issue 44): the trailer follows the packed
+    slot's pages (the CPU tier keeps its chunk count), the secondary tiers get both namespaces' suffixes, the keys of
+    both groups load checked, and a changed byte is a load error naming its CPU tier chunk."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    from triton_offload import integrity
+    from triton_offload.connector import load_errors
+    from triton_offload.connector.tiering import INTEGRITY_NAMESPACE, PACKED_NAMESPACE, IdentifiedChunks, trailer_bytes
+
+    kv = HybridKV(CASES["2-disjoint"], 16, seed=4)
+    budget = 8 * F * 2048
+    plain = _tiering(kv, "packed", budget=budget)
+    token = load_errors._REPORTING.set(True)  # what TritonOffloadingConnector does around vLLM's construction
+    try:
+        extra = {"spec_name": plugin.TIERING_SPEC_NAME, "cpu_bytes_to_use": budget, "block_size": F * 16,
+                 "host_layout": "packed", "integrity": "verify"}  # fmt: skip
+        config = offloading_connector.build_offloading_config(vllm_config(extra), kv.config)
+        config = dataclasses.replace(config, engine_id=f"hybrid-checked-{uuid.uuid4().hex[:10]}")
+        geometry.remember(config, kv.config)
+        spec = OffloadingSpecFactory.create_spec(config)
+        assert spec.cpu_page_size_per_worker == plain.cpu_page_size_per_worker + trailer_bytes(F)
+        assert spec.num_chunks == plain.num_chunks, "the checks cost no chunk its place"
+        assert spec.config.model.name == "tiny" + PACKED_NAMESPACE + INTEGRITY_NAMESPACE
+        roots = [FileMapper.from_offloading_spec("/kv", s).base_path for s in (plain, spec)]
+        assert roots[0] != roots[1]
+        role = _worker_role(kv, spec)
+    finally:
+        load_errors._REPORTING.reset(token)
+    worker = role.worker
+    try:
+        ident = integrity.identities_of_keys([key(1, 0), key(1, 1)])
+        chunks = IdentifiedChunks([0, 1], ident)
+        assert worker.submit_store(0, GPULoadStoreSpec([1, 2, 3, 4], [2, 2], [0, 0]), chunks)
+        worker.wait({0})
+        assert all(r.success for r in worker.get_finished())
+        assert worker.submit_load(1, chunks, GPULoadStoreSpec([9, 10, 11, 12], [2, 2], [0, 0]))
+        worker.wait({1})
+        assert all(r.success for r in worker.get_finished()) and worker.take_load_errors() == ([], 0)
+        worker.host[1, 5] ^= 0x01  # chunk 1 (group 1's key), its first block
+        assert worker.submit_load(2, chunks, GPULoadStoreSpec([9, 10, 11, 12], [2, 2], [0, 0]))
+        worker.wait({2})
+        assert all(r.success for r in worker.get_finished())
+        (error,), _ = worker.take_load_errors()
+        assert (error.gpu_block_ids, error.host_block_ids, error.tier) == ((11,), (1,), "CPU tier")
+    finally:
+        role.shutdown()

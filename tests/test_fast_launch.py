@@ -42,7 +42,7 @@ def interpreter_runner(corrupt: bool = False):
             if corrupt:  # tiles_per_program, one round short
                 args = (*args[:7], args[7] - 1, *args[8:])
             copy_blocks._interpreted_kernel()[(programs,)](
-                *args[:-5], **copy_blocks._constexprs(args), num_warps=num_warps
+                *args[: -copy_blocks._N_CONST], **copy_blocks._constexprs(args), num_warps=num_warps
             )
 
         run.calls = 0
@@ -159,10 +159,11 @@ def test_one_compiled_variant_serves_every_call():
     kernel = JITFunction(copy_blocks._copy_blocks_kernel, **copy_blocks._JIT_OPTIONS)
     params = {p.name: p for p in kernel.params}
     scalars = copy_blocks._NOT_SPECIALIZED
-    assert [p.name for p in kernel.params if not p.is_constexpr][4:] == scalars
+    checks = ["ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr"]  # the integrity checks' pointers
+    assert [p.name for p in kernel.params if not p.is_constexpr][4:] == scalars[:-2] + checks + scalars[-2:]
     for name in scalars:
         assert params[name].annotation_type == "i64" and params[name].do_not_specialize, name
-    assert {n for n, p in params.items() if p.do_not_specialize_on_alignment} == {"table_ptr", "ids_ptr"}
+    assert {n for n, p in params.items() if p.do_not_specialize_on_alignment} == {"table_ptr", "ids_ptr", *checks}
     assert [n for n, p in params.items() if p.is_constexpr] == list(copy_blocks._CONSTEXPRS)
 
 

@@ -22,6 +22,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from bench.common import results
+from bench.serving import config as serving_config
 from tools.gpu import parts, plan, run, summary
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -352,9 +353,31 @@ def test_every_stage_has_an_estimate_under_the_part_limit():
 
 
 def test_the_quick_part_measures_auto_and_both_vllm_baselines():
-    """bench_transfer.py --part quick restricts workloads and sizes, never methods: every baseline is timed."""
+    """bench_transfer.py --part quick restricts workloads and sizes, never methods: every baseline is timed, and the
+    kernel with the integrity checks beside the kernel (issue 41)."""
     assert {"auto", "vllm033", "vllm_native", "peak"} <= set(results.BASELINE_ORDER)
-    assert parts.PARTS["quick"] == ["--quick"]
+    assert parts.PARTS["quick"] == ["--quick", "--integrity"]
+
+
+def test_the_stages_measure_the_integrity_checks_and_their_estimates_count_them():
+    """Issue 41's cost is measured by the next lease: the quick transfer stage (triton_integrity beside triton), the
+    serving stage (the decisive preset, then triton_integrity) and the call-cost stage (the engine's submits with the
+    checks); each stage's estimate counts the runs the checks add, and still fits a part."""
+    serving = plan.STAGES["serving"].steps[0]
+    assert serving[3 : 3 + len(plan.SERVING_STAGE)] == plan.SERVING_STAGE and "--integrity" in plan.SERVING_STAGE
+    assert "--integrity" in plan.STAGES["call-cost"].steps[0]
+    stage_plan = parts.serving_stage_plan()
+    decisive = serving_config.PRESETS["decisive"]
+    assert stage_plan.methods == (*decisive.methods, results.INTEGRITY_METHOD)
+    assert parts.estimate_seconds(parts.SERVING_PART) == parts.STARTUP_S + parts.serving_plan_seconds(stage_plan)
+    assert parts.serving_preset_seconds("decisive") < parts.estimate_seconds(parts.SERVING_PART) < parts.LIMIT_S
+    quick_workloads, quick_grid, one_layout, integrity = parts._sweep_args(parts.PARTS["quick"])
+    assert integrity and one_layout
+    without = parts._sweep_s(quick_workloads, quick_grid, one_layout=True)
+    assert without < parts._sweep_s(quick_workloads, quick_grid, one_layout=True, integrity=True)
+    assert parts._call_cost_s(False) < parts._call_cost_s(True)
+    for name in ("quick", "serving", "call-cost"):
+        assert parts.estimate_seconds(name) < parts.LIMIT_S, name
 
 
 def test_stage_names_and_aliases(m):
@@ -454,7 +477,8 @@ def test_verdicts_pass_when_the_files_say_so(m, tmp_path):
     })  # fmt: skip
     verdicts = {k: v["verdict"] for k, v in t.items()}
     assert verdicts == {"every": "pass", "call": "pass", "transfers": "pass", "auto": "pass", "ours": "pass",
-                        "size-aware": "not measured", "launch": "not measured", "serving": "not measured"}  # fmt: skip
+                        "size-aware": "not measured", "launch": "not measured", "serving": "not measured",
+                        "bandwidth": "not measured", "host": "not measured"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -472,6 +496,29 @@ def test_the_size_aware_launch_shape_decision(m, tmp_path, frac_4, sized, gain, 
     assert (t["size-aware"]["verdict"], t["launch"]["verdict"]) == (gain, loss), (t["size-aware"], t["launch"])
     (fig,) = m.summary.launch_shape(doc["rows"], 4)
     assert fig["fraction_size_aware"] == pytest.approx(sized)
+
+
+@pytest.mark.parametrize(("cost_pct", "extra_us", "verdict"), [(1.5, 0.8, "pass"), (3.0, 1.4, "miss")],
+                         ids=["within", "over"])  # fmt: skip
+def test_the_integrity_checks_cost_targets(m, tmp_path, cost_pct, extra_us, verdict):
+    """Issue 41's goal, from a transfer stage run with --integrity (triton_integrity beside triton at the default
+    num_ctas, at 8 KiB pages) and the call-cost stage's submits with the checks; made-up numbers."""
+    quick = _transfer(m.results, frac_4=0.95, auto_ms=1 / 0.95, native_ms=3.0)
+    kernel = next(r for r in quick["rows"] if r["method"] == "triton" and r["num_ctas"] == 4)
+    big = [dict(r, page_bytes=8192) for r in quick["rows"]]  # the same case at 8 KiB pages (>= the goal's 8 KiB)
+    on = [dict(r, method="triton_integrity", num_ctas=None, gbps=r["gbps"] * (1 - cost_pct / 100))
+          for r in (kernel, dict(kernel, page_bytes=8192))]  # fmt: skip
+    quick["rows"] += big + on
+    cc = _call_cost(worst_us=20.0)
+    for call in ("engine.submit_store", "engine.submit_load"):
+        us = cc["sections"]["engine submits"][f"{call}, direct launch"]["median_us"] + extra_us
+        cc["sections"]["engine submits"][f"{call}, direct launch, integrity verify"] = {"median_us": us}
+    t = _targets(m, tmp_path, {"quick": ("transfer", quick), "call-cost": ("call-cost", cc)})
+    bandwidth, host = t["bandwidth"], t["host"]
+    assert bandwidth["verdict"] == verdict and bandwidth["worst"] == pytest.approx(cost_pct, abs=0.01), bandwidth
+    assert "8192B" in bandwidth["where"] and bandwidth["from"] == ["quick"]  # the 2 KiB case is not the goal's
+    assert host["verdict"] == verdict and host["worst"] == pytest.approx(extra_us), host
+    assert host["where"].startswith("call-cost: engine.submit_")
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,8 @@ class FakeSlot:
 class RecordingLauncher:
     """Records the ids each launch was handed instead of launching."""
 
+    integrity = False
+
     def __init__(self):
         self.launched = []
 

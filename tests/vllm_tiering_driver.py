@@ -16,8 +16,9 @@ Used by the tiering end-to-end tests, one process per engine, so that engines sh
 
 ``--spec native`` runs vLLM's own TieringOffloadingSpec with a test-only worker that writes vLLM's native layout
 through its region views (tests/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: per request the greedy
-tokens, the cached tokens vLLM reports and the seconds it took; the chunks each tier holds (fs: files, obj: objects;
-null for others), the labelled cache-hit metrics and the ``/dev/shm`` files the engine's processes use.
+tokens, the cached tokens vLLM reports, its finish reason and the seconds it took; the chunks each tier holds (fs:
+files, obj: objects; null for others), the labelled cache-hit metrics (and the integrity checks' counters) and the
+``/dev/shm`` files the engine's processes use.
 """
 
 from __future__ import annotations
@@ -69,6 +70,21 @@ def stored_chunks(tier: dict) -> list[str] | None:
     return sorted(o["Key"] for page in pages for o in page.get("Contents", ()))
 
 
+def scramble_region(llm) -> int:
+    """XORs the first 256 bytes of every chunk row of the engine's CPU tier (the shared region, through the tiering
+    manager's view of it) with 0x55; returns the rows. Needs vLLM's in-process engine (the scheduler in this
+    process)."""
+    import numpy as np
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise SystemExit("--scramble-region needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the in-process engine)")
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    view = scheduler.connector.connector_scheduler.manager.primary_tier.get_kv_memoryview()
+    rows = np.frombuffer(view.cast("B"), dtype=np.uint8).reshape(view.shape[0], -1)
+    rows[:, :256] ^= 0x55
+    return int(rows.shape[0])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory; its path is part of the tiers' namespace")
@@ -91,6 +107,14 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-timeout", type=float, default=300, help="bound on --serve-until, seconds")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--umask", help="octal umask for the engine and its processes, e.g. 022 (default: inherited)")
+    ap.add_argument("--connector", default="OffloadingConnector", help="kv_connector (TritonOffloadingConnector)")
+    ap.add_argument("--policy", choices=["recompute", "fail"], help="kv_load_failure_policy (default: vLLM's)")
+    ap.add_argument(
+        "--scramble-region",
+        action="store_true",
+        help="after serving (in-process engine), change the first 256 bytes of every chunk row of this engine's CPU "
+        "tier in place: what its peers then fetch is corrupted (the integrity checks' p2p test)",
+    )
     args = ap.parse_args(argv)
     if args.umask is not None:
         os.umask(int(args.umask, 8))  # before vLLM starts: its processes inherit it
@@ -112,7 +136,16 @@ def main(argv=None) -> int:
         **json.loads(args.extra),
     }
     t0 = time.perf_counter()
-    llm = tiny_llm(args.model, extra)
+    if args.connector == "OffloadingConnector" and args.policy is None:
+        llm = tiny_llm(args.model, extra)
+    else:
+        from vllm.config import KVTransferConfig
+
+        policy = {} if args.policy is None else {"kv_load_failure_policy": args.policy}
+        transfer = KVTransferConfig(
+            kv_connector=args.connector, kv_role="kv_both", kv_connector_extra_config=extra, **policy
+        )
+        llm = tiny_llm(args.model, None, kv_transfer_config=transfer)
     t_start = time.perf_counter()
     served = []
     for request in json.loads(args.requests):
@@ -125,6 +158,7 @@ def main(argv=None) -> int:
                 "prompt": request["prompt"],
                 "tokens": list(out.outputs[0].token_ids),
                 "cached": out.num_cached_tokens,
+                "finish": out.outputs[0].finish_reason,
                 "seconds": round(time.monotonic() - t, 2),
                 "span": [t, time.monotonic()],
             }
@@ -141,7 +175,8 @@ def main(argv=None) -> int:
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)
         time.sleep(0.05)
     metrics = {}
-    wanted = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_tiering_", "vllm:external_prefix_cache_hits")
+    wanted = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_tiering_", "vllm:external_prefix_cache_hits",
+              "vllm:triton_offload_integrity_")  # fmt: skip
     for m in llm.get_metrics():
         if m.name.startswith(wanted) and hasattr(m, "value"):
             labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
@@ -155,6 +190,8 @@ def main(argv=None) -> int:
         "shm": shm_files(os.getpgid(0)),  # the /dev/shm files this engine's processes map or hold open now
         "seconds": {"startup": round(t_start - t0, 1), "serve": round(time.perf_counter() - t_start, 1)},
     }
+    if args.scramble_region:
+        result["scrambled_rows"] = scramble_region(llm)
     print(f"{TIERING_RESULT} " + json.dumps(result), flush=True)
     if args.serve_until:
         # Serving peers (a p2p producer): the tiers answer them once per engine step. vLLM's multiprocess engine core

@@ -75,3 +75,24 @@ def launch_shape(value, name: str = "launch_shape") -> str:
     if value not in LAUNCH_SHAPES:
         raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(s) for s in LAUNCH_SHAPES)}")
     return value
+
+
+# The integrity checks' setting (docs/integrity.md; triton_offload/integrity.py is the rest of them).
+OFF, VERIFY, REQUIRE = "off", "verify", "require"
+INTEGRITY_SETTINGS = {
+    OFF: "no checksum is computed, stored or checked (the kernel of earlier versions, byte for byte)",
+    VERIFY: "stores write a checksum beside each block; loads check it where one is present and load blocks "
+    "stored without one unchecked",
+    REQUIRE: "as verify, but a block stored without a checksum is a failed load",
+}
+
+
+def integrity_setting(value, name: str = "integrity") -> str:
+    """The ``integrity`` setting checked: one of :data:`INTEGRITY_SETTINGS` (case-insensitive).
+
+    Raises:
+        ValueError: anything else, naming the value and listing the choices.
+    """
+    if isinstance(value, str) and value.lower() in INTEGRITY_SETTINGS:
+        return value.lower()
+    raise ValueError(f"{name} = {value!r} is not one of {sorted(INTEGRITY_SETTINGS)}")

@@ -102,12 +102,20 @@ def path_issuers(
     ctas = launcher.ctas(num_ctas, launch_shape)
 
     def issuers_for(canary: KVCacheSpec, host: torch.Tensor, stream: torch.cuda.Stream) -> dict[str, Issuer]:
-        kernel = launcher.twin(canary, host)
+        checksums = None
+        if launcher.integrity:  # measured with the checks, as live jobs run (the canary's own, empty, table)
+            f = launcher.blocks_per_host_block
+            checksums = torch.zeros(host.shape[0], 1 + f, dtype=torch.int64, pin_memory=canary.device.type == "cuda")
+        kernel = launcher.twin(canary, host, checksums=checksums)
         for d in kernel.directions:
             kernel.set_direct(d, launcher.direct(d))
-        out: dict[str, Issuer] = {KERNEL: KernelIssuer(kernel, IdStager(canary.device, stream), ctas)}
+            if launcher.integrity:
+                kernel.set_direct(d, launcher.direct(d, copy=False), copy=False)
+        kernel_issuer = KernelIssuer(kernel, IdStager(canary.device, stream), ctas)
+        out: dict[str, Issuer] = {KERNEL: kernel_issuer}
         if dma:
-            out[DMA] = DmaIssuer(canary, host, launcher.blocks_per_host_block)
+            checker = kernel_issuer if launcher.integrity else None
+            out[DMA] = DmaIssuer(canary, host, launcher.blocks_per_host_block, checker=checker)
         return out
 
     return issuers_for

@@ -2,7 +2,9 @@
 Descriptors come from the spec's segments, merged into *runs* where adjacent on both sides and coalesced across
 consecutive blocks where a run's blocks are adjacent too, never across host blocks (one CUDA registration each);
 docs/design.md ("The copy-engine path and auto") says when this path wins. On CPU the same descriptors are replayed
-by a memmove stand-in for the driver, so the bytes this path would move are tested like the kernel's.
+by a memmove stand-in for the driver, so the bytes this path would move are tested like the kernel's. With the
+integrity checks, a checksum-only launch of the kernel over the GPU side of the blocks follows the copies on the same
+stream (docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from triton_offload._checks import DMA
-from triton_offload.cuda_driver import FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, MemcpyBatchCall
+from triton_offload.cuda_driver import FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer
 from triton_offload.layouts import KVCacheSpec, Segment
 from triton_offload.plan import Direction, TransferPlan
 
@@ -150,34 +152,55 @@ class DmaIssuer:
     by work queued before it, a load's host block by an earlier transfer; the batch prefers copy engines that overlap
     with compute.
 
+    Args:
+        checker: with the integrity checks, the kernel issuer (its launcher has the checksum table) whose
+            checksum-only launch follows each batch on the same stream: it reads the GPU side of the plan's blocks,
+            after the copies (a load's destination must hold what was copied; a store's source is unchanged by them),
+            and writes (store) or checks (load) the checksums as the kernel path does.
+
     Raises:
         CudaError: on CUDA, the driver has no ``cuMemcpyBatchAsync`` (before 12.8).
     """
 
     path = DMA
 
-    def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, coalesce=True):
+    def __init__(
+        self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, coalesce=True, checker=None
+    ):
         self.planner = DmaPlanner(spec, host_buffer, blocks_per_host_block, coalesce)
         self.device = spec.device
+        self.checker = checker
         self._batch = BatchIssuer(spec.device, FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
     def descriptors(self, plan: TransferPlan) -> int:
         return self.planner.count(plan)
 
-    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None) -> MemcpyBatchCall:
+    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None):
         """Builds ``plan``'s descriptors and issues them on ``stream`` (None: the current one; on CPU the copies run
-        now). The returned call holds the descriptor arrays, which the driver reads until the copies complete."""
+        now), then the checksum-only launch where there is a ``checker``. Returns what the device still reads: the
+        call (its descriptor arrays, which the driver reads until the copies complete) and the check's slot."""
         src, dst, nbytes = self.planner.descriptors(plan)
         if not self._batch.cuda:
             call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, 0)
             call()
-            return call
+            return call if self.checker is None else (call, self.checker.issue_launch(plan, None, trace, copy=False))
         # The driver call acts in the current context: the caches' device's, whichever device is current.
         with torch.cuda.device(self.device):
             handle = (stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream
             call = self._batch.call(src, dst, nbytes, plan.direction is Direction.STORE, handle)
             call()
-        return call
+        if self.checker is None:
+            return call
+        if trace is not None:
+            trace("batch")
+        # Same stream, after the batch: the check reads what the copies wrote (loads) or what they read (stores).
+        return call, self.checker.issue_launch(plan, stream, trace, copy=False)
 
-    def release(self, keep: MemcpyBatchCall, after=None) -> None:
-        """Nothing to hand back: the descriptor arrays go with the call."""
+    def outcome(self, keep):
+        """What the integrity check of a completed load found (None without checks or for a store)."""
+        return None if self.checker is None else self.checker.outcome(keep[1])
+
+    def release(self, keep, after=None) -> None:
+        """The descriptor arrays go with the call; the check's id slot goes back to its pool."""
+        if self.checker is not None:
+            self.checker.release(keep[1], after)

@@ -1,7 +1,8 @@
 """Worker-side transfer engine: a store or load is planned (:mod:`triton_offload.plan`), its path chosen
 (:mod:`triton_offload.path_choice`), issued (the kernel, :mod:`triton_offload.kernel_issuer`, or the copy engines,
 :mod:`triton_offload.dma`) and tracked to completion on a side stream per lane (:mod:`triton_offload.jobs`): stores,
-loads, and expedited loads. Everything that does not change per call is built and checked once, at construction.
+loads, and expedited loads. Everything that does not change per call is built and checked once, at construction. With
+the integrity checks, every transfer also checksums the blocks it moves (docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import numpy as np
 import torch
 
+from triton_offload import integrity as _integrity
 from triton_offload._checks import AUTO, DMA, KERNEL, int_in_range, transfer_path
 from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.calibrate import calibrate, path_issuers
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # The directions by their short names, as the connector and the benchmarks spell them.
 STORE, LOAD = Direction.STORE, Direction.LOAD
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
 # The lane of expedited loads (vLLM 0.33's synchronous loads, which the step waits for): a stream of their own, so
 # they never queue behind asynchronous loads submitted earlier (as vLLM's own worker gives them a handler and stream of
 # their own).
@@ -59,6 +62,11 @@ class TransferEngine:
             predicts faster, :mod:`triton_offload.path_choice`). None: ``"auto"`` on CUDA, ``"kernel"`` on CPU.
         calibration: for ``"auto"``, use this :class:`~triton_offload.path_choice.Calibration` instead of measuring
             one (required on CPU, where nothing can be measured).
+        integrity: ``"off"`` (the default), ``"verify"`` or ``"require"`` (:data:`triton_offload.integrity.
+            INTEGRITY_SETTINGS`): with the checks, a store writes each block's checksum into ``checksums`` and a load
+            checks it; a load's result says which blocks failed (:meth:`load_failures`). docs/integrity.md.
+        checksums: the checksum table, int64 host memory ``(num_host_blocks, 1 + blocks_per_host_block)`` (pinned on
+            CUDA; e.g. :attr:`triton_offload.host_cache.HostCache.checksums`); required with the checks.
 
     Raises:
         ValueError: a bad argument, ``"dma"`` where the driver has no ``cuMemcpyBatchAsync``, or ``"auto"`` on CPU
@@ -76,9 +84,17 @@ class TransferEngine:
         fast_launch: bool | None = None,
         path: str | None = None,
         calibration: Calibration | None = None,
+        integrity: str = _integrity.OFF,
+        checksums: torch.Tensor | None = None,
     ):
         self.kv = kv
         self.host_buffer = host_buffer
+        self.integrity = _integrity.integrity_setting(integrity)
+        if self.integrity == _integrity.OFF:
+            checksums = None
+        elif checksums is None:
+            raise ValueError(f"integrity = {self.integrity!r} needs a checksum table (checksums=...)")
+        self.checksums = checksums
         # Fixed for the engine's life, so checked once here; a job then checks only its ids.
         self.blocks_per_host_block = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
         check_host_buffer(kv, host_buffer, self.blocks_per_host_block)
@@ -122,7 +138,7 @@ class TransferEngine:
         ``launch_paths``). Its segment tables and launch shapes are built now, on the caller's stream and
         synchronously, rather than by the first job on whichever side stream it runs: the other stream would read
         them unordered."""
-        launcher = CopyLauncher(self.kv, self.host_buffer, self.blocks_per_host_block)
+        launcher = CopyLauncher(self.kv, self.host_buffer, self.blocks_per_host_block, checksums=self.checksums)
         if fast_launch is None:
             fast_launch = fast_launch_default()
         if fast_launch:
@@ -170,24 +186,37 @@ class TransferEngine:
         that stream's order, after the queued copy."""
         stager = IdStager(self.kv.device, self._tracker.streams[lane]) if self.cuda else None
         issuers: dict[str, Issuer] = {}
+        kernel = KernelIssuer(self._launcher, stager, self.num_ctas, self.launch_shape)
         if self.path != DMA:
-            issuers[KERNEL] = KernelIssuer(self._launcher, stager, self.num_ctas, self.launch_shape)
+            issuers[KERNEL] = kernel
         if dma is not None:
+            if self.checksums is not None:
+                # Per lane, with the lane's id slots: the copy-engine path's check is a kernel launch on its stream.
+                dma = DmaIssuer(self.kv, self.host_buffer, self.blocks_per_host_block, checker=kernel)
             issuers[DMA] = dma
         return issuers
 
     # -- submission ---------------------------------------------------------------------------------------------
     def submit_store(
-        self, job_id: int, gpu_block_ids: BlockIds, host_block_ids: BlockIds, *, skip=0, group_sizes=None
+        self,
+        job_id: int,
+        gpu_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        *,
+        skip=0,
+        group_sizes=None,
+        identities: BlockIds | None = None,
     ) -> None:
         """Queues a copy of GPU blocks into host blocks (position ``skip + i`` for GPU block i).
 
         With KV-cache groups, ids are concatenated group by group, ``group_sizes`` gives the GPU ids per group and
-        ``skip`` may be one per group (see :meth:`triton_offload.plan.TransferPlanner.plan`). Bad input raises here,
-        before anything is queued, a ``job_id`` still pending (submitted, its result not yet returned by
-        :meth:`get_finished`) included.
+        ``skip`` may be one per group (see :meth:`triton_offload.plan.TransferPlanner.plan`). ``identities``: with the
+        integrity checks, one 64-bit value per host id naming its content (a key's hash,
+        :func:`triton_offload.integrity.key_identity`); a load must name a block as its store did. Default: the host
+        id. Bad input raises here, before anything is queued, a ``job_id`` still pending (submitted, its result not
+        yet returned by :meth:`get_finished`) included.
         """
-        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes, STORE)
+        self._submit(job_id, STORE, gpu_block_ids, host_block_ids, skip, group_sizes, STORE, identities)
 
     def submit_load(
         self,
@@ -197,21 +226,42 @@ class TransferEngine:
         *,
         skip=0,
         group_sizes=None,
+        identities: BlockIds | None = None,
         expedited: bool = False,
     ) -> None:
         """Queues a copy of host blocks into GPU blocks; arguments as :meth:`submit_store`. ``expedited``: a load the
         caller will wait for soon (vLLM 0.33's synchronous loads), on a stream of its own, so that it never queues
-        behind earlier loads that are not."""
-        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip, group_sizes, EXPEDITED if expedited else LOAD)
+        behind earlier loads that are not. With the integrity checks, the job's result says which blocks failed
+        (:meth:`load_failures`): their bytes were copied all the same, and must not be used."""
+        lane = EXPEDITED if expedited else LOAD
+        self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip, group_sizes, lane, identities)
 
-    def _submit(self, job_id, direction: Direction, gpu_block_ids, host_block_ids, skip, group_sizes, lane) -> None:
+    def load_failures(self, result: JobResult) -> tuple[np.ndarray, int]:
+        """(positions in the job's GPU ids of the blocks whose integrity check failed, blocks loaded without a
+        checksum to check) of a finished load. ``"require"`` counts a block stored without a checksum as failed;
+        ``"verify"`` loads it unchecked. Nothing failed without the checks."""
+        check = result.check
+        if check is None:
+            return _NO_BLOCKS, 0
+        if self.integrity == _integrity.REQUIRE:
+            return (np.union1d(check.failed, check.absent) if check.absent.size else check.failed), 0
+        return check.failed, int(check.absent.size)
+
+    def _submit(
+        self, job_id, direction: Direction, gpu_block_ids, host_block_ids, skip, group_sizes, lane, identities=None
+    ) -> None:
         # Bad input is the caller's bug: raise now, before anything is queued, rather than report a failed job.
         self._tracker.check_new(job_id)
         trace = self.trace
         if trace is not None:
             trace("submit")
         plan = self._planner.plan(
-            gpu_block_ids, host_block_ids, direction=direction, skip=skip, group_sizes=group_sizes
+            gpu_block_ids,
+            host_block_ids,
+            direction=direction,
+            skip=skip,
+            group_sizes=group_sizes,
+            identities=identities,
         )
         if trace is not None:
             trace("plan")

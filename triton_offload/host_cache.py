@@ -29,6 +29,7 @@ from triton_offload.numa import NodeChoice, choose_node
 __all__ = [
     "HostCache",
     "RegistrationError",
+    "checksum_table",
     "available_host_bytes",
     "check_host_memory",
     "host_blocks_for_budget",
@@ -106,6 +107,17 @@ def check_host_memory(nbytes: int, setting: str) -> None:
             f"{available} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable in /proc/meminfo): lower "
             "it, or free host memory"
         )
+
+
+def checksum_table(num_blocks: int, blocks_per_host_block: int, pin: bool, regions: int = 1) -> torch.Tensor:
+    """A zeroed checksum table of the integrity checks for ``num_blocks`` host blocks of ``blocks_per_host_block``
+    GPU blocks: int64 ``(num_blocks, regions x (1 + f))``, per host region of a row (``KVCacheSpec.num_regions``: a
+    row holds one key per region) a marker then one checksum per sub-block (zero: no checksum yet), page-locked when
+    ``pin`` (the kernels read and write it from the GPU)."""
+    positive_int(num_blocks, "num_blocks")
+    positive_int(blocks_per_host_block, "checksums (blocks per host block)")
+    positive_int(regions, "checksum regions (host regions of a row)")
+    return torch.zeros((num_blocks, regions * (1 + blocks_per_host_block)), dtype=torch.int64, pin_memory=pin)
 
 
 def _synchronize_devices() -> None:
@@ -309,6 +321,11 @@ class HostCache:
         sysfs: the root the NUMA topology and huge-page pools are read from.
         host_alloc: what pins memory at allocation (``alloc(nbytes) -> address``, ``free(address)``); None:
             :class:`~triton_offload.host_pages.CudaHostAlloc`.
+        checksums: 0 (no integrity checks), or the GPU blocks per host block (f) of a checksum table kept beside the
+            blocks: :attr:`checksums`, int64 ``(num_blocks, regions x (1 + f))``, zeroed, pinned where the cache is
+            (per region of a row a marker, then one checksum per sub-block; docs/integrity.md). A separate small
+            allocation (``8 * regions * (1 + f)`` bytes per host block), not part of the blocks' rows.
+        checksum_regions: the host regions of a row (``KVCacheSpec.num_regions``: each holds a key of its own).
 
     Attributes besides the arguments': ``numa`` (the NodeChoice), ``huge_pages`` (the setting in effect; None for
     memory the driver allocated), ``pinned_by`` (``"cudaHostRegister"``, ``"cudaHostAlloc"`` or None),
@@ -332,6 +349,8 @@ class HostCache:
         device: torch.device | str | None = None,
         sysfs: str = numa.SYSFS,
         host_alloc=None,
+        checksums: int = 0,
+        checksum_regions: int = 1,
     ):
         if (cpu_bytes_to_use is None) == (num_blocks is None):
             raise ValueError("give exactly one of cpu_bytes_to_use (a budget) and num_blocks (an exact count)")
@@ -373,6 +392,9 @@ class HostCache:
                 if flat is None:
                     flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
             self.buffer = flat[: self.nbytes].view(self.num_blocks, host_block_bytes)
+            self.checksums = (
+                checksum_table(self.num_blocks, checksums, self.pinned, checksum_regions) if checksums else None
+            )
         self.alloc_seconds = self.map_seconds + self.touch_seconds
         # The whole mapping (reserved huge pages round it up): it is ours alone.
         self.placement = numa.read_placement(self.buffer.data_ptr(), len(self._mmap) if self._mmap else self.nbytes)
@@ -566,7 +588,7 @@ class HostCache:
         """Unregisters the pages from CUDA and drops this object's references to the buffer (the memory goes back
         when the last tensor over it goes). Idempotent; also done when the cache is garbage-collected."""
         self._finalizer()
-        self.buffer = self._mmap = None
+        self.buffer = self._mmap = self.checksums = None
 
     def __repr__(self) -> str:
         return (

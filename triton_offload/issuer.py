@@ -37,6 +37,10 @@ class Issuer(Protocol):
         called at each internal step (bench/micro/call_cost.py). Raises before issuing anything it cannot issue."""
         ...
 
+    # An issuer that checks what it moves (the integrity checks, docs/integrity.md) also has
+    # ``outcome(keep) -> LoadCheck | None``: what the check of the completed work found; the job tracker calls it
+    # before ``release``.
+
     def release(self, keep: Any, after: torch.cuda.Event | None = None) -> None:
         """Takes back what :meth:`issue` returned: the copies have completed, or will once ``after`` has. Not called
         for a job that failed (its buffers may still be read by queued work)."""

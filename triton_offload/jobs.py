@@ -35,6 +35,10 @@ class JobResult:
         path: how it moved: ``"kernel"`` (one Triton launch) or ``"dma"`` (one cuMemcpyBatchAsync).
         predicted: with ``path="auto"``, the seconds each path was predicted to take (the chosen one is the lowest);
             None where no choice was made.
+        check: for a load with the integrity checks, what they found (positions in the job's GPU ids of the blocks
+            whose checksum did not match, and of those stored without one: ``failed`` and ``absent`` of a
+            :class:`~triton_offload.kernel_issuer.LoadCheck`); None otherwise. A failed check is not a failed job:
+            the job moved its bytes, the caller decides what the failed blocks mean.
     """
 
     job_id: int
@@ -45,6 +49,7 @@ class JobResult:
     error: str | None = None
     path: str = KERNEL
     predicted: Mapping[str, float] | None = None
+    check: object | None = None
 
 
 @dataclass
@@ -60,12 +65,18 @@ class _Job:
     keep: object = None  # what the issuer returned: buffers the queued work reads until the job is done
     result: JobResult | None = None
 
-    def finish(self, seconds: float, error: BaseException | None = None) -> None:
+    def finish(self, seconds: float, error: BaseException | None = None, check=None) -> None:
         ok = error is None
         self.result = JobResult(
             self.job_id, ok, self.direction, self.num_bytes, seconds, None if ok else repr(error), self.path,
-            self.predicted,
+            self.predicted, check,
         )  # fmt: skip
+
+
+def _outcome(issuer: Issuer, keep):
+    """What the completed work's integrity check found, for an issuer that checks (``outcome``); None otherwise."""
+    outcome = getattr(issuer, "outcome", None)
+    return None if outcome is None else outcome(keep)
 
 
 class JobTracker:
@@ -149,8 +160,10 @@ class JobTracker:
     def _issue_now(self, job: _Job, issuer: Issuer, plan, trace) -> None:
         t0 = time.perf_counter()
         try:
-            issuer.release(issuer.issue(plan, None, trace))
-            job.finish(time.perf_counter() - t0)
+            keep = issuer.issue(plan, None, trace)
+            check = _outcome(issuer, keep)
+            issuer.release(keep)
+            job.finish(time.perf_counter() - t0, check=check)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
             self._fail(job, e)
 
@@ -208,7 +221,7 @@ class JobTracker:
                 job.end.synchronize()
             elif not job.end.query():
                 return False
-            job.finish(job.start.elapsed_time(job.end) / 1e3)
+            job.finish(job.start.elapsed_time(job.end) / 1e3, check=_outcome(job.issuer, job.keep))
             self._release(job)
         except Exception as e:  # a CUDA error surfaces here: fail the job instead of hanging
             self._fail(job, e)

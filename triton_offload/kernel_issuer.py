@@ -1,7 +1,8 @@
 """The kernel path: :class:`CopyLauncher` derives, once per spec, what the copy kernel reads (launch shapes, segment
 tables, direct runners, kept in a cache private to this module) and launches a plan's ids; :class:`KernelIssuer`
 issues a plan by packing its ids into a pinned slot, uploading them and launching (the
-:class:`~triton_offload.issuer.Issuer` of ``path="kernel"``).
+:class:`~triton_offload.issuer.Issuer` of ``path="kernel"``). With a checksum table, every launch also checksums the
+blocks it moves (docs/integrity.md); :class:`LoadCheck` is what a load's check found.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from triton_offload import integrity
 from triton_offload._checks import KERNEL
 from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.kernels import copy_blocks
@@ -21,7 +24,7 @@ from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
 from triton_offload.staging import IdSlot, IdStager
 
-__all__ = ["CopyLauncher", "KernelIssuer"]
+__all__ = ["CopyLauncher", "KernelIssuer", "LoadCheck", "check_checksum_table"]
 
 
 class _SpecKernelState:
@@ -29,7 +32,8 @@ class _SpecKernelState:
     slots), shapes per access width and tuning, and the direct-launch verdict per compiled variant."""
 
     def __init__(self) -> None:
-        self.tables: dict[tuple[int, int], torch.Tensor] = {}
+        # Segment tables by (element size, f key); the integrity checks' tables by ("checks", element size).
+        self.tables: dict[tuple, torch.Tensor] = {}
         self.configs: dict[tuple[int, copy_blocks.LaunchTuning], copy_blocks.LaunchConfig] = {}
         # By CopyLauncher.variant_key: a proven direct runner (triton_offload/fast_launch.py), or why that variant
         # keeps Triton's launch.
@@ -40,6 +44,42 @@ class _SpecKernelState:
 # Keyed by the spec, held weakly: the spec stays a plain description of the caches, and its kernel state goes with it.
 # Only CopyLauncher reads or writes it.
 _STATE: weakref.WeakKeyDictionary[KVCacheSpec, _SpecKernelState] = weakref.WeakKeyDictionary()
+
+
+class LoadCheck(NamedTuple):
+    """What the integrity check of one load found (docs/integrity.md).
+
+    Attributes:
+        failed: positions in the plan's GPU ids of the blocks whose bytes do not match their stored checksum.
+        absent: positions of the blocks whose host row holds no checksum (stored without the checks).
+    """
+
+    failed: np.ndarray
+    absent: np.ndarray
+
+
+def check_checksum_table(
+    table: torch.Tensor, num_host_blocks: int, blocks_per_host_block: int, cuda: bool, regions: int = 1
+) -> None:
+    """Checks a checksum table against the host buffer it describes: int64 host memory, one row per host block of
+    ``regions x (1 + f)`` (per host region of the row, ``KVCacheSpec.num_regions``: its marker, then one checksum per
+    sub-block), contiguous within rows, pinned where the kernel runs on CUDA (it is read and written from the GPU).
+
+    Raises:
+        TypeError / ValueError: naming what differs.
+    """
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"the checksum table must be a torch.Tensor, got {type(table).__name__}")
+    want = (num_host_blocks, regions * (1 + blocks_per_host_block))
+    if table.dtype != torch.int64 or tuple(table.shape) != want:
+        raise ValueError(f"the checksum table must be int64 of shape {want}, got {table.dtype} {tuple(table.shape)}")
+    if table.device.type != "cpu" or table.stride(1) != 1 or (want[0] > 1 and table.stride(0) < want[1]):
+        raise ValueError(
+            f"the checksum table must be host memory with contiguous, disjoint rows, got {table.device} with strides "
+            f"{table.stride()}"
+        )
+    if cuda and not table.is_pinned():
+        raise ValueError("the checksum table must be pinned (page-locked) memory when the KV caches are on CUDA")
 
 
 class CopyLauncher:
@@ -60,6 +100,9 @@ class CopyLauncher:
         tunings: per direction, the :class:`~triton_offload.kernels.copy_blocks.LaunchTuning` to launch with; None
             for :data:`~triton_offload.kernels.copy_blocks.DEFAULT_TUNINGS`.
         configs: launch shapes to use instead of those the tunings give, per direction (see :meth:`twin`).
+        checksums: the checksum table of the integrity checks (:func:`check_checksum_table`); with it, every launch
+            also checksums the blocks it moves: a store writes their checksums, a load checks them
+            (docs/integrity.md). None: no checks (the kernel compiled exactly as without them).
     """
 
     def __init__(
@@ -70,8 +113,10 @@ class CopyLauncher:
         direction: Direction | None = None,
         tunings: Mapping[Direction, copy_blocks.LaunchTuning] | None = None,
         configs: Mapping[Direction, copy_blocks.LaunchConfig] | None = None,
+        checksums: torch.Tensor | None = None,
     ):
         self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
+        self.checksums = checksums
         self.cuda = spec.device.type == "cuda"
         if self.cuda and os.environ.get("TRITON_INTERPRET", "0") == "1":
             raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
@@ -83,7 +128,11 @@ class CopyLauncher:
         width = copy_blocks.access_width(spec, host_buffer)
         self.directions = tuple(Direction) if direction is None else (direction,)
         self._launch_args = {}
-        self._direct: dict[Direction, object] = {}
+        self._checks: dict[Direction, tuple] = {}
+        # By (direction, copy): copy False is the checksum-only launch of the copy-engine path.
+        self._direct: dict[tuple[Direction, bool], object] = {}
+        if checksums is not None:
+            check_checksum_table(checksums, host_buffer.shape[0], blocks_per_host_block, self.cuda, spec.num_regions)
         for d in self.directions:
             cfg = None if configs is None else configs[d]
             if cfg is None:
@@ -102,15 +151,38 @@ class CopyLauncher:
             # pointer lookup); the host buffer stays a tensor, so the launcher translates it as Triton's launch does.
             pointers, addresses = (anchor, host, table), (anchor.data_ptr(), host, table.data_ptr())
             self._launch_args[d] = (cfg, pointers, addresses, host_row, d is Direction.STORE)
+            if checksums is not None:
+                ck = state.tables.get(("checks", cfg.elem))
+                if ck is None:
+                    ck = state.tables[("checks", cfg.elem)] = copy_blocks.build_integrity_table(spec, cfg.elem)
+                mark = integrity.marker(blocks_per_host_block, cfg.elem)
+                # The table stays a tensor in a direct launch too (host memory, translated as the host buffer is).
+                self._checks[d] = (ck, ck.data_ptr(), checksums, checksums.stride(0), mark)
         self._current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    def twin(self, spec: KVCacheSpec, host_buffer: torch.Tensor, direction: Direction | None = None) -> CopyLauncher:
+    def twin(
+        self,
+        spec: KVCacheSpec,
+        host_buffer: torch.Tensor,
+        direction: Direction | None = None,
+        checksums: torch.Tensor | None = None,
+    ) -> CopyLauncher:
         """A launcher over other tensors of the same geometry (a canary's), for ``direction`` (None: this one's), that
-        launches with this one's launch shapes, so both use the same compiled variants."""
+        launches with this one's launch shapes, so both use the same compiled variants; with the integrity checks
+        where this one has them (``checksums``: the twin's own table, required then)."""
         if direction is None and len(self.directions) == 1:
             direction = self.directions[0]
+        if (checksums is None) != (self.checksums is None):
+            raise ValueError("a twin has a checksum table exactly when its launcher has one")
         configs = {d: self.config(d) for d in self.directions}
-        return CopyLauncher(spec, host_buffer, self.blocks_per_host_block, direction, configs=configs)
+        return CopyLauncher(
+            spec, host_buffer, self.blocks_per_host_block, direction, configs=configs, checksums=checksums
+        )
+
+    @property
+    def integrity(self) -> bool:
+        """Whether this launcher's launches checksum what they move."""
+        return self.checksums is not None
 
     @property
     def segment_bytes(self) -> float:
@@ -131,71 +203,127 @@ class CopyLauncher:
     def config(self, direction: Direction) -> copy_blocks.LaunchConfig:
         return self._launch_args[direction][0]
 
-    def variant_key(self, direction: Direction) -> tuple:
-        """What selects the compiled variant of this launcher's launches in one direction: the launch shape and the
-        alignment class of the two data pointers (the only arguments Triton specialises)."""
+    def variant_key(self, direction: Direction, copy: bool = True) -> tuple:
+        """What selects the compiled variant of this launcher's launches in one direction: the launch shape, the
+        alignment class of the two data pointers (the only arguments Triton specialises), and whether it checksums
+        (and, then, whether it copies)."""
         cfg, (anchor, host, _), _, _, store = self._launch_args[direction]
-        return (cfg, store, self.spec.num_groups > 1, anchor.data_ptr() % 16 == 0, host.data_ptr() % 16 == 0)
+        key = (cfg, store, self.spec.num_groups > 1, anchor.data_ptr() % 16 == 0, host.data_ptr() % 16 == 0)
+        return key if self.checksums is None else (*key, "integrity", copy)
 
-    def direct_verdict(self, direction: Direction):
+    def direct_verdict(self, direction: Direction, copy: bool = True):
         """The spec's verdict on the direct launch of this launcher's variant in ``direction``: a proven runner, why
         Triton's launch is kept (a str), or None if it was never tried."""
-        return self._state.direct.get(self.variant_key(direction))
+        return self._state.direct.get(self.variant_key(direction, copy))
 
-    def record_direct_verdict(self, direction: Direction, verdict) -> None:
+    def record_direct_verdict(self, direction: Direction, verdict, copy: bool = True) -> None:
         """Keeps ``verdict`` (a proven runner, or why not) for every launcher of this spec and variant."""
-        self._state.direct[self.variant_key(direction)] = verdict
+        self._state.direct[self.variant_key(direction, copy)] = verdict
 
-    def arguments(self, plan: TransferPlan, ids, num_ctas: int | None = None, direct: bool = False):
+    def arguments(
+        self, plan: TransferPlan, ids, num_ctas: int | None = None, direct: bool = False, res=None, copy: bool = True
+    ):
         """(programs, every kernel argument) of one launch (:func:`~triton_offload.kernels.copy_blocks.arguments`).
         ``ids`` is the device id buffer (or, ``direct``, its address; the KV anchor and the table are then passed as
-        addresses too)."""
+        addresses too); with the integrity checks, it holds their part too (:func:`~triton_offload.kernels.
+        copy_blocks.pack_integrity`), and ``res`` receives a load's results (host memory). ``copy`` False: the
+        checksum-only launch."""
         cfg, pointers, addresses, host_row, store = self._launch_args[plan.direction]
         anchor, host, table = addresses if direct else pointers
         n_segs, f = self.spec.segments_per_group, self.blocks_per_host_block
-        return copy_blocks.arguments(cfg, anchor, host, table, ids, plan, n_segs, f, host_row, store, num_ctas)
+        checks = None
+        if self.checksums is not None:
+            ck, ck_addr, tab, tab_row, mark = self._checks[plan.direction]
+            at_ident, at_sums, _ = copy_blocks.integrity_offsets(plan)
+            if direct:
+                ident, sums = ids + 8 * at_ident, ids + 8 * at_sums
+            else:
+                ident, sums = ids[at_ident:at_sums], ids[at_sums:]
+            checks = copy_blocks.Checks(ck_addr if direct else ck, ident, sums, res, tab, tab_row, mark)
+        return copy_blocks.arguments(
+            cfg, anchor, host, table, ids, plan, n_segs, f, host_row, store, num_ctas, checks, copy
+        )
 
-    def compile_variant(self, direction: Direction):
+    def compile_variant(self, direction: Direction, copy: bool = True):
         """The compiled kernel this launcher's launches in one direction use (compiled now if Triton's cache does
         not hold it yet); CUDA only."""
-        ids = torch.zeros(1, dtype=torch.int64, device=self.spec.device)
         one = np.zeros(1, dtype=np.int64)
         plan = TransferPlan(direction, one, one, 1, 1, (1,), (0,), (1,), 0)
-        _, args = self.arguments(plan, ids)
+        ids = torch.zeros(copy_blocks.packed_size(plan, self.integrity), dtype=torch.int64, device=self.spec.device)
+        res = torch.zeros(copy_blocks.result_size(plan), dtype=torch.int64, pin_memory=True) if self.integrity else None
+        _, args = self.arguments(plan, ids, res=res, copy=copy)
         return copy_blocks.compile_variant(args, self.config(direction).num_warps)
 
-    def set_direct(self, direction: Direction, runner) -> None:
+    def set_direct(self, direction: Direction, runner, copy: bool = True) -> None:
         """Launches in ``direction`` call ``runner(programs, stream, args)`` instead of Triton's dispatch (None: back
         to the dispatch)."""
         if runner is None:
-            self._direct.pop(direction, None)
+            self._direct.pop((direction, copy), None)
         else:
-            self._direct[direction] = runner
+            self._direct[(direction, copy)] = runner
 
-    def direct(self, direction: Direction):
+    def direct(self, direction: Direction, copy: bool = True):
         """The direct runner of ``direction``, or None when its launches go through Triton's dispatch."""
-        return self._direct.get(direction)
+        return self._direct.get((direction, copy))
 
-    def launch(self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None) -> None:
+    def launch(
+        self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None, res=None, copy: bool = True
+    ) -> None:
         """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream.
 
         Args:
             plan: the validated transfer.
-            ids: its id buffer (:func:`~triton_offload.kernels.copy_blocks.pack_ids`) as int64 on the spec's device.
+            ids: its id buffer (:func:`~triton_offload.kernels.copy_blocks.pack_ids`, and with the integrity checks
+                :func:`~triton_offload.kernels.copy_blocks.pack_integrity`) as int64 on the spec's device.
             num_ctas: programs to launch at most (the SMs it occupies); None for the default.
+            res: with the integrity checks, where a load's results go: int64 host memory of at least
+                :func:`~triton_offload.kernels.copy_blocks.result_size` elements (pinned on CUDA).
+            copy: False: move nothing, only checksum the GPU side of the plan's blocks (with the integrity checks).
         """
         assert ids.dtype == torch.int64 and ids.device == self.spec.device
-        runner = self._direct.get(plan.direction)
+        assert copy or self.checksums is not None, "a launch that moves nothing must check something"
+        runner = self._direct.get((plan.direction, copy))
         if runner is not None and launch_hooks_idle():  # a profiler's launch hooks need Triton's own path
             if self.cuda:
-                programs, args = self.arguments(plan, ids.data_ptr(), num_ctas, direct=True)
+                programs, args = self.arguments(plan, ids.data_ptr(), num_ctas, direct=True, res=res, copy=copy)
                 runner(programs, self._current_stream(self.spec.device.index), args)
             else:  # a runner under test, on the interpreter: it needs tensors
-                programs, args = self.arguments(plan, ids, num_ctas)
+                programs, args = self.arguments(plan, ids, num_ctas, res=res, copy=copy)
                 runner(programs, 0, args)
             return
-        programs, args = self.arguments(plan, ids, num_ctas)
+        programs, args = self.arguments(plan, ids, num_ctas, res=res, copy=copy)
         copy_blocks.launch(programs, args, self.config(plan.direction).num_warps, self.cuda)
+
+
+class _Checked(NamedTuple):
+    """What a launch with the integrity checks holds until it completes: its id slot (CUDA), where its results are
+    written, and what reading them needs."""
+
+    slot: IdSlot | None
+    res: np.ndarray
+    n_blocks: int
+    load: bool
+
+
+def load_check(keep) -> LoadCheck | None:
+    """What a completed launch's integrity check found, from what its issue returned: None for a store or a launch
+    without checks.
+
+    Raises:
+        RuntimeError: the launch completed without writing its results (no program finalised the checks).
+    """
+    if not isinstance(keep, _Checked) or not keep.load:
+        return None
+    res = keep.res
+    if res[0] < 0:
+        raise RuntimeError("the integrity check of a load completed without its results")
+    if res[0] == 0 and res[1] == 0:
+        return LoadCheck(_NONE, _NONE)
+    status = res[2 : 2 + keep.n_blocks]
+    return LoadCheck(np.flatnonzero(status == integrity.FAILED), np.flatnonzero(status == integrity.ABSENT))
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class KernelIssuer:
@@ -232,35 +360,64 @@ class KernelIssuer:
         """None: one launch, whatever the blocks."""
         return 0
 
-    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None) -> IdSlot | None:
-        """Launches ``plan`` on ``stream`` (None: the current one) and returns the slot its ids were staged in."""
+    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None):
+        """Launches ``plan`` on ``stream`` (None: the current one) and returns the slot its ids were staged in (with
+        the integrity checks, with where its results go: :func:`load_check` reads them once it completed)."""
+        return self.issue_launch(plan, stream, trace)
+
+    def issue_launch(self, plan: TransferPlan, stream=None, trace=None, copy: bool = True):
+        """:meth:`issue`, or with ``copy`` False the checksum-only launch of the same plan (the copy-engine path's
+        check, :class:`~triton_offload.dma.DmaIssuer`)."""
+        checks = self.launcher.integrity
+        load = plan.direction is not Direction.STORE
         if self.stager is None:
-            self.launcher.launch(plan, torch.from_numpy(copy_blocks.pack_ids(plan)), self.num_ctas)
-            return None
-        size = copy_blocks.packed_size(plan)
+            size = copy_blocks.packed_size(plan, checks)
+            buf = np.empty(size + (copy_blocks.result_size(plan) if checks else 0), dtype=np.int64)
+            copy_blocks.pack_ids(plan, buf)
+            if not checks:
+                self.launcher.launch(plan, torch.from_numpy(buf), self.num_ctas)
+                return None
+            copy_blocks.pack_integrity(plan, buf)
+            res = buf[size:]
+            res[0] = -1  # until the last program writes the results
+            self.launcher.launch(plan, torch.from_numpy(buf[:size]), self.num_ctas, torch.from_numpy(res), copy)
+            return _Checked(None, res, plan.n_blocks, load)
+        size = copy_blocks.packed_size(plan, checks)
         slot = self.stager.take(size)
         try:
             copy_blocks.pack_ids(plan, slot.host_np)
+            if checks:
+                copy_blocks.pack_integrity(plan, slot.host_np)
+                res, res_np = slot.results()
+                res_np[0] = -1  # the slot's last reader has completed: nothing else writes it now
         except BaseException:
             self.stager.give_back(slot)  # nothing reads it yet
             raise
         if stream is None:
-            self._upload_and_launch(plan, slot, size, trace)
+            self._upload_and_launch(plan, slot, size, trace, res if checks else None, copy)
         else:
             with torch.cuda.stream(stream):
-                self._upload_and_launch(plan, slot, size, trace)
-        return slot
+                self._upload_and_launch(plan, slot, size, trace, res if checks else None, copy)
+        return _Checked(slot, res_np, plan.n_blocks, load) if checks else slot
 
-    def _upload_and_launch(self, plan: TransferPlan, slot: IdSlot, size: int, trace) -> None:
+    def _upload_and_launch(self, plan: TransferPlan, slot: IdSlot, size: int, trace, res, copy) -> None:
         # The slot is pinned, so this copy is truly asynchronous; it is not reused before its reader's guard.
         ids = slot.upload(size)
         if trace is not None:
             trace("upload")
-        self.launcher.launch(plan, ids, self.num_ctas)
+        if res is None:
+            self.launcher.launch(plan, ids, self.num_ctas)
+        else:
+            self.launcher.launch(plan, ids, self.num_ctas, res, copy)
         if trace is not None:
             trace("launch")
 
-    def release(self, slot: IdSlot | None, after: torch.cuda.Event | None = None) -> None:
-        """Hands ``slot`` back to the pool: at once if its launch has completed, else once ``after`` has."""
+    def outcome(self, keep) -> LoadCheck | None:
+        """What the integrity check of the completed launch that returned ``keep`` found (:func:`load_check`)."""
+        return load_check(keep)
+
+    def release(self, keep, after: torch.cuda.Event | None = None) -> None:
+        """Hands the launch's slot back to the pool: at once if its launch has completed, else once ``after`` has."""
+        slot = keep.slot if isinstance(keep, _Checked) else keep
         if slot is not None:
             self.stager.give_back(slot, after)

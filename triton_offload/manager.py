@@ -167,6 +167,8 @@ class OffloadManager:
         self._ready: dict[Hashable, int] = {}
         self._storing: dict[Hashable, int] = {}
         self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always a subset of _ready
+        # Pinned keys to drop once their last load completes (their bytes failed an integrity check): see discard.
+        self._doomed: set[Hashable] = set()
         self._events: list[OffloadEvent] | None = [] if enable_events else None
         self._hits = self._misses = self._stores = self._store_failures = self._evictions = 0
 
@@ -275,6 +277,9 @@ class OffloadManager:
                 pins[key] = left
             else:
                 del pins[key]
+                if key in self._doomed:
+                    self._doomed.discard(key)
+                    self._drop([key])
 
     def touch(self, keys: Sequence[Hashable], request: RequestUse | None = None) -> None:
         """Marks keys as used, the first one the most recently used; keys not cached are ignored.
@@ -439,6 +444,41 @@ class OffloadManager:
                     remove(key)
             self._store_failures += len(unique)
         return unique
+
+    def key_block(self, key: Hashable) -> int | None:
+        """The host block of a ready or storing key, or None."""
+        block = self._ready.get(key)
+        return self._storing.get(key) if block is None else block
+
+    def is_pinned(self, key: Hashable) -> bool:
+        """Whether ``key`` has loads in flight."""
+        return key in self._pins
+
+    def discard(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Drops ready keys whose cached bytes must not be used again (they failed an integrity check): a later
+        lookup misses them and the request recomputes and stores them anew. A key with loads in flight is dropped when
+        its last one completes; keys not cached (or only being stored) are ignored. Returns the keys dropped now.
+        Not an eviction: removed from the policy without a ghost, reported in one ``"removed"`` event."""
+        now = []
+        for key in dict.fromkeys(keys):
+            if key not in self._ready:
+                continue
+            if key in self._pins:
+                self._doomed.add(key)
+            else:
+                now.append(key)
+        self._drop(now)
+        return now
+
+    def _drop(self, keys: list[Hashable]) -> None:
+        ready = self._ready
+        for pool, pool_keys in self._by_pool(keys):  # each key's block goes back to its own pool
+            free, remove = self._frees[pool], self._policies[pool].remove
+            for key in pool_keys:
+                remove(key)
+                free.append(ready.pop(key))
+        if self._events is not None and keys:
+            self._events.append(OffloadEvent("removed", list(keys)))
 
     # -- housekeeping --------------------------------------------------------------------------------------------
 

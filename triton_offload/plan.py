@@ -56,6 +56,8 @@ class TransferPlan(NamedTuple):
         skips: per group, the position of its first GPU block in its first host block.
         host_counts: host ids per group, ``ceil((skip + size) / f)`` (0 for a group that moves nothing).
         num_bytes: bytes moved (each group's blocks times that group's bytes per block).
+        identities: int64, one per host id, naming each host block's content for the integrity checks (a key's
+            hash, triton_offload/integrity.py); None: each host block is named by its id.
     """
 
     direction: Direction
@@ -67,6 +69,7 @@ class TransferPlan(NamedTuple):
     skips: tuple[int, ...]
     host_counts: tuple[int, ...]
     num_bytes: int
+    identities: np.ndarray | None = None
 
     def groups(self) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
         """(GPU ids, host ids, skip) of each KV-cache group, in order."""
@@ -109,6 +112,22 @@ def _as_ids(ids: BlockIds, name: str, limit: int | None = None) -> np.ndarray:
             bounds = f"[0, {limit})" if limit is not None else "(beyond int64)"
             raise ValueError(f"{name}[{bad[0]}] = {wide[bad[0]]} is out of range {bounds}")
     return arr.astype(np.int64, copy=False)
+
+
+def _as_identities(identities: BlockIds, m: int) -> np.ndarray:
+    """Identities as a 1-D int64 array of one per host id; uint64 values keep their bits."""
+    if type(identities) is np.ndarray and identities.dtype == np.int64 and identities.shape == (m,):
+        return identities
+    if isinstance(identities, torch.Tensor):
+        identities = identities.detach().cpu().numpy()
+    arr = np.asarray(identities)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"identities must hold integers, got {arr.dtype}")
+    if arr.shape != (m,):
+        raise ValueError(f"identities has shape {arr.shape}, expected one per host block id: ({m},)")
+    return arr.astype(np.uint64 if arr.dtype.kind == "u" else np.int64, copy=False).view(np.int64)
 
 
 def _check_range(ids: np.ndarray, name: str, limit: int) -> None:
@@ -198,12 +217,14 @@ class TransferPlanner:
         direction: Direction,
         skip: int | Sequence[int] = 0,
         group_sizes: Sequence[int] | None = None,
+        identities: BlockIds | None = None,
     ) -> TransferPlan:
-        """Checks one transfer's ids, skips and group sizes.
+        """Checks one transfer's ids, skips and group sizes (and identities, where given).
 
         With several KV-cache groups, ``gpu_block_ids`` and ``host_block_ids`` are concatenated group by group:
         ``group_sizes[g]`` GPU ids and ``ceil((skip[g] + group_sizes[g]) / f)`` host ids for group g (none when it
-        moves no block), and ``skip`` is an int or one skip per group.
+        moves no block), and ``skip`` is an int or one skip per group. ``identities``: one 64-bit value per host id
+        naming its content for the integrity checks (int64, or uint64 taken bit for bit).
 
         Raises:
             TypeError: ids that are not integers.
@@ -229,13 +250,15 @@ class TransferPlanner:
             else:
                 expect = f"per group ceil((skip + n) / f) = {list(need)}, {sum(need)} in all"
             raise ValueError(f"len(host_block_ids) = {h.size}, expected {expect}")
+        if identities is not None:
+            identities = _as_identities(identities, h.size)
         if g.size:
             self._check_ids(direction, g, h, sizes, need)
         if spec.num_groups == 1:
             num_bytes = g.size * spec.bytes_per_block
         else:
             num_bytes = sum(k * b for k, b in zip(sizes, spec.group_bytes))
-        return TransferPlan(direction, g, h, g.size, h.size, sizes, skips, need, num_bytes)
+        return TransferPlan(direction, g, h, g.size, h.size, sizes, skips, need, num_bytes, identities)
 
     def _check_ids(self, direction: Direction, g: np.ndarray, h: np.ndarray, sizes, host_counts) -> None:
         """Ranges of both arrays, and distinct destinations (sources may repeat; two writers of one block would

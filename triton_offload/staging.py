@@ -31,6 +31,15 @@ class IdSlot:
         self.device = torch.empty(capacity, dtype=torch.int64, device=device)
         self.event = torch.cuda.Event()  # no timing: only queried
         self.guard: torch.cuda.Event | None = None
+        self._results: tuple[torch.Tensor, np.ndarray] | None = None
+
+    def results(self) -> tuple[torch.Tensor, np.ndarray]:
+        """Pinned int64 host memory of ``capacity`` elements (and its NumPy view) that a launch reading this slot
+        writes its integrity results into (docs/integrity.md); allocated on first use."""
+        if self._results is None:
+            res = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
+            self._results = (res, res.numpy())
+        return self._results
 
     def upload(self, size: int) -> torch.Tensor:
         """The first ``size`` ids on the device, copied asynchronously on the current stream. The source is pinned,

@@ -2,7 +2,8 @@
 moving KV blocks everywhere, in the transfer benchmark's form (``prepare(case, env, num_ctas) -> Prepared``: one
 transfer, issued on the current stream) and in the serving benchmark's (``engine(target, num_ctas)``: TransferEngine's
 worker API), where it has one. Each is the library itself or an adapter over its seams, never a copy of its logic:
-``triton`` and ``auto`` are the public calls and ``TransferEngine``; ``memcpy_batch`` is the library's copy-engine
+``triton`` and ``auto`` are the public calls and ``TransferEngine``, ``triton_integrity`` the kernel with the
+integrity checks (run on request: ``--integrity``); ``memcpy_batch`` is the library's copy-engine
 issuer uncoalesced; ``vllm033`` and ``vllm_native`` are issuers tracked by the library's job tracker
 (:mod:`bench.baselines.tracked`), over the library's descriptors for ``vllm033``.
 """
@@ -49,6 +50,12 @@ METHODS: dict[str, Method] = {
         "8 below 8 KiB, else the default 4; never above num_ctas); the probe of whether it should be the default",
         ours.prepare_triton_size_aware,
         ours.triton_size_aware_engine,
+    ),
+    "triton_integrity": Method(
+        "TransferEngine(path='kernel', integrity='verify'): triton with the integrity checks fused into its "
+        "launches (a checksum per block, written by stores, checked by loads; docs/integrity.md)",
+        ours.prepare_triton_integrity,
+        ours.triton_integrity_engine,
     ),
     "auto": Method(
         "TransferEngine(path='auto'), the default on CUDA: per transfer the faster of our kernel and one "

@@ -1,23 +1,34 @@
 """Ours, as a user runs it: ``triton`` (the Triton kernel: the public ``gather_blocks`` / ``scatter_blocks`` per
-transfer, or a ``TransferEngine(path="kernel")`` in the serving loop) and ``auto`` (``TransferEngine(path="auto")``:
-the engine's own calibration, per-call choice of the kernel or the copy engines, and job tracking)."""
+transfer, or a ``TransferEngine(path="kernel")`` in the serving loop), ``auto`` (``TransferEngine(path="auto")``:
+the engine's own calibration, per-call choice of the kernel or the copy engines, and job tracking), and
+``triton_integrity``: the kernel with the integrity checks fused into it (docs/integrity.md), to set beside
+``triton`` in the same run."""
 
 from __future__ import annotations
+
+import torch
 
 import triton_offload as to
 from bench.baselines.tracked import EngineCalls
 from bench.common.case import OffloadTarget, Prepared, TransferCase
 from bench.common.env import Env
+from triton_offload import integrity
 from triton_offload._checks import AUTO, DMA
 from triton_offload.engine import TransferEngine
-from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.fast_launch import enable_fast_launch, fast_launch_default
+from triton_offload.host_cache import checksum_table
+from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.plan import Direction, TransferPlanner
+from triton_offload.staging import IdStager
 
 __all__ = [
     "prepare_triton",
     "triton_engine",
     "prepare_triton_size_aware",
     "triton_size_aware_engine",
+    "prepare_triton_integrity",
+    "triton_integrity_engine",
     "prepare_auto",
     "auto_engine",
 ]
@@ -58,6 +69,52 @@ def triton_engine(target: OffloadTarget, num_ctas: int | None, **engine_args) ->
 def triton_size_aware_engine(target: OffloadTarget, num_ctas: int | None) -> TransferEngine:
     """``TransferEngine(path="kernel", launch_shape="size-aware")``: the serving loop's form of the size-aware shape."""
     return triton_engine(target, num_ctas, path="kernel", launch_shape="size-aware")
+
+
+def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:
+    """The kernel with the integrity checks (``integrity="verify"``), issued as the public call issues ``triton``'s
+    launch (a plan, the ids packed into a pinned slot and uploaded, one launch, the slot given back behind an event),
+    with the checks added: each host block named by its id, a checksum table, and one launch that copies and
+    checksums, its last program writing a store's checksums into the table or checking a load's. So the two rows
+    differ by the checks alone, in device time and in host time per call.
+
+    A load case's table holds no checksums (the byte check writes the host bytes directly), so every block is
+    "absent" rather than "verified": the kernel does the same work either way (each block's checksum is computed,
+    then compared with the table's entry or found to have none). On CPU a launch's outcome is read at once, and a
+    block it flags fails the method's byte check."""
+    direction = Direction.STORE if case.store else Direction.LOAD
+    table = checksum_table(case.host.shape[0], case.f, pin=env.cuda)
+    launcher = CopyLauncher(case.spec, case.host, case.f, direction, checksums=table)
+    ctas = _ctas(num_ctas)
+    if env.cuda and fast_launch_default():
+        enable_fast_launch(launcher, ctas)  # the direct launch, as the public call makes it (proven on a canary)
+    issuer = KernelIssuer(launcher, IdStager(case.device) if env.cuda else None, ctas)
+    planner = TransferPlanner(case.spec, case.host.shape[0], case.f)
+    g, h, skip = case.gpu_ids, case.host_ids, case.skip
+
+    def run() -> None:
+        keep = issuer.issue(planner.plan(g, h, direction=direction, skip=skip, identities=h))
+        if env.cuda:  # reused once the launch has read the ids and written its results
+            after = torch.cuda.Event()
+            after.record()
+            issuer.release(keep, after)
+        else:  # synchronous: its outcome is known; a check that flags an intact block fails the method's check
+            check = issuer.outcome(keep)
+            issuer.release(keep)
+            if check is not None and check.failed.size:
+                raise RuntimeError(f"the integrity check flagged intact blocks at positions {check.failed.tolist()}")
+
+    where = "compiled kernel" if env.cuda else "Triton interpreter"
+    return Prepared(run, h, f"the kernel with the integrity checks fused ({where}): one launch per call")
+
+
+def triton_integrity_engine(target: OffloadTarget, num_ctas: int | None) -> TransferEngine:
+    """``triton``'s engine with the integrity checks: ``TransferEngine(path="kernel", integrity="verify")`` and a
+    checksum table beside the host cache (its own, where the cache was made with one)."""
+    table = target.host_cache.checksums
+    if table is None:
+        table = checksum_table(target.host_buffer.shape[0], 1, pin=target.kv.device.type == "cuda")
+    return triton_engine(target, num_ctas, path="kernel", integrity=integrity.VERIFY, checksums=table)
 
 
 def prepare_auto(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:

@@ -79,7 +79,8 @@ CALL_COST_CALLS = 400
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]
 # The transfer benchmark's parts of the GPU run (``--part NAME``: these options first; tools/gpu/ runs and sizes them).
 PARTS: dict[str, list[str]] = {
-    "quick": ["--quick"],
+    # With the integrity checks' rows beside triton's (issue 41: their cost, until a lease has measured it).
+    "quick": ["--quick", "--integrity"],
     # The size-aware launch shape's probe (issue 38, section 3): the 2 KiB and 8 KiB pages at 128 and 1024 blocks,
     # the kernel at 4-32 CTAs beside every baseline and the contiguous peak, both host formats.
     "launch-shape": [

@@ -27,6 +27,11 @@ __all__ = [
     "ROW_KEYS",
     "BASELINE_NAMES",
     "BASELINE_ORDER",
+    "INTEGRITY_METHOD",
+    "INTEGRITY_MAX_COST_PCT",
+    "INTEGRITY_MIN_PAGE_BYTES",
+    "INTEGRITY_MAX_HOST_US",
+    "integrity_pairs",
     "new_row",
     "keyed_row",
     "by_case",
@@ -47,6 +52,15 @@ BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033",
 # Every method but triton, in the order a run measures them (after the triton sweep): ours first (the kernel's
 # size-aware launch shape, auto: the per-call choice of kernel or copy engines), then the baselines and the peak.
 BASELINE_ORDER = ("triton_size_aware", "auto", *BASELINE_NAMES, "peak")
+
+# The kernel with the integrity checks (docs/integrity.md), at the default num_ctas: with --integrity a run measures it
+# beside triton at that num_ctas, case by case.
+INTEGRITY_METHOD = "triton_integrity"
+# The checks' goal (issue 41; reported, not asserted): at pages >= 8 KiB they cost <= 2 % of the kernel's bandwidth,
+# and <= 1 us of host time per call.
+INTEGRITY_MAX_COST_PCT = 2.0
+INTEGRITY_MIN_PAGE_BYTES = 8192
+INTEGRITY_MAX_HOST_US = 1.0
 
 ROW_KEYS = (
     "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",
@@ -95,6 +109,28 @@ def fill_relative(rows: list[dict]) -> None:
                 base = case_rows.get((name, None))
                 if base and base["median_ms"]:
                     r[f"speedup_vs_{name}"] = round(base["median_ms"] / r["median_ms"], 3)
+
+
+def integrity_pairs(rows: list[dict], default_ctas: int) -> list[dict]:
+    """The integrity checks on vs off, per case where both were timed: ``triton`` at ``default_ctas`` (off) and
+    :data:`INTEGRITY_METHOD` (on), each case's :data:`CASE_KEYS`, then their GB/s, the checks' cost in percent of
+    the bandwidth without them (``cost_pct``, negative where the run with them was faster), and host us per call."""
+    out = []
+    for key, by in by_case(rows).items():
+        off, on = by.get(("triton", default_ctas)), by.get((INTEGRITY_METHOD, None))
+        if not (off and on and off["gbps"] and on["gbps"]):
+            continue
+        out.append(
+            {
+                **dict(zip(CASE_KEYS, key)),
+                "gbps_off": off["gbps"],
+                "gbps_on": on["gbps"],
+                "cost_pct": round(100 * (1 - on["gbps"] / off["gbps"]), 2),
+                "call_cpu_us_off": off["call_cpu_us"],
+                "call_cpu_us_on": on["call_cpu_us"],
+            }
+        )
+    return out
 
 
 def _cpu_name() -> str:

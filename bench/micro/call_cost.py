@@ -32,7 +32,7 @@ from bench.common.timing import stats_us
 from bench.common.workloads import WORKLOADS, make_caches
 from triton_offload.engine import TransferEngine
 from triton_offload.fast_launch import FAST_LAUNCH_ENV, enable_fast_launch
-from triton_offload.host_cache import HostCache
+from triton_offload.host_cache import HostCache, checksum_table
 from triton_offload.kernel_issuer import CopyLauncher
 from triton_offload.kernels.copy_blocks import pack_ids
 from triton_offload.plan import Direction, check_host_buffer
@@ -137,9 +137,13 @@ def public_steps(s: Setup, calls: int) -> dict[str, dict]:
     return out
 
 
-def engine_calls(s: Setup, calls: int, fast: bool) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Both submits, whole; and the steps of each, from the trace of the same calls."""
-    eng = TransferEngine(s.spec, s.host, fast_launch=fast, path="kernel")
+def engine_calls(s: Setup, calls: int, fast: bool, integrity: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Both submits, whole; and the steps of each, from the trace of the same calls. ``integrity``: with the integrity
+    checks (``integrity="verify"``, a checksum table, each host block named by its id), labelled so."""
+    checks = {}
+    if integrity:
+        checks = {"integrity": "verify", "checksums": checksum_table(s.host.shape[0], 1, pin=s.device.type == "cuda")}
+    eng = TransferEngine(s.spec, s.host, fast_launch=fast, path="kernel", **checks)
     job, queued = [0], []
     marks: list[tuple[str, int]] = []
     eng.trace = lambda step: marks.append((step, time.perf_counter_ns()))
@@ -150,7 +154,7 @@ def engine_calls(s: Setup, calls: int, fast: bool) -> tuple[dict[str, dict], dic
             assert all(r.ok for r in eng.get_finished())
             queued.clear()
 
-    label = "direct launch" if fast else "Triton's dispatch"
+    label = ("direct launch" if fast else "Triton's dispatch") + (", integrity verify" if integrity else "")
     whole, steps = {}, {}
     for name, submit in (("submit_store", eng.submit_store), ("submit_load", eng.submit_load)):
 
@@ -183,7 +187,7 @@ def _trace_steps(marks: list[tuple[str, int]], prefix: str) -> dict[str, dict]:
     return {f"{prefix} / {ENGINE_STEPS.get(k, k)}": stats_us(v) for k, v in per_step.items()}
 
 
-def measure(tiny: bool, calls: int) -> dict[str, dict[str, dict]]:
+def measure(tiny: bool, calls: int, integrity: bool = False) -> dict[str, dict[str, dict]]:
     s = setup(tiny)
     sections: dict[str, dict[str, dict]] = {"public steps": public_steps(s, calls)}
     if s.device.type == "cuda":
@@ -192,10 +196,16 @@ def measure(tiny: bool, calls: int) -> dict[str, dict[str, dict]]:
         slow_whole, slow_steps = engine_calls(s, calls, False)
         sections["engine submits"] = {**fast_whole, **slow_whole}
         sections["engine submit steps (inside the calls above)"] = {**fast_steps, **slow_steps}
+        if integrity:  # the integrity checks' host cost: the same submits, with them (issue 41)
+            checked_whole, checked_steps = engine_calls(s, calls, True, integrity=True)
+            sections["engine submits"].update(checked_whole)
+            sections["engine submit steps (inside the calls above)"].update(checked_steps)
     elif tiny:
         # The interpreter runs the kernel inside the call (seconds at the full shape): the engine's calls run only at
         # the tiny shape, to check the trace; their numbers mean nothing.
         sections["engine submit steps (inside the calls above)"] = engine_calls(s, calls, False)[1]
+        if integrity:
+            sections["engine submit steps (inside the calls above)"].update(engine_calls(s, calls, False, True)[1])
     s.cache.close()
     return sections
 
@@ -205,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (any machine; CPU runs the interpreter)")
     ap.add_argument("--calls", type=int, default=CALL_COST_CALLS)
     ap.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
+    ap.add_argument("--integrity", action="store_true", help="also the engine's submits with the integrity checks")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     where = torch.cuda.get_device_name() if cuda else "CPU (no CUDA: the steps before the launch only)"
     shape = "tiny" if args.tiny else "1024 blocks x 80 layers"
     print(f"host time per call, {shape}, {where}")
-    sections = measure(args.tiny, args.calls)
+    sections = measure(args.tiny, args.calls, args.integrity)
     for title, rows in sections.items():
         print(f"\n{title}")
         for name, st in rows.items():

@@ -46,6 +46,7 @@ from bench.serving.config import (
     SERVING_WORKLOADS,
     SHAPE_NAMES,
     RunPlan,
+    with_integrity,
 )
 from bench.serving.gpu import contiguous_load, duplex
 from bench.serving.loop import LoopRun, Setup, byte_check, host_rows_of, run_loop, setup_workload
@@ -125,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"(default {DUPLEX_REPEATS})")  # fmt: skip
     p.add_argument("--cpu-check", action="store_true", help="the CPU mode (tiny shapes, nothing timed) even with CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--integrity", action="store_true", help="also run triton_integrity (triton with the integrity "
+                   "checks, docs/integrity.md) after the methods: their cost per step, beside triton's")  # fmt: skip
     args = p.parse_args(argv)
     unknown = [w for w in args.workloads or () if w not in SERVING_WORKLOADS]
     if unknown:
@@ -162,6 +165,8 @@ def run_plan(args, cuda: bool) -> RunPlan:
         rounds=args.rounds or plan.rounds,
         duplex=plan.duplex and not args.no_duplex and cuda,
     )
+    if args.integrity:
+        plan = with_integrity(plan)
     given = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None}
     return plan.with_shapes(**given) if given else plan
 

@@ -8,6 +8,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from bench.common.results import INTEGRITY_METHOD
+
 __all__ = [
     "LoopShape",
     "GPU_SHAPES",
@@ -20,6 +22,7 @@ __all__ = [
     "FULL_PLAN",
     "CPU_PLAN",
     "PRESETS",
+    "with_integrity",
     "SERVING_WORKLOADS",
     "DEFAULT_METHODS",
     "DUPLEX_METHODS",
@@ -204,6 +207,16 @@ PRESETS = {
         duplex=False,
     ),
 }
+
+
+def with_integrity(plan: RunPlan) -> RunPlan:
+    """``plan`` with the kernel with the integrity checks (``triton_integrity``, docs/integrity.md) run after its
+    methods, at the default num_ctas, so its step times stand beside triton's (``--integrity``); unchanged where the
+    plan has it."""
+    if INTEGRITY_METHOD in plan.methods:
+        return plan
+    return dataclasses.replace(plan, methods=(*plan.methods, INTEGRITY_METHOD))
+
 
 # Distinct cached prefixes and GPU regions the arrivals rotate through: consecutive loads write different bytes into
 # a region than the load before, so a skipped load shows in the byte check.

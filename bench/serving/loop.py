@@ -295,6 +295,9 @@ def run_loop(
             if not r.ok:
                 # vLLM asserts that a job succeeded; going on would hand the model garbage KV.
                 raise RuntimeError(f"{r.direction} job {r.job_id} failed: {r.error}")
+            if r.check is not None and r.check.failed.size:  # with the integrity checks: the loop's blocks are intact
+                raise RuntimeError(f"load job {r.job_id}: the integrity check flagged intact blocks at positions "
+                                   f"{r.check.failed.tolist()}")  # fmt: skip
             unfinished.discard(r.job_id)
             run.paths[r.direction, r.path] += 1
             run.device_s[r.job_id] = (r.direction, r.seconds)

@@ -62,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-interference", action="store_true", help="skip the GEMM interference measurement")
     p.add_argument("--cpu-check", action="store_true", help="run the CPU correctness check even with CUDA present")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--integrity",
+        action="store_true",
+        help="also run triton_integrity: the kernel with the integrity "
+        "checks (issue 41), at the default num_ctas, beside triton in the same run",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     part = p.parse_known_args(argv)[0].part
     # A part's presets come first, so options given with it still apply.

@@ -30,7 +30,7 @@ def run_cpu(args) -> tuple[dict, int]:
     say("No CUDA device: checking every method's bytes on CPU. NO BANDWIDTH IS MEASURED.", style="bold yellow")
     n = CPU_BLOCKS
     host_configs = grid(args.quick).host_configs
-    run = Session(meta, env, method_specs(sorted({1, DEFAULT_NUM_CTAS})))
+    run = Session(meta, env, method_specs(sorted({1, DEFAULT_NUM_CTAS}), integrity=getattr(args, "integrity", False)))
     groups = selected_groups(args)
     table: list[list] = []
     with ProgressBar(len(groups) * len(host_configs) * 2 * len(run.specs), "cpu check") as bar:

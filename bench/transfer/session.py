@@ -17,7 +17,7 @@ from bench.common.case import Prepared, TransferCase, Unavailable, byte_runs
 from bench.common.env import Env, FatalCudaError
 from bench.common.grid import host_rows
 from bench.common.report import say
-from bench.common.results import BASELINE_ORDER, new_row
+from bench.common.results import BASELINE_ORDER, INTEGRITY_METHOD, new_row
 from bench.common.timing import Timing, gbps
 from bench.common.verify import check_method, reference_blocks
 from bench.common.workloads import Workload, make_caches
@@ -49,9 +49,12 @@ class MethodSpec:
         return METHODS[self.label].prepare(case, env, self.num_ctas)
 
 
-def method_specs(ctas: list[int], baselines=BASELINE_ORDER) -> list[MethodSpec]:
-    """Triton at every given num_ctas, then the baselines."""
-    return [MethodSpec("triton", c) for c in ctas] + [MethodSpec(name) for name in baselines]
+def method_specs(ctas: list[int], baselines=BASELINE_ORDER, integrity: bool = False) -> list[MethodSpec]:
+    """Triton at every given num_ctas; with ``integrity``, right after it the kernel with the integrity checks at the
+    default num_ctas (``triton_integrity``: docs/integrity.md), to compare with ``triton`` at that num_ctas in the
+    same run; then the baselines."""
+    checked = [MethodSpec(INTEGRITY_METHOD)] if integrity else []
+    return [MethodSpec("triton", c) for c in ctas] + checked + [MethodSpec(name) for name in baselines]
 
 
 @dataclass

@@ -6,10 +6,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.common.report import print_table
-from bench.common.results import BASELINE_NAMES, PYTHON_ISSUED, by_case, target_result
+from bench.common.results import (
+    BASELINE_NAMES,
+    INTEGRITY_MAX_COST_PCT,
+    INTEGRITY_MAX_HOST_US,
+    INTEGRITY_METHOD,
+    INTEGRITY_MIN_PAGE_BYTES,
+    PYTHON_ISSUED,
+    by_case,
+    integrity_pairs,
+    target_result,
+)
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
-__all__ = ["print_results", "print_extras", "print_targets", "evaluate_targets", "target_result"]
+__all__ = ["print_results", "print_integrity", "print_extras", "print_targets", "evaluate_targets", "target_result"]
 
 _SHORT = {
     "memcpy_batch": "batch",
@@ -99,6 +109,7 @@ def print_results(rows: list[dict], sweep: list[int]) -> None:
             "becomes the default only if it gains >= 5 points where the fixed shape is below 90% without losing "
             "elsewhere or raising the serving benchmark's step slowdown.",
         )
+    print_integrity(rows)
 
 
 def _programs(row: dict) -> str:
@@ -106,6 +117,36 @@ def _programs(row: dict) -> str:
     impl = row.get("impl") or ""
     head = impl.rsplit(" programs at most", 1)[0] if " programs at most" in impl else ""
     return head.rsplit(" ", 1)[-1] if head else "-"
+
+
+def print_integrity(rows: list[dict]) -> None:
+    """The integrity checks on vs off, case by case (only in a run that measured them: ``--integrity``): triton at the
+    default num_ctas beside triton_integrity, their GB/s, the checks' cost and host us per call."""
+    if not any(r["method"] == INTEGRITY_METHOD for r in rows):
+        return
+    table = []
+    for key, by in by_case(rows).items():
+        off, on = by.get(("triton", DEFAULT_NUM_CTAS)), by.get((INTEGRITY_METHOD, None))
+        if on is None:
+            continue
+        timed = bool(off and off["gbps"] and on["gbps"])
+        cost = 100 * (1 - on["gbps"] / off["gbps"]) if timed else None
+        extra_us = on["call_cpu_us"] - off["call_cpu_us"] if timed else None
+        table.append(
+            _case_prefix(key)
+            + [_fmt(off and off["gbps"]), _fmt(on["gbps"]) if on["gbps"] else on["status"], _fmt(cost, ".1f"),
+               _fmt(off and off["call_cpu_us"]), _fmt(on["call_cpu_us"]), _fmt(extra_us, "+.1f")]
+        )  # fmt: skip
+    print_table(
+        f"Integrity checks on vs off (triton@{DEFAULT_NUM_CTAS}, the same blocks)",
+        ["workload", "layout", "page", "blocks", "f/skip", "dir", "GB/s off", "GB/s on", "cost %", "host us off",
+         "host us on", "host +us"],
+        table,
+        note=f"on: {INTEGRITY_METHOD}, the kernel with the checks fused (docs/integrity.md); cost: the bandwidth lost, "
+        f"in % of off. The goal: <= {INTEGRITY_MAX_COST_PCT:g} % at pages >= {INTEGRITY_MIN_PAGE_BYTES // 1024} KiB, "
+        f"<= {INTEGRITY_MAX_HOST_US:g} us of host time per call (python -m bench.micro.call_cost --integrity "
+        "measures that more finely).",
+    )  # fmt: skip
 
 
 def _per_call(row: dict | None) -> str:
@@ -175,6 +216,20 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         lambda v: v <= 1.03,
         worst_is_min=False,
     )
+    if any(r["method"] == INTEGRITY_METHOD for r in rows):  # a run with --integrity
+        cost = []
+        for p in integrity_pairs(rows, DEFAULT_NUM_CTAS):
+            if p["page_bytes"] >= INTEGRITY_MIN_PAGE_BYTES:
+                where = (f"{p['workload']}/{p['layout']} {p['page_bytes']}B n={p['blocks']} "
+                         f"f/skip={p['blocks_per_host_block']}/{p['skip']} {p['direction']}")  # fmt: skip
+                cost.append((p["cost_pct"], where))
+        add(
+            f"integrity checks cost <= {INTEGRITY_MAX_COST_PCT:g} % of triton@{DEFAULT_NUM_CTAS}'s bandwidth at pages "
+            f">= {INTEGRITY_MIN_PAGE_BYTES // 1024} KiB",
+            cost,
+            lambda v: v <= INTEGRITY_MAX_COST_PCT,
+            worst_is_min=False,
+        )
     cpu = [(overhead[k]["median_us"], k) for k in ("gather", "scatter")] if overhead else []
     add("CPU cost per call <= 50 us at 1024 blocks x 80 layers", cpu, lambda v: v <= 50.0, worst_is_min=False)
     slow = []

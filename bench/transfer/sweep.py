@@ -9,7 +9,7 @@ from bench.common.case import TransferCase
 from bench.common.env import Env, FatalCudaError, open_gpu, print_header, release
 from bench.common.grid import EXTRAS_BASELINES, EXTRAS_BLOCKS, EXTRAS_LAYOUT, EXTRAS_WORKLOAD, grid
 from bench.common.report import ProgressBar, print_table, say
-from bench.common.results import fill_relative
+from bench.common.results import fill_relative, integrity_pairs
 from bench.common.timing import GpuTimer
 from bench.common.workloads import WORKLOADS, Workload, resolve_workloads
 from bench.transfer.extras import cpu_overhead, interference
@@ -76,7 +76,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
     blocks = sorted(args.blocks or mode.blocks)
     host_configs = mode.host_configs
     groups = [] if args.no_sweep else selected_groups(args)
-    run = Session(meta, env, method_specs(sweep), stream)
+    run = Session(meta, env, method_specs(sweep, integrity=getattr(args, "integrity", False)), stream)
     timer = GpuTimer(stream, device, args.hide_us)
     overhead = inter = fatal = None
     try:
@@ -114,6 +114,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
         cpu_overhead=overhead,
         interference=inter,
         targets=targets,
+        integrity=integrity_pairs(run.rows, DEFAULT_NUM_CTAS) if getattr(args, "integrity", False) else None,
         calibrations=env.calibrations,
         fatal=fatal,
     )

@@ -47,7 +47,7 @@ from bench.common.grid import (
     Grid,
     host_rows,
 )
-from bench.common.results import BASELINE_ORDER
+from bench.common.results import BASELINE_ORDER, INTEGRITY_METHOD
 from bench.common.workloads import WORKLOADS
 from bench.serving.config import (
     CONTIGUOUS_REPEATS,
@@ -61,8 +61,10 @@ from bench.serving.config import (
     SYNC,
     RunPlan,
     ring_sizes,
+    with_integrity,
 )
-from triton_offload.kernels.copy_blocks import size_aware_ctas
+from tools.gpu.plan import CALL_COST_STAGE, SERVING_STAGE
+from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS, size_aware_ctas
 
 __all__ = [
     "MACHINE_PART",
@@ -79,6 +81,7 @@ __all__ = [
     "part_names",
     "serving_plan_seconds",
     "serving_preset_seconds",
+    "serving_stage_plan",
 ]
 
 MACHINE_PART = "machine"  # GPU, driver, PCIe link, NUMA, CPUs, memory (tools/gpu/machine.py)
@@ -91,8 +94,9 @@ HOST_MEMORY_PART = "host-memory"  # bench.micro.host_cache with tools/gpu/plan.p
 CALL_COST_PART = "call-cost"  # bench.micro.call_cost: host time per call, direct launch vs Triton's dispatch
 # bench.micro.call_cost's rows that each issue CALL_COST_CALLS transfers of 1024 blocks x 80 layers of 8 KiB pages:
 # the public calls and engine submits, each with the direct launch and with Triton's dispatch, and the launch alone
-# twice.
+# twice; with --integrity (the stage's CALL_COST_STAGE) also both engine submits with the integrity checks.
 CALL_COST_ROWS = 10
+CALL_COST_INTEGRITY_ROWS = 2
 LIMIT_S = 8 * 60  # each part must fit a 10-minute call with room for the install and a cold start
 
 # The time model (see the module docstring).
@@ -126,6 +130,8 @@ PIN_BPS = 5e9  # allocating and zeroing pinned host memory
 
 def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: bool, page: int, runs: int) -> float:
     link = nbytes / LINK_BPS
+    if method == INTEGRITY_METHOD:  # the kernel at the default num_ctas; its checks' cost is what the run measures
+        return _transfer_s("triton", DEFAULT_NUM_CTAS, nbytes, copies, store, page, runs)
     if method == "triton":
         return nbytes / min(LINK_BPS, ctas * PER_PROGRAM_BPS)
     if method == "triton_size_aware":  # by the page: its runs are page / 2 (kv_first) or more, never fewer programs
@@ -151,8 +157,9 @@ def _host_bytes(n: int, f: int, skip: int, block_bytes: int) -> int:
     return host_rows(n, f, skip) * f * block_bytes  # as session.allocate / make_case size it
 
 
-def _sweep_s(workloads, grid: Grid, one_layout: bool) -> float:
-    methods = [("triton", c) for c in grid.num_ctas] + [(m, None) for m in BASELINE_ORDER]
+def _sweep_s(workloads, grid: Grid, one_layout: bool, integrity: bool = False) -> float:
+    checked = [(INTEGRITY_METHOD, None)] if integrity else []
+    methods = [("triton", c) for c in grid.num_ctas] + checked + [(m, None) for m in BASELINE_ORDER]
     budget_s = grid.budget_ms / 1e3
     total = 0.0
     for w in workloads:
@@ -261,11 +268,19 @@ def _serving_s() -> float:
     return serving_plan_seconds(FULL_PLAN)
 
 
-def _call_cost_s() -> float:
+def _call_cost_s(integrity: bool) -> float:
     w = WORKLOADS["llama3-70b-tp8"]
     transfer = 1024 * w.num_layers * w.page_bytes / LINK_BPS
     allocate = 2100 * w.num_layers * w.page_bytes / PIN_BPS  # the caches' random fill and the pinned host cache
-    return allocate + CALL_COST_ROWS * CALL_COST_CALLS * transfer
+    rows = CALL_COST_ROWS + (CALL_COST_INTEGRITY_ROWS if integrity else 0)
+    return allocate + rows * CALL_COST_CALLS * transfer
+
+
+def serving_stage_plan() -> RunPlan:
+    """What the runner's ``serving`` stage runs (tools/gpu/plan.py's SERVING_STAGE): the decisive preset, with
+    triton_integrity after its methods when the stage asks for ``--integrity``."""
+    plan = PRESETS[SERVING_STAGE[SERVING_STAGE.index("--preset") + 1]]
+    return with_integrity(plan) if "--integrity" in SERVING_STAGE else plan
 
 
 def _host_memory_s() -> float:
@@ -292,8 +307,8 @@ def part_names() -> list[str]:
             CALL_COST_PART, HOST_MEMORY_PART, *PARTS]  # fmt: skip
 
 
-def _sweep_args(args: list[str]) -> tuple[list, Grid, bool]:
-    """The workloads, grid and one-layout flag a bench.transfer part's options select."""
+def _sweep_args(args: list[str]) -> tuple[list, Grid, bool, bool]:
+    """The workloads, grid, one-layout flag and integrity flag a bench.transfer part's options select."""
 
     def values(flag: str) -> list[str]:
         if flag not in args:
@@ -308,7 +323,7 @@ def _sweep_args(args: list[str]) -> tuple[list, Grid, bool]:
     if values("--num-ctas"):
         g = dataclasses.replace(g, num_ctas=tuple(int(v) for v in values("--num-ctas")))
     workloads = [WORKLOADS[n] for n in values("--workloads")] or list(WORKLOADS.values())
-    return workloads, g, quick
+    return workloads, g, quick, "--integrity" in args
 
 
 def estimate_seconds(part: str) -> float:
@@ -320,7 +335,7 @@ def estimate_seconds(part: str) -> float:
     if part == SLOW_TEST_PART:
         return STARTUP_S + SLOW_TESTS_S
     if part == SERVING_PART:
-        return serving_preset_seconds("decisive")
+        return STARTUP_S + serving_plan_seconds(serving_stage_plan())
     if part == HOST_MEMORY_PART:
         return STARTUP_S + _host_memory_s()
     if part == SERVING_SHAPE_PART:
@@ -328,12 +343,12 @@ def estimate_seconds(part: str) -> float:
     if part == SERVING_FULL_PART:
         return STARTUP_S + _serving_s()
     if part == CALL_COST_PART:
-        return STARTUP_S + _call_cost_s()
+        return STARTUP_S + _call_cost_s("--integrity" in CALL_COST_STAGE)
     args = PARTS[part]
     if part == "extras":
         return STARTUP_S + _extras_s(FULL)
-    workloads, g, quick = _sweep_args(args)
-    work = _sweep_s(workloads, g, one_layout=quick)
+    workloads, g, quick, integrity = _sweep_args(args)
+    work = _sweep_s(workloads, g, one_layout=quick, integrity=integrity)
     if quick:
         work += _extras_s(QUICK)
     return STARTUP_S + work

@@ -30,6 +30,8 @@ __all__ = [
     "ALIASES",
     "SLOW_TESTS",
     "SERVING_DECISIVE",
+    "SERVING_STAGE",
+    "CALL_COST_STAGE",
     "LEDGER_PATH",
     "NEVER",
     "resolve_stages",
@@ -57,6 +59,11 @@ SLOW_TESTS = (
 # The serving stage's configuration: issue 39's decisive preset (ours, kernel and auto, vs vllm033, vllm_native and
 # none; async and sync loads; decode- and prefill-heavy), <= 3 minutes on an H100 by its model.
 SERVING_DECISIVE = ("--preset", "decisive")
+# The serving stage's options: the decisive configuration, and triton with the integrity checks after it (issue 41:
+# their cost per step, beside triton's, until a lease has measured it).
+SERVING_STAGE = (*SERVING_DECISIVE, "--integrity")
+# The call-cost stage's options: the engine's submits also with the integrity checks (their host time per call).
+CALL_COST_STAGE = ("--integrity",)
 # The host-memory stage (issue 42): 8 and 32 GiB, the GPU's node and unbound, transparent huge pages (reserved 2 MiB
 # pages are rarely set aside on a lent machine; the benchmark falls back and says so), 1 and 8 registration threads.
 HOST_MEMORY_ARGS = ("--sizes-gib", "8", "32", "--threads", "1", "8", "--placements", "auto", "off", "--huge-pages",
@@ -116,16 +123,16 @@ STAGES: dict[str, Stage] = {
               "tests deselected", "pytest",
               (_pytest("-m", "gpu", *(a for t in SLOW_TESTS for a in ("--deselect", t)), timeout=TEST_TIMEOUT_S),),
               (*_TESTED, "bench"), _TEST_ENV),
-        Stage("serving", f"python -m bench.serving {' '.join(SERVING_DECISIVE)}: the serving benchmark's decisive "
-              "configuration",
-              "serving", (("{py}", "-m", "bench.serving", *SERVING_DECISIVE, "--json", "{json}", "--plot", "{plot}"),),
+        Stage("serving", f"python -m bench.serving {' '.join(SERVING_STAGE)}: the serving benchmark's decisive "
+              "configuration, and triton with the integrity checks",
+              "serving", (("{py}", "-m", "bench.serving", *SERVING_STAGE, "--json", "{json}", "--plot", "{plot}"),),
               (*LIBRARY, "imports:bench.serving")),
-        Stage("call-cost", "python -m bench.micro.call_cost: host time per call at 1024 x 80, direct launch vs "
-              "Triton's dispatch",
-              "call-cost", (("{py}", "-m", "bench.micro.call_cost", "--json", "{json}"),),
+        Stage("call-cost", f"python -m bench.micro.call_cost {' '.join(CALL_COST_STAGE)}: host time per call at "
+              "1024 x 80, direct launch vs Triton's dispatch, the engine's submits also with the integrity checks",
+              "call-cost", (("{py}", "-m", "bench.micro.call_cost", *CALL_COST_STAGE, "--json", "{json}"),),
               (*LIBRARY, "imports:bench.micro.call_cost")),
-        _transfer("quick", "bench.transfer --quick: every workload, 128 blocks, f=4/skip=1, every method (auto, "
-                  "vllm033, vllm_native too), short extras"),
+        _transfer("quick", "bench.transfer --quick --integrity: every workload, 128 blocks, f=4/skip=1, every method "
+                  "(auto, vllm033, vllm_native too), the kernel with the integrity checks beside it, short extras"),
         _transfer("launch-shape", "bench.transfer: 2 KiB and 8 KiB pages, 128/1024 blocks, num_ctas 4-32, f 1 and "
                   "4/skip 1: the size-aware launch shape's probe", kind="launch-shape"),
         Stage("serving-shape", "python -m bench.serving --preset launch-shape: the kernel's fixed and size-aware "

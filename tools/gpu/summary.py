@@ -14,7 +14,14 @@ import pathlib
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 
-from bench.common.results import by_case, target_result
+from bench.common.results import (
+    INTEGRITY_MAX_COST_PCT,
+    INTEGRITY_MAX_HOST_US,
+    INTEGRITY_MIN_PAGE_BYTES,
+    by_case,
+    integrity_pairs,
+    target_result,
+)
 
 __all__ = ["VERDICTS", "stage_figures", "evaluate", "junit_results", "launch_shape"]
 
@@ -259,6 +266,49 @@ def _transfer_targets(stages: list[dict]) -> list[dict]:
     ]  # fmt: skip
 
 
+def _integrity_targets(transfers: list[dict], call_costs: list[dict]) -> list[dict]:
+    """The integrity checks' goal (issue 41, docs/integrity.md): their bandwidth cost at pages >= 8 KiB, from the
+    transfer stages run with ``--integrity`` (triton_integrity beside triton at the default num_ctas), and the host
+    time they add to an engine submit, from the call-cost stage run with ``--integrity``."""
+    cost, names = [], []
+    for s in transfers:
+        doc = _load_json(s["files"].get("json"))
+        if doc is None or doc.get("mode") != "gpu":
+            continue
+        pairs = integrity_pairs(doc.get("rows") or [], doc.get("default_num_ctas"))
+        if pairs:
+            names.append(s["stage"])
+        for p in pairs:
+            if p["page_bytes"] >= INTEGRITY_MIN_PAGE_BYTES:
+                where = (f"{s['stage']}: {p['workload']}/{p['layout']} {p['page_bytes']}B n={p['blocks']} "
+                         f"f/skip={p['blocks_per_host_block']}/{p['skip']} {p['direction']}")  # fmt: skip
+                cost.append((p["cost_pct"], where))
+    extra, cc_names = [], []
+    for s in call_costs:
+        doc = _load_json(s["files"].get("json"))
+        if doc is None or doc.get("shape") != CALL_COST_SHAPE:
+            continue
+        rows = (doc.get("sections") or {}).get("engine submits", {})
+        for call in ("engine.submit_store", "engine.submit_load"):
+            off, on = rows.get(f"{call}, direct launch"), rows.get(f"{call}, direct launch, integrity verify")
+            if off and on:
+                extra.append((on["median_us"] - off["median_us"], f"{s['stage']}: {call}"))
+                cc_names.append(s["stage"])
+    name_cost = (
+        f"bandwidth cost of the integrity checks <= {INTEGRITY_MAX_COST_PCT:g} % at pages >= "
+        f"{INTEGRITY_MIN_PAGE_BYTES // 1024} KiB (triton_integrity vs triton at the default num_ctas)"
+    )
+    name_host = (f"host time the integrity checks add <= {INTEGRITY_MAX_HOST_US:g} us per engine submit at "
+                 f"{CALL_COST_SHAPE} (median, direct launch)")  # fmt: skip
+    return [
+        _entry(target_result(name_cost, cost, lambda v: v <= INTEGRITY_MAX_COST_PCT, worst_is_min=False), names)
+        if cost else _not_measured(name_cost, "no transfer stage ran with --integrity at pages >= 8 KiB", names),
+        _entry(target_result(name_host, extra, lambda v: v <= INTEGRITY_MAX_HOST_US, worst_is_min=False),
+               sorted(set(cc_names)))
+        if extra else _not_measured(name_host, "no call-cost JSON with --integrity in this run", []),
+    ]  # fmt: skip
+
+
 def _serving_targets(stages: list[dict]) -> list[dict]:
     out = []
     for s in stages:
@@ -284,6 +334,7 @@ def evaluate(stages: list[dict]) -> list[dict]:
         ("call cost", lambda: [_call_cost_target(of("call-cost"))]),
         ("transfers", lambda: _transfer_targets(of("transfer", "launch-shape"))),
         ("serving", lambda: _serving_targets(of("serving"))),
+        ("integrity", lambda: _integrity_targets(of("transfer", "launch-shape"), of("call-cost"))),
     ]
     out = []
     for label, compute in guarded:
