@@ -23,6 +23,8 @@ from triton_offload.plan import Direction, TransferPlan
 
 __all__ = [
     "DEFAULT_NUM_CTAS",
+    "SIZE_AWARE_PROGRAMS",
+    "size_aware_ctas",
     "LaunchTuning",
     "DEFAULT_TUNINGS",
     "LaunchConfig",
@@ -49,6 +51,27 @@ __all__ = [
 #   that, and with 64 KiB tiles 8 programs made loads worse, not better (too many host reads in flight).
 # - 2 programs reach only ~35 GB/s (stores) and ~30 GB/s (loads): SM-driven host reads plateau per SM.
 DEFAULT_NUM_CTAS = 4
+
+# How a launch's program count is chosen (``launch_shape`` of TransferEngine, gather_blocks and scatter_blocks;
+# triton_offload._checks.LAUNCH_SHAPES):
+# - "fixed": ``num_ctas``, or DEFAULT_NUM_CTAS where it is None; what every release so far did, and the default.
+# - "size-aware": by the spec's mean segment (page run) bytes, from SIZE_AWARE_PROGRAMS, never above ``num_ctas``.
+#   In the 2026-11-22 sweep (bench/results/nvidia-h100-80gb-hbm3-2026-11-22-full-*.json) only small pages lost
+#   bandwidth at 4 programs: 128 blocks of 2 KiB pages (block_first, f=1/skip=1) loaded at 0.75 of the peak with 4
+#   programs, 0.81 with 8 and 0.85 with 16, and 32 programs lost again in several cases (0.52-0.60); pages of 8 KiB
+#   and more were within noise of their best at 4. Each row costs its own id and table loads and a short access, so
+#   small rows need more programs in flight for the same bytes. Tiles stay the tuned 64 KiB (one compiled variant
+#   whatever the shape). Whether it pays is the GPU run's launch-shape stage to show (issue 38, section 3): it becomes
+#   the default only if it gains >= 5 points there without raising the serving benchmark's step slowdown.
+# (segment bytes below which, programs), first match; larger segments keep DEFAULT_NUM_CTAS.
+SIZE_AWARE_PROGRAMS = ((4 * 1024, 16), (8 * 1024, 8))
+
+
+def size_aware_ctas(segment_bytes: float, num_ctas: int | None = None) -> int:
+    """Programs the "size-aware" shape launches for segments of ``segment_bytes`` (a spec's mean), at most
+    ``num_ctas`` where one is given. A launch never exceeds its tiles either (:func:`arguments`)."""
+    programs = next((p for limit, p in SIZE_AWARE_PROGRAMS if segment_bytes < limit), DEFAULT_NUM_CTAS)
+    return programs if num_ctas is None else min(programs, num_ctas)
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,16 @@ __all__ = [
     "KERNEL",
     "DMA",
     "transfer_path",
+    "LAUNCH_SHAPES",
+    "launch_shape",
 ]
 
 _DIGITS = re.compile(r"\s*[0-9]+\s*")
 # How a transfer may move (triton_offload/path_choice.py): chosen per call, the Triton kernel, the copy engines.
 TRANSFER_PATHS = ("auto", "kernel", "dma")
 AUTO, KERNEL, DMA = TRANSFER_PATHS
+# How a kernel launch picks its programs (triton_offload/kernels/copy_blocks.py explains both).
+LAUNCH_SHAPES = ("fixed", "size-aware")
 
 
 def positive_int(value, name: str) -> int:
@@ -63,6 +67,13 @@ def transfer_path(value, name: str = "path") -> str:
     """``value`` if it is one of :data:`TRANSFER_PATHS`; else a ``ValueError`` naming ``name`` and listing them."""
     if value not in TRANSFER_PATHS:
         raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(p) for p in TRANSFER_PATHS)}")
+    return value
+
+
+def launch_shape(value, name: str = "launch_shape") -> str:
+    """``value`` if it is one of :data:`LAUNCH_SHAPES`; else a ``ValueError`` naming ``name`` and listing them."""
+    if value not in LAUNCH_SHAPES:
+        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(s) for s in LAUNCH_SHAPES)}")
     return value
 
 

@@ -14,6 +14,7 @@ import torch
 
 from triton_offload import integrity as _integrity
 from triton_offload._checks import AUTO, DMA, KERNEL, int_in_range, transfer_path
+from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.calibrate import calibrate, path_issuers
 from triton_offload.cuda_driver import CudaError
 from triton_offload.dma import DmaIssuer
@@ -50,6 +51,9 @@ class TransferEngine:
             on CUDA (see :class:`triton_offload.host_cache.HostCache`).
         blocks_per_host_block: GPU blocks per host block (f).
         num_ctas: programs each launch may occupy; None for the kernel's default.
+        launch_shape: how a launch picks its programs: ``"fixed"`` (``num_ctas``, or the default's) or
+            ``"size-aware"`` (by the caches' page runs, never above ``num_ctas``; see
+            :mod:`triton_offload.kernels.copy_blocks`).
         fast_launch: launch the kernel's compiled variant directly, past Triton's per-call dispatch, where a canary
             transfer at creation proves it moves the same bytes (:mod:`triton_offload.fast_launch`); None follows
             ``TRITON_OFFLOAD_FAST_LAUNCH`` (on unless it is ``0``). ``launch_paths`` says what each direction uses.
@@ -76,6 +80,7 @@ class TransferEngine:
         *,
         blocks_per_host_block: int = 1,
         num_ctas: int | None = None,
+        launch_shape: str = "fixed",
         fast_launch: bool | None = None,
         path: str | None = None,
         calibration: Calibration | None = None,
@@ -94,6 +99,7 @@ class TransferEngine:
         self.blocks_per_host_block = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
         check_host_buffer(kv, host_buffer, self.blocks_per_host_block)
         self.num_ctas = None if num_ctas is None else int_in_range(num_ctas, "num_ctas", 1)
+        self.launch_shape = check_launch_shape(launch_shape)
         self.cuda = kv.device.type == "cuda"
         self.path = transfer_path(path if path is not None else AUTO if self.cuda else KERNEL)
         self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
@@ -136,7 +142,7 @@ class TransferEngine:
         if fast_launch is None:
             fast_launch = fast_launch_default()
         if fast_launch:
-            self.launch_paths = enable_fast_launch(launcher, self.num_ctas)
+            self.launch_paths = enable_fast_launch(launcher, launcher.ctas(self.num_ctas, self.launch_shape))
         else:
             self.launch_paths = {d: "turned off" for d in launcher.directions}
         logger.info(
@@ -164,7 +170,7 @@ class TransferEngine:
                     "transfer path 'auto' calibrates both paths on the GPU: on CPU choose 'kernel' or 'dma', or pass "
                     "a calibration"
                 )
-            issuers_for = path_issuers(self._launcher, self.num_ctas, dma=dma is not None)
+            issuers_for = path_issuers(self._launcher, self.num_ctas, dma is not None, self.launch_shape)
             note = None if dma is not None else self._no_dma
             calibration = calibrate(self.kv, self.blocks_per_host_block, issuers_for, note)
         logger.info(
@@ -180,7 +186,7 @@ class TransferEngine:
         that stream's order, after the queued copy."""
         stager = IdStager(self.kv.device, self._tracker.streams[lane]) if self.cuda else None
         issuers: dict[str, Issuer] = {}
-        kernel = KernelIssuer(self._launcher, stager, self.num_ctas)
+        kernel = KernelIssuer(self._launcher, stager, self.num_ctas, self.launch_shape)
         if self.path != DMA:
             issuers[KERNEL] = kernel
         if dma is not None:

@@ -17,6 +17,7 @@ import torch
 
 from triton_offload import integrity
 from triton_offload._checks import KERNEL
+from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.layouts import KVCacheSpec
@@ -37,6 +38,7 @@ class _SpecKernelState:
         # By CopyLauncher.variant_key: a proven direct runner (triton_offload/fast_launch.py), or why that variant
         # keeps Triton's launch.
         self.direct: dict[tuple, object] = {}
+        self.segment_bytes: float | None = None
 
 
 # Keyed by the spec, held weakly: the spec stays a plain description of the caches, and its kernel state goes with it.
@@ -182,6 +184,22 @@ class CopyLauncher:
         """Whether this launcher's launches checksum what they move."""
         return self.checksums is not None
 
+    @property
+    def segment_bytes(self) -> float:
+        """Mean bytes of the spec's segments (a page's runs, one kernel row each): what the "size-aware" launch
+        shape reads (:func:`~triton_offload.kernels.copy_blocks.size_aware_ctas`). Computed once per spec."""
+        if self._state.segment_bytes is None:
+            segments = self.spec.segments
+            self._state.segment_bytes = sum(s.nbytes for s in segments) / len(segments)
+        return self._state.segment_bytes
+
+    def ctas(self, num_ctas: int | None, shape: str) -> int | None:
+        """The ``num_ctas`` a launch passes for a user's ``num_ctas`` under launch shape ``shape`` (``"fixed"``:
+        as given; ``"size-aware"``: by :attr:`segment_bytes`, never above the user's)."""
+        if shape == "fixed":
+            return num_ctas
+        return copy_blocks.size_aware_ctas(self.segment_bytes, num_ctas)
+
     def config(self, direction: Direction) -> copy_blocks.LaunchConfig:
         return self._launch_args[direction][0]
 
@@ -320,12 +338,23 @@ class KernelIssuer:
         launcher: the launcher of the issued plans' directions.
         stager: the pinned id slots (CUDA); None on CPU.
         num_ctas: programs each launch may occupy; None for the kernel's default.
+        launch_shape: ``"fixed"`` (``num_ctas`` programs, or the default's) or ``"size-aware"`` (by the spec's page
+            runs, at most ``num_ctas``): :mod:`triton_offload.kernels.copy_blocks` explains both.
     """
 
     path = KERNEL
 
-    def __init__(self, launcher: CopyLauncher, stager: IdStager | None, num_ctas: int | None = None):
-        self.launcher, self.stager, self.num_ctas = launcher, stager, num_ctas
+    def __init__(
+        self,
+        launcher: CopyLauncher,
+        stager: IdStager | None,
+        num_ctas: int | None = None,
+        launch_shape: str = "fixed",
+    ):
+        self.launcher, self.stager = launcher, stager
+        self.launch_shape = check_launch_shape(launch_shape)
+        # Fixed per spec, so chosen once: a launch pays nothing for the shape.
+        self.num_ctas = launcher.ctas(num_ctas, self.launch_shape)
 
     def descriptors(self, plan: TransferPlan) -> int:
         """None: one launch, whatever the blocks."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from triton_offload._checks import int_in_range
+from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.fast_launch import enable_fast_launch, fast_launch_default
 from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
 from triton_offload.kernels.copy_blocks import LaunchTuning
@@ -92,6 +93,7 @@ def transfer_blocks(
     num_ctas: int | None = None,
     group_sizes: Sequence[int] | None = None,
     tunings: Mapping[Direction, LaunchTuning] | None = None,
+    launch_shape: str = "fixed",
 ) -> None:
     """:func:`gather_blocks` (a store) or :func:`scatter_blocks` (a load) of a prepared spec, by direction, with the
     launch tuning as a value (``tunings``, per direction; None for the measured defaults: bench/micro/tune.py passes its
@@ -99,6 +101,7 @@ def transfer_blocks(
     call)."""
     if num_ctas is not None:
         int_in_range(num_ctas, "num_ctas", 1)
+    check_launch_shape(launch_shape)
     f = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
     check_host_buffer(spec, host_buffer, f)
     planner = planner_for(spec, host_buffer.shape[0], f)
@@ -106,18 +109,18 @@ def transfer_blocks(
     if plan.n_blocks == 0:
         return
     if spec.device.type != "cuda":
-        KernelIssuer(CopyLauncher(spec, host_buffer, f, direction, tunings), None, num_ctas).issue(plan)
+        KernelIssuer(CopyLauncher(spec, host_buffer, f, direction, tunings), None, num_ctas, launch_shape).issue(plan)
         return
     # On the caches' device, whichever is current: Triton launches on the current device's stream, and the slot's
     # guard must follow the launch on the stream that runs it. (Switched only when needed: it costs per call.)
     index = spec.device.index
     with torch.cuda.device(index) if torch.cuda.current_device() != index else _ON_ITS_DEVICE:
         launcher = CopyLauncher(spec, host_buffer, f, direction, tunings)
+        issuer = KernelIssuer(launcher, _public_state(spec).stager, num_ctas, launch_shape)
         if fast_launch_default():
-            enable_fast_launch(launcher, num_ctas)  # proven once per compiled variant, then a lookup
+            enable_fast_launch(launcher, issuer.num_ctas)  # proven once per compiled variant, then a lookup
         # The ids are packed straight into a pinned staging slot, so their upload is truly asynchronous (a copy from
         # pageable memory may synchronise with the stream) and no pinned memory is allocated per call.
-        issuer = KernelIssuer(launcher, _public_state(spec).stager, num_ctas)
         slot = issuer.issue(plan)
         # Reused once the launch has read the ids: the event follows it on the stream that runs it.
         slot.event.record(torch.cuda.current_stream(spec.device))
@@ -135,6 +138,7 @@ def gather_blocks(
     skip: int | Sequence[int] = 0,
     num_ctas: int | None = None,
     group_sizes: Sequence[int] | None = None,
+    launch_shape: str = "fixed",
 ) -> None:
     """Copies GPU blocks of every layer into packed host blocks, in one kernel launch (a store).
 
@@ -154,6 +158,8 @@ def gather_blocks(
         blocks_per_host_block: f, GPU blocks per host block.
         skip: sub-blocks of the first host block left untouched (``0 <= skip < f``).
         num_ctas: programs (SMs) the launch may occupy; None for the tuned default.
+        launch_shape: ``"fixed"`` (``num_ctas`` programs, or the default's) or ``"size-aware"`` (by the caches' page
+            runs, never above ``num_ctas``; :mod:`triton_offload.kernels.copy_blocks` explains both).
         group_sizes: with KV-cache groups (``KVCacheSpec(..., groups=...)``), GPU ids per group; the ids are then
             concatenated group by group and ``skip`` may be one per group (see :func:`plan_transfer`).
     """
@@ -167,6 +173,7 @@ def gather_blocks(
         skip=skip,
         num_ctas=num_ctas,
         group_sizes=group_sizes,
+        launch_shape=launch_shape,
     )
 
 
@@ -181,6 +188,7 @@ def scatter_blocks(
     skip: int | Sequence[int] = 0,
     num_ctas: int | None = None,
     group_sizes: Sequence[int] | None = None,
+    launch_shape: str = "fixed",
 ) -> None:
     """Copies packed host blocks back into GPU blocks of every layer, in one kernel launch (a load).
 
@@ -198,6 +206,7 @@ def scatter_blocks(
         skip=skip,
         num_ctas=num_ctas,
         group_sizes=group_sizes,
+        launch_shape=launch_shape,
     )
 
 

@@ -45,6 +45,12 @@ METHODS: dict[str, Method] = {
         lambda target, num_ctas: ours.triton_engine(target, num_ctas, path="kernel"),
         sweeps_ctas=True,
     ),
+    "triton_size_aware": Method(
+        "the same kernel with launch_shape='size-aware': programs chosen from the caches' page runs (16 below 4 KiB, "
+        "8 below 8 KiB, else the default 4; never above num_ctas); the probe of whether it should be the default",
+        ours.prepare_triton_size_aware,
+        ours.triton_size_aware_engine,
+    ),
     "triton_integrity": Method(
         "TransferEngine(path='kernel', integrity='verify'): triton with the integrity checks fused into its "
         "launches (a checksum per block, written by stores, checked by loads; docs/integrity.md)",

@@ -25,6 +25,8 @@ from triton_offload.staging import IdStager
 __all__ = [
     "prepare_triton",
     "triton_engine",
+    "prepare_triton_size_aware",
+    "triton_size_aware_engine",
     "prepare_triton_integrity",
     "triton_integrity_engine",
     "prepare_auto",
@@ -37,21 +39,36 @@ def _ctas(num_ctas: int | None) -> int | None:
     return None if num_ctas == DEFAULT_NUM_CTAS else num_ctas
 
 
-def prepare_triton(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:
+def prepare_triton(case: TransferCase, env: Env, num_ctas: int | None = None, launch_shape: str = "fixed") -> Prepared:
     """One launch of ``triton_offload.gather_blocks`` / ``scatter_blocks`` for all blocks and layers."""
     spec, host, g, h = case.spec, case.host, case.gpu_ids, case.host_ids
-    kw = dict(blocks_per_host_block=case.f, skip=case.skip, num_ctas=_ctas(num_ctas))
+    kw = dict(blocks_per_host_block=case.f, skip=case.skip, num_ctas=_ctas(num_ctas), launch_shape=launch_shape)
     if case.store:
         run = lambda: to.gather_blocks(spec, g, host, h, **kw)  # noqa: E731
     else:
         run = lambda: to.scatter_blocks(host, h, spec, g, **kw)  # noqa: E731
     where = "compiled kernel" if env.cuda else "Triton interpreter"
-    return Prepared(run, h, f"triton_offload.{'gather' if case.store else 'scatter'}_blocks ({where})")
+    impl = f"triton_offload.{'gather' if case.store else 'scatter'}_blocks ({where})"
+    if launch_shape != "fixed":
+        programs = CopyLauncher(spec, host, case.f).ctas(_ctas(num_ctas), launch_shape)
+        impl += f", launch_shape={launch_shape!r}: {programs} programs at most"
+    return Prepared(run, h, impl)
+
+
+def prepare_triton_size_aware(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:
+    """:func:`prepare_triton` with ``launch_shape="size-aware"``: the programs chosen from the caches' page runs
+    (issue 38, section 3), beside the fixed shape's rows of the same run."""
+    return prepare_triton(case, env, num_ctas, launch_shape="size-aware")
 
 
 def triton_engine(target: OffloadTarget, num_ctas: int | None, **engine_args) -> TransferEngine:
     """Ours, as the plugin's worker builds it; ``engine_args`` go to TransferEngine as they are (``path``)."""
     return TransferEngine(target.kv, target.host_buffer, num_ctas=_ctas(num_ctas), **engine_args)
+
+
+def triton_size_aware_engine(target: OffloadTarget, num_ctas: int | None) -> TransferEngine:
+    """``TransferEngine(path="kernel", launch_shape="size-aware")``: the serving loop's form of the size-aware shape."""
+    return triton_engine(target, num_ctas, path="kernel", launch_shape="size-aware")
 
 
 def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:

@@ -49,9 +49,9 @@ __all__ = [
 PYTHON_ISSUED = "Python-issued (handicapped)"
 # Baselines a speedup column is computed against, in table order.
 BASELINE_NAMES = ("memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "vllm_native")
-# Every method but triton, in the order a run measures them (after the triton sweep): auto (ours, the per-call choice
-# of kernel or copy engines) first, then the baselines and the peak.
-BASELINE_ORDER = ("auto", *BASELINE_NAMES, "peak")
+# Every method but triton, in the order a run measures them (after the triton sweep): ours first (the kernel's
+# size-aware launch shape, auto: the per-call choice of kernel or copy engines), then the baselines and the peak.
+BASELINE_ORDER = ("triton_size_aware", "auto", *BASELINE_NAMES, "peak")
 
 # The kernel with the integrity checks (docs/integrity.md), at the default num_ctas: with --integrity a run measures it
 # beside triton at that num_ctas, case by case.

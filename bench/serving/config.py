@@ -117,7 +117,7 @@ SHAPE_NAMES = tuple(GPU_SHAPES)
 # The workloads with model dimensions (workloads.ModelDims); DeepSeek's MLA attention is not modelled.
 SERVING_WORKLOADS = ("llama3-8b", "llama3-70b-tp8", "small-page")
 # Every method of a run, in table order (bench.baselines.METHODS holds each of them).
-DEFAULT_METHODS = ("none", "triton", "auto", "vllm033", "vllm_native", "memcpy_batch")
+DEFAULT_METHODS = ("none", "triton", "triton_size_aware", "auto", "vllm033", "vllm_native", "memcpy_batch")
 # The methods the duplex figure is measured for, where the run has them: our kernel (at its default num_ctas) and the
 # copy engines.
 DUPLEX_METHODS = ("triton", "memcpy_batch")
@@ -190,6 +190,21 @@ PRESETS = {
         (),
         LOAD_MODES,
         DEFAULT_ROUNDS,
+    ),
+    # The size-aware launch shape's serving check (issue 38, section 3): the kernel's two shapes and no offload, at
+    # the pages where the shapes differ (2 KiB: 16 programs instead of 4; Llama-3-70B at TP 8 in kv_first: 4 KiB runs,
+    # 8 programs), both shapes, both load modes: the step slowdown must not rise where the transfers gain.
+    "launch-shape": RunPlan(
+        (("small-page", "decode-heavy"), ("small-page", "prefill-heavy"), ("llama3-70b-tp8", "decode-heavy")),
+        {
+            "decode-heavy": dataclasses.replace(GPU_SHAPES["decode-heavy"], steps=30, warmup=4),
+            "prefill-heavy": dataclasses.replace(GPU_SHAPES["prefill-heavy"], steps=12, warmup=3),
+        },
+        ("none", "triton", "triton_size_aware"),
+        (),
+        LOAD_MODES,
+        DEFAULT_ROUNDS,
+        duplex=False,
     ),
 }
 

@@ -89,7 +89,34 @@ def print_results(rows: list[dict], sweep: list[int]) -> None:
         "before they are issued." + handicap_note,
     )
     print_table("Triton GB/s by num_ctas", [*prefix_cols, *(f"ctas={c}" for c in sweep)], sweep_rows)
+    shape_rows = []
+    for key, by in by_case(rows).items():
+        fixed, sized = by.get(("triton", DEFAULT_NUM_CTAS)), by.get(("triton_size_aware", None))
+        if sized is None:
+            continue
+        a, b = (r and r["fraction_of_peak"] for r in (fixed, sized))
+        gain = None if a is None or b is None else 100 * (b - a)
+        shape_rows.append(
+            _case_prefix(key)
+            + [_fmt(a and 100 * a, ".0f"), _fmt(b and 100 * b, ".0f"), _fmt(gain, "+.1f"), _programs(sized)]
+        )
+    if shape_rows:
+        print_table(
+            "Launch shape: % of peak, fixed (the default) vs size-aware",
+            [*prefix_cols, f"fixed@{DEFAULT_NUM_CTAS}", "size-aware", "gain (points)", "programs"],
+            shape_rows,
+            note="size-aware: programs from the caches' page runs (kernels/copy_blocks.py, SIZE_AWARE_PROGRAMS). It "
+            "becomes the default only if it gains >= 5 points where the fixed shape is below 90% without losing "
+            "elsewhere or raising the serving benchmark's step slowdown.",
+        )
     print_integrity(rows)
+
+
+def _programs(row: dict) -> str:
+    """The programs a size-aware row's impl names (``... N programs at most``)."""
+    impl = row.get("impl") or ""
+    head = impl.rsplit(" programs at most", 1)[0] if " programs at most" in impl else ""
+    return head.rsplit(" ", 1)[-1] if head else "-"
 
 
 def print_integrity(rows: list[dict]) -> None:
@@ -137,12 +164,21 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         targets.append(target_result(name, values, ok, worst_is_min))
 
     frac, vs_batch_small, vs_batch_all, vs_block, vs_vllm, auto = [], [], [], [], [], []
+    frac_default, shape_gain, shape_any = [], [], []
     for (w, layout, page, n, f, skip, direction), by in by_case(rows).items():
         where = f"{w}/{layout} {page}B n={n} f/skip={f}/{skip} {direction}"
         best = [r["fraction_of_peak"] for (m, c), r in by.items() if m == "triton" and c <= 8 and r["fraction_of_peak"]]
         if n in (128, 1024) and page >= 2048 and best:
             frac.append((max(best), where))
         tri = by.get(("triton", DEFAULT_NUM_CTAS))
+        sized = by.get(("triton_size_aware", None))
+        if n in (128, 1024) and page >= 2048 and tri and tri["fraction_of_peak"]:
+            frac_default.append((tri["fraction_of_peak"], where))
+        if tri and sized and tri["fraction_of_peak"] and sized["fraction_of_peak"]:
+            gain = 100 * (sized["fraction_of_peak"] - tri["fraction_of_peak"])
+            shape_any.append((gain, where))
+            if page <= 8192 and tri["fraction_of_peak"] < 0.9:
+                shape_gain.append((gain, where))
         best_of = [r["median_ms"] for r in (tri, by.get(("memcpy_batch", None))) if r and r["median_ms"]]
         mine = by.get(("auto", None))
         if best_of and mine and mine["median_ms"]:
@@ -159,6 +195,17 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         if tri["speedup_vs_vllm033"] is not None:
             vs_vllm.append((tri["speedup_vs_vllm033"], where))
     add("triton >= 90% of peak, both directions, pages >= 2 KiB, 128/1024 blocks, <= 8 CTAs", frac, lambda v: v >= 0.9)
+    add(
+        f"triton at the default settings (num_ctas={DEFAULT_NUM_CTAS}) >= 90% of peak, pages >= 2 KiB, 128/1024 blocks",
+        frac_default,
+        lambda v: v >= 0.9,
+    )
+    add(
+        f"size-aware shape gains >= 5 points where triton@{DEFAULT_NUM_CTAS} is below 90% of peak, pages <= 8 KiB",
+        shape_gain,
+        lambda v: v >= 5.0,
+    )
+    add("size-aware launch shape loses <= 2 points of peak in any case", shape_any, lambda v: v >= -2.0)
     add(f"triton@{DEFAULT_NUM_CTAS} >= 5x memcpy_batch at pages <= 16 KiB", vs_batch_small, lambda v: v >= 5.0)
     add(f"triton@{DEFAULT_NUM_CTAS} >= 1.0x memcpy_batch at every page size", vs_batch_all, lambda v: v >= 1.0)
     add(f"triton@{DEFAULT_NUM_CTAS} >= 10x memcpy_per_block at pages <= 16 KiB", vs_block, lambda v: v >= 10.0)

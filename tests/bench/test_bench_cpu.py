@@ -21,7 +21,7 @@ TIMING_FIELDS = (
     "speedup_vs_memcpy_batch", "speedup_vs_memcpy_per_block", "speedup_vs_torch_staged", "speedup_vs_vllm033",
     "speedup_vs_vllm_native",
 )  # fmt: skip
-RUNS_ON_CPU = {"triton", "torch_staged", "peak"}
+RUNS_ON_CPU = {"triton", "triton_size_aware", "torch_staged", "peak"}
 CUDA_ONLY = {"memcpy_per_block", "memcpy_batch", "auto"}
 # Stores are one cuMemcpyBatchAsync (CUDA only); loads of these small pages are its Triton SM copy, run on CPU.
 VLLM033 = "vllm033"

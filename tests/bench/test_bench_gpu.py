@@ -29,7 +29,8 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     data = json.loads(out.read_text())
     assert data["complete"] and data["failures"] == [] and data["mode"] == "gpu"
     rows = data["rows"]
-    methods = {"triton", "auto", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033", "vllm_native", "peak"}
+    methods = {"triton", "triton_size_aware", "auto", "memcpy_batch", "memcpy_per_block", "torch_staged", "vllm033",
+               "vllm_native", "peak"}  # fmt: skip
     assert {r["method"] for r in rows} == methods
     # 2 layouts x 2 sizes x 2 host formats x 2 directions, each method checked on each before it was timed.
     assert len({(r["layout"], r["blocks"], r["skip"], r["direction"]) for r in rows}) == 16
@@ -50,5 +51,8 @@ def test_a_small_gpu_run_checks_and_times_every_method(tmp_path):
     # auto took one of its two paths in every case, and its calibration is in the file.
     assert all(r["impl"].startswith("per call: ") for r in rows if r["method"] == "auto")
     assert data["calibrations"] and all(c["seconds"] > 0 and c["models"] for c in data["calibrations"])
+    # The size-aware shape's 2 KiB pages (1 KiB runs in kv_first, 2 KiB in block_first): 16 programs.
+    sized = [r for r in rows if r["method"] == "triton_size_aware"]
+    assert sized and all(r["impl"].endswith("16 programs at most") for r in sized), sized
     tri = [r for r in rows if r["method"] == "triton"]
     assert all(r["speedup_vs_vllm033"] and r["speedup_vs_memcpy_batch"] for r in tri)

@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SERVING = ("-m", "bench.serving")
 REQUIRED = ("workload", "method", "num_ctas", "byte_check", "step_ms_median", "step_ms_p99", "slowdown_vs_none",
             "load_latency_ms_median", "load_latency_ms_p99", "submit_cpu_us_per_step", "offload_gbps")  # fmt: skip
-OFFLOAD = ("triton", "auto", "vllm033", "memcpy_batch")
+OFFLOAD = ("triton", "triton_size_aware", "auto", "vllm033", "memcpy_batch")
 
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -63,10 +63,10 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
     for w in ("llama3-8b", "llama3-70b-tp8", "small-page"):
         for shape in ("prefill-heavy", "decode-heavy"):
             for mode in ("async", "sync"):
-                want = [("none", None), ("triton", 4), ("triton", 2), ("triton", 8), ("auto", None),
-                        ("vllm033", None), ("vllm_native", None), ("memcpy_batch", None)]  # fmt: skip
+                want = [("none", None), ("triton", 4), ("triton", 2), ("triton", 8), ("triton_size_aware", None),
+                        ("auto", None), ("vllm033", None), ("vllm_native", None), ("memcpy_batch", None)]  # fmt: skip
                 assert {(w, shape, mode, m, c) for m, c in want} <= labels
-    assert len(rows) == 3 * 2 * 2 * 8
+    assert len(rows) == 3 * 2 * 2 * 9
     for r in rows:
         if r["method"] == "vllm_native" and r["byte_check"] == "n/a":  # vLLM 0.33's code is not importable here
             assert "vllm_native runs vLLM 0.33.0's own worker" in r["impl"] and r["loads"] is None, r
@@ -83,13 +83,14 @@ def test_cpu_run_checks_every_method_and_times_nothing(tmp_path):
     # Without CUDA to calibrate on, auto runs the engine's copy-engine path (the memmove stand-in); the kernel is
     # the triton rows' path.
     assert all("memmove; path dma: load dma x4, store dma x" in r["impl"] for r in rows if r["method"] == "auto")
-    assert all("path kernel: load kernel x4, store kernel x" in r["impl"] for r in rows if r["method"] == "triton")
+    assert all("path kernel: load kernel x4, store kernel x" in r["impl"] for r in rows
+               if r["method"] in ("triton", "triton_size_aware"))  # fmt: skip
     # vllm033's loads took its SM copy (the interpreter), its stores the batch call (the memmove stand-in).
     assert all("SM copy load" in r["impl"] and "store" in r["impl"] for r in rows if r["method"] == "vllm033")
     assert data["duplex"] == [] and data["targets"] == [] and data["failures"] == []
     assert all(d["drift_vs_none"] is None for d in data["drift"].values())  # nothing timed: no drift
     if not VLLM_033:  # the n/a rows are said apart, not counted as runs (nor as passing ones)
-        assert "84 of 84 runs byte-checked pass (12 n/a: cannot run here, not counted)" in proc.stdout
+        assert "96 of 96 runs byte-checked pass (12 n/a: cannot run here, not counted)" in proc.stdout
 
 
 def test_wrong_bytes_fail_the_run(tmp_path, monkeypatch, capsys):
@@ -106,13 +107,13 @@ def test_wrong_bytes_fail_the_run(tmp_path, monkeypatch, capsys):
     data = json.loads(out.read_text())
     by = {r["method"]: r for r in data["rows"]}
     assert by["none"]["byte_check"] == "pass"
-    ours = [r for r in data["rows"] if r["method"] in ("triton", "auto")]  # both TransferEngine
-    assert len(ours) == 4 and all(r["byte_check"] == "fail" for r in ours)
+    ours = [r for r in data["rows"] if r["method"] in ("triton", "triton_size_aware", "auto")]  # all TransferEngine
+    assert len(ours) == 5 and all(r["byte_check"] == "fail" for r in ours)
     # The first store is short: its check, when it completed, found its last host block unwritten.
     assert all(r["byte_check_note"].startswith("store job 0: 1 of ") for r in ours), ours
     for method in ("vllm033", "memcpy_batch"):  # the first load is 8 bytes short
         assert by[method]["byte_check"] == "fail" and by[method]["byte_check_note"].startswith("load job 1: 1 of ")
-    assert len(data["failures"]) == 6
+    assert len(data["failures"]) == 7
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -327,7 +328,8 @@ def test_the_block_plan_at_gpu_shapes(workload, shape_name):
 def test_every_default_method_is_registered_and_points_expand():
     assert set(config.DEFAULT_METHODS) <= set(methods.METHODS)
     points = methods.method_points(config.DEFAULT_METHODS, config.TRITON_CTAS)
-    labels = ["none", "triton@4", "triton@2", "triton@8", "auto", "vllm033", "vllm_native", "memcpy_batch"]
+    labels = ["none", "triton@4", "triton@2", "triton@8", "triton_size_aware", "auto", "vllm033", "vllm_native",
+              "memcpy_batch"]  # fmt: skip
     assert [p.label for p in points] == labels
     # tools/gpu/parts.py (which cannot import the methods) counts the runs from the plan alike: every point once per
     # round, and none once more; and the duplex points from the same list of methods.

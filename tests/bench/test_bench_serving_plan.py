@@ -41,7 +41,7 @@ def test_the_decisive_preset_fits_three_minutes_on_an_h100_by_the_model():
         config.FULL_PLAN
     )
     assert parts.estimate_seconds(parts.SERVING_FULL_PART) < parts.LIMIT_S
-    with pytest.raises(ValueError, match=r"unknown serving preset 'fast'; presets: \['decisive'\]"):
+    with pytest.raises(ValueError, match=r"unknown serving preset 'fast'; presets: \['decisive', 'launch-shape'\]"):
         parts.serving_preset_seconds("fast")
     # The model grows with what the plan runs: one round less, or one load mode less, is cheaper.
     preset = config.PRESETS["decisive"]

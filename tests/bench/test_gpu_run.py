@@ -319,8 +319,8 @@ def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
 
 
 def test_the_stages_of_a_first_lease(m):
-    assert m.plan.DEFAULT_ORDER[:7] == ("machine", "gpu-tests", "serving", "call-cost", "quick", "launch-shape",
-                                        "gpu-tests-slow")  # fmt: skip
+    assert m.plan.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "serving", "call-cost", "quick", "launch-shape",
+                                        "serving-shape", "host-memory", "gpu-tests-slow")  # fmt: skip
     tests, slow = m.plan.STAGES["gpu-tests"].steps[0], m.plan.STAGES["gpu-tests-slow"].steps[0]
     for t in m.plan.SLOW_TESTS:
         assert tests[tests.index(t) - 1] == "--deselect" and t in slow
@@ -477,7 +477,25 @@ def test_verdicts_pass_when_the_files_say_so(m, tmp_path):
     })  # fmt: skip
     verdicts = {k: v["verdict"] for k, v in t.items()}
     assert verdicts == {"every": "pass", "call": "pass", "transfers": "pass", "auto": "pass", "ours": "pass",
-                        "serving": "not measured", "bandwidth": "not measured", "host": "not measured"}  # fmt: skip
+                        "size-aware": "not measured", "launch": "not measured", "serving": "not measured",
+                        "bandwidth": "not measured", "host": "not measured"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "frac_4, sized, gain, loss",
+    [(0.75, 0.85, "pass", "pass"), (0.75, 0.78, "miss", "pass"), (0.95, 0.90, "not measured", "miss")],
+    ids=["gains", "gains-too-little", "loses-where-the-default-was-fine"],
+)
+def test_the_size_aware_launch_shape_decision(m, tmp_path, frac_4, sized, gain, loss):
+    doc = _transfer(m.results, frac_4=frac_4, auto_ms=1 / frac_4, native_ms=3.0)
+    row = dict(next(r for r in doc["rows"] if r["method"] == "peak"), method="triton_size_aware", num_ctas=None)
+    row.update(median_ms=1 / sized, gbps=8.388608 * sized)
+    doc["rows"].append(row)
+    m.results.fill_relative(doc["rows"])
+    t = _targets(m, tmp_path, {"launch-shape": ("launch-shape", doc)})
+    assert (t["size-aware"]["verdict"], t["launch"]["verdict"]) == (gain, loss), (t["size-aware"], t["launch"])
+    (fig,) = m.summary.launch_shape(doc["rows"], 4)
+    assert fig["fraction_size_aware"] == pytest.approx(sized)
 
 
 @pytest.mark.parametrize(("cost_pct", "extra_us", "verdict"), [(1.5, 0.8, "pass"), (3.0, 1.4, "miss")],

@@ -64,7 +64,7 @@ from bench.serving.config import (
     with_integrity,
 )
 from tools.gpu.plan import CALL_COST_STAGE, SERVING_STAGE
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS, size_aware_ctas
 
 __all__ = [
     "MACHINE_PART",
@@ -72,6 +72,8 @@ __all__ = [
     "SLOW_TEST_PART",
     "SERVING_PART",
     "SERVING_FULL_PART",
+    "SERVING_SHAPE_PART",
+    "HOST_MEMORY_PART",
     "CALL_COST_PART",
     "PARTS",
     "LIMIT_S",
@@ -87,6 +89,8 @@ TEST_PART = "gpu-tests"  # `pytest -m gpu` but the two benchmark-subprocess test
 SLOW_TEST_PART = "gpu-tests-slow"  # those two: tests/bench/test_bench_gpu.py's and test_bench_serving.py's GPU runs
 SERVING_PART = "serving"  # bench.serving's decisive preset (issue 39); the parts in PARTS run bench.transfer
 SERVING_FULL_PART = "serving-full"  # bench.serving's default run: three workloads x every method, duplex
+SERVING_SHAPE_PART = "serving-shape"  # bench.serving's launch-shape preset: the kernel's two launch shapes
+HOST_MEMORY_PART = "host-memory"  # bench.micro.host_cache with tools/gpu/plan.py's HOST_MEMORY_ARGS
 CALL_COST_PART = "call-cost"  # bench.micro.call_cost: host time per call, direct launch vs Triton's dispatch
 # bench.micro.call_cost's rows that each issue CALL_COST_CALLS transfers of 1024 blocks x 80 layers of 8 KiB pages:
 # the public calls and engine submits, each with the direct launch and with Triton's dispatch, and the launch alone
@@ -130,6 +134,8 @@ def _transfer_s(method: str, ctas: int | None, nbytes: int, copies: int, store: 
         return _transfer_s("triton", DEFAULT_NUM_CTAS, nbytes, copies, store, page, runs)
     if method == "triton":
         return nbytes / min(LINK_BPS, ctas * PER_PROGRAM_BPS)
+    if method == "triton_size_aware":  # by the page: its runs are page / 2 (kv_first) or more, never fewer programs
+        return nbytes / min(LINK_BPS, size_aware_ctas(page) * PER_PROGRAM_BPS)
     if method == "memcpy_per_block":
         return max(link, copies * COPY_ISSUE_S)
     if method == "vllm_native":
@@ -277,9 +283,28 @@ def serving_stage_plan() -> RunPlan:
     return with_integrity(plan) if "--integrity" in SERVING_STAGE else plan
 
 
+def _host_memory_s() -> float:
+    """bench.micro.host_cache with HOST_MEMORY_ARGS: per size, placement and page size a first touch and a
+    registration per thread count (pinning-bound, counted at PIN_BPS each), then the near/far copies (4 GiB pinned
+    per node, repeats + 1 each way)."""
+    from tools.gpu.plan import HOST_MEMORY_ARGS  # stdlib only
+
+    def values(flag: str) -> list[str]:
+        rest = list(HOST_MEMORY_ARGS[HOST_MEMORY_ARGS.index(flag) + 1 :])
+        return rest[: next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+    sizes = sum(float(v) for v in values("--sizes-gib")) * 2**30
+    combos = len(values("--placements")) * len(values("--huge-pages"))
+    setup = combos * sizes * (1 / HOST_MEMSET_BPS + len(values("--threads")) / PIN_BPS)
+    gib = float(values("--transfer-gib")[0]) * 2**30
+    near_far = 2 * (gib / PIN_BPS + 2 * (int(values("--repeats")[0]) + 1) * gib / LINK_BPS)
+    return setup + near_far
+
+
 def part_names() -> list[str]:
     """Every part this model estimates."""
-    return [MACHINE_PART, TEST_PART, SLOW_TEST_PART, SERVING_PART, SERVING_FULL_PART, CALL_COST_PART, *PARTS]
+    return [MACHINE_PART, TEST_PART, SLOW_TEST_PART, SERVING_PART, SERVING_SHAPE_PART, SERVING_FULL_PART,
+            CALL_COST_PART, HOST_MEMORY_PART, *PARTS]  # fmt: skip
 
 
 def _sweep_args(args: list[str]) -> tuple[list, Grid, bool, bool]:
@@ -311,6 +336,10 @@ def estimate_seconds(part: str) -> float:
         return STARTUP_S + SLOW_TESTS_S
     if part == SERVING_PART:
         return STARTUP_S + serving_plan_seconds(serving_stage_plan())
+    if part == HOST_MEMORY_PART:
+        return STARTUP_S + _host_memory_s()
+    if part == SERVING_SHAPE_PART:
+        return serving_preset_seconds("launch-shape")
     if part == SERVING_FULL_PART:
         return STARTUP_S + _serving_s()
     if part == CALL_COST_PART:

@@ -64,6 +64,10 @@ SERVING_DECISIVE = ("--preset", "decisive")
 SERVING_STAGE = (*SERVING_DECISIVE, "--integrity")
 # The call-cost stage's options: the engine's submits also with the integrity checks (their host time per call).
 CALL_COST_STAGE = ("--integrity",)
+# The host-memory stage (issue 42): 8 and 32 GiB, the GPU's node and unbound, transparent huge pages (reserved 2 MiB
+# pages are rarely set aside on a lent machine; the benchmark falls back and says so), 1 and 8 registration threads.
+HOST_MEMORY_ARGS = ("--sizes-gib", "8", "32", "--threads", "1", "8", "--placements", "auto", "off", "--huge-pages",
+                    "thp", "--transfer-gib", "4", "--repeats", "5")  # fmt: skip
 # Per-test limits under pytest-timeout (a hung test fails alone; the stage's own timeout bounds the rest).
 TEST_TIMEOUT_S = 120
 SLOW_TEST_TIMEOUT_S = 480
@@ -131,6 +135,16 @@ STAGES: dict[str, Stage] = {
                   "(auto, vllm033, vllm_native too), the kernel with the integrity checks beside it, short extras"),
         _transfer("launch-shape", "bench.transfer: 2 KiB and 8 KiB pages, 128/1024 blocks, num_ctas 4-32, f 1 and "
                   "4/skip 1: the size-aware launch shape's probe", kind="launch-shape"),
+        Stage("serving-shape", "python -m bench.serving --preset launch-shape: the kernel's fixed and size-aware "
+              "launch shapes in the serving loop (small pages, Llama-3-70B at TP 8), step slowdown vs no offload",
+              "serving", (("{py}", "-m", "bench.serving", "--preset", "launch-shape", "--json", "{json}", "--plot",
+                           "{plot}"),), (*LIBRARY, "imports:bench.serving")),
+        Stage("host-memory", f"python -m bench.micro.host_cache {' '.join(HOST_MEMORY_ARGS)}: a large host cache's "
+              "set-up per NUMA placement (map, first touch, CUDA registration at 1 and 8 threads) and the GPU's near "
+              "vs far node", "host-memory",
+              (("{py}", "-m", "bench.micro.host_cache", *HOST_MEMORY_ARGS, "--json", "{json}"),),
+              ("triton_offload/host_cache.py", "triton_offload/numa.py", "triton_offload/host_pages.py",
+               "imports:bench.micro.host_cache")),
         Stage("gpu-tests-slow", "the two benchmark-subprocess GPU tests (a small transfer run, a short serving run)",
               "pytest", (_pytest(*SLOW_TESTS, timeout=SLOW_TEST_TIMEOUT_S),),
               (*LIBRARY, "tests/conftest.py", *(t.split("::")[0] for t in SLOW_TESTS), PYTEST_PLUGINS,

@@ -30,6 +30,9 @@ CALL_COST_US = 30.0  # median host time per call at 1024 blocks x 80 layers
 CALL_COST_SHAPE = "1024 blocks x 80 layers"
 PEAK_FRACTION = 0.90  # of the same run's contiguous copy, pages >= 2 KiB, 128 and 1024 blocks
 AUTO_SLACK = 1.05  # auto's time over the faster of the kernel and the copy engines
+# The size-aware launch shape (issue 38, section 3): its gain where the default falls short, at these pages or smaller,
+# and the most it may lose anywhere.
+SHAPE_GAIN_POINTS, SHAPE_LOSS_POINTS, SHAPE_PAGE_BYTES = 5.0, 2.0, 8192
 VLLM_BASELINES = ("vllm033", "vllm_native")
 # A GPU test skipped for one of these did not run where it should have: vLLM's code missing (the bundle), or no
 # CUDA device (tests/conftest.py's skip). Other skips (say, a test that needs two GPUs) are listed, not counted.
@@ -75,19 +78,27 @@ def junit_results(path: pathlib.Path | None) -> dict | None:
 
 def launch_shape(rows: list[dict], default_ctas: int) -> list[dict]:
     """Per (page, blocks, direction): the kernel's fraction of the contiguous peak at the default CTAs (the worst
-    over layouts and host formats), and the CTA count whose worst fraction is the highest."""
+    over layouts and host formats), the CTA count whose worst fraction is the highest, and the size-aware launch
+    shape's worst fraction (None where the run has no such rows)."""
     by: dict[tuple, dict[int, list[float]]] = {}
+    sized: dict[tuple, list[float]] = {}
     for r in rows:
-        if r["method"] == "triton" and r.get("fraction_of_peak") is not None:
-            key = (r["page_bytes"], r["blocks"], r["direction"])
+        if r.get("fraction_of_peak") is None:
+            continue
+        key = (r["page_bytes"], r["blocks"], r["direction"])
+        if r["method"] == "triton":
             by.setdefault(key, {}).setdefault(r["num_ctas"], []).append(r["fraction_of_peak"])
+        elif r["method"] == "triton_size_aware":
+            sized.setdefault(key, []).append(r["fraction_of_peak"])
     out = []
     for (page, blocks, direction), per in sorted(by.items()):
         worst = {c: min(v) for c, v in per.items()}
         best = max(worst, key=lambda c: (worst[c], -c))
+        shape = sized.get((page, blocks, direction))
         out.append({"page_bytes": page, "blocks": blocks, "direction": direction,
                     f"fraction_at_{default_ctas}": worst.get(default_ctas), "best_ctas": best,
-                    "fraction_at_best": worst[best], "fraction_by_ctas": dict(sorted(worst.items()))})  # fmt: skip
+                    "fraction_at_best": worst[best], "fraction_size_aware": shape and min(shape),
+                    "fraction_by_ctas": dict(sorted(worst.items()))})  # fmt: skip
     return out
 
 
@@ -112,6 +123,13 @@ def stage_figures(kind: str, files: dict[str, pathlib.Path]) -> dict:
                 "gpu_numa_node": doc.get("gpu_numa_node"), "numa_nodes": len(doc.get("numa_nodes") or {}),
                 "cpus": doc.get("cpus"), "mem_available_gib": (doc.get("memory") or {}).get("mem_available_gib"),
                 "notes": doc.get("notes")}  # fmt: skip
+    if kind == "host-memory":
+        rows = [{k: r.get(k) for k in ("gib", "placement", "node", "pages_used", "touch_gibps", "error")}
+                | {"register_gibps": {g["threads"]: g["register_gibps"] for g in r.get("registration") or []}}
+                for r in doc.get("results") or []]  # fmt: skip
+        near_far = doc.get("near_far") or {}
+        return {"complete": doc.get("complete"), "device": doc.get("device"), "setups": rows,
+                "near_far": near_far.get("runs") or near_far.get("status")}  # fmt: skip
     if kind == "call-cost":
         medians = {name: st["median_us"] for sec in ("public calls", "engine submits")
                    for name, st in (doc.get("sections") or {}).get(sec, {}).items()}  # fmt: skip
@@ -200,7 +218,7 @@ def _call_cost_target(stages: list[dict]) -> dict:
 
 
 def _transfer_targets(stages: list[dict]) -> list[dict]:
-    frac, auto, vs_vllm = [], [], []
+    frac, auto, vs_vllm, shape_gain, shape_any = [], [], [], [], []
     names = []
     for s in stages:
         doc = _load_json(s["files"].get("json"))
@@ -214,6 +232,12 @@ def _transfer_targets(stages: list[dict]) -> list[dict]:
             kernel, mine = timed.get(("triton", d)), timed.get(("auto", None))
             if kernel and kernel.get("fraction_of_peak") is not None and page >= 2048 and n in (128, 1024):
                 frac.append((kernel["fraction_of_peak"], where))
+            sized = timed.get(("triton_size_aware", None))
+            if kernel and sized and kernel.get("fraction_of_peak") and sized.get("fraction_of_peak"):
+                gain = 100 * (sized["fraction_of_peak"] - kernel["fraction_of_peak"])
+                shape_any.append((gain, where))
+                if page <= SHAPE_PAGE_BYTES and kernel["fraction_of_peak"] < PEAK_FRACTION:
+                    shape_gain.append((gain, where))
             dma_name = "dma" if ("dma", None) in by else "memcpy_batch"
             paths = [r["median_ms"] for r in (kernel, timed.get((dma_name, None))) if r]
             if mine and len(paths) == 2:
@@ -232,6 +256,13 @@ def _transfer_targets(stages: list[dict]) -> list[dict]:
                              worst_is_min=False), names),
         _entry(target_result("ours (kernel at the default num_ctas, and auto) never slower than vllm033 or vllm_native "
                              "(speedup)", vs_vllm, lambda v: v >= 1.0), names),
+        # Issue 38, section 3: the size-aware launch shape becomes the default only if both hold (and the serving
+        # stages show no higher step slowdown).
+        _entry(target_result(f"size-aware launch shape gains >= {SHAPE_GAIN_POINTS:g} points of peak where the default "
+                             f"is below {PEAK_FRACTION:.2f}, pages <= {SHAPE_PAGE_BYTES // 1024} KiB", shape_gain,
+                             lambda v: v >= SHAPE_GAIN_POINTS), names),
+        _entry(target_result(f"launch shape: size-aware loses <= {SHAPE_LOSS_POINTS:g} points of peak in any case",
+                             shape_any, lambda v: v >= -SHAPE_LOSS_POINTS), names),
     ]  # fmt: skip
 
 
