@@ -65,15 +65,18 @@ def int_in_range(value, name: str, low: int, high: int | None = None) -> int:
 
 def transfer_path(value, name: str = "path") -> str:
     """``value`` if it is one of :data:`TRANSFER_PATHS`; else a ``ValueError`` naming ``name`` and listing them."""
-    if value not in TRANSFER_PATHS:
-        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(p) for p in TRANSFER_PATHS)}")
-    return value
+    return _one_of(value, name, TRANSFER_PATHS)
 
 
 def launch_shape(value, name: str = "launch_shape") -> str:
     """``value`` if it is one of :data:`LAUNCH_SHAPES`; else a ``ValueError`` naming ``name`` and listing them."""
-    if value not in LAUNCH_SHAPES:
-        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(s) for s in LAUNCH_SHAPES)}")
+    return _one_of(value, name, LAUNCH_SHAPES)
+
+
+def _one_of(value, name: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``; else a ``ValueError`` naming ``name`` and listing them."""
+    if value not in choices:
+        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(c) for c in choices)}")
     return value
 
 

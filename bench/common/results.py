@@ -42,6 +42,9 @@ __all__ = [
     "result_stem",
     "write_json",
     "target_result",
+    "SHAPE_GAIN_POINTS",
+    "SHAPE_LOSS_POINTS",
+    "SHAPE_PAGE_BYTES",
 ]
 
 # How a row's impl starts when its baseline issued its copies from a Python loop (bench/baselines/copy_loop.py):
@@ -61,6 +64,9 @@ INTEGRITY_METHOD = "triton_integrity"
 INTEGRITY_MAX_COST_PCT = 2.0
 INTEGRITY_MIN_PAGE_BYTES = 8192
 INTEGRITY_MAX_HOST_US = 1.0
+# The size-aware launch shape's decision (issue 38, section 3; reported, not asserted): it must gain this many points
+# of the peak where the fixed shape falls short at these pages or smaller, and lose at most this many anywhere.
+SHAPE_GAIN_POINTS, SHAPE_LOSS_POINTS, SHAPE_PAGE_BYTES = 5.0, 2.0, 8192
 
 ROW_KEYS = (
     "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",

@@ -13,6 +13,9 @@ from bench.common.results import (
     INTEGRITY_METHOD,
     INTEGRITY_MIN_PAGE_BYTES,
     PYTHON_ISSUED,
+    SHAPE_GAIN_POINTS,
+    SHAPE_LOSS_POINTS,
+    SHAPE_PAGE_BYTES,
     by_case,
     integrity_pairs,
     target_result,
@@ -177,7 +180,7 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         if tri and sized and tri["fraction_of_peak"] and sized["fraction_of_peak"]:
             gain = 100 * (sized["fraction_of_peak"] - tri["fraction_of_peak"])
             shape_any.append((gain, where))
-            if page <= 8192 and tri["fraction_of_peak"] < 0.9:
+            if page <= SHAPE_PAGE_BYTES and tri["fraction_of_peak"] < 0.9:
                 shape_gain.append((gain, where))
         best_of = [r["median_ms"] for r in (tri, by.get(("memcpy_batch", None))) if r and r["median_ms"]]
         mine = by.get(("auto", None))
@@ -201,11 +204,16 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         lambda v: v >= 0.9,
     )
     add(
-        f"size-aware shape gains >= 5 points where triton@{DEFAULT_NUM_CTAS} is below 90% of peak, pages <= 8 KiB",
+        f"size-aware shape gains >= {SHAPE_GAIN_POINTS:g} points where triton@{DEFAULT_NUM_CTAS} is below 90% of peak, "
+        f"pages <= {SHAPE_PAGE_BYTES // 1024} KiB",
         shape_gain,
-        lambda v: v >= 5.0,
+        lambda v: v >= SHAPE_GAIN_POINTS,
     )
-    add("size-aware launch shape loses <= 2 points of peak in any case", shape_any, lambda v: v >= -2.0)
+    add(
+        f"size-aware launch shape loses <= {SHAPE_LOSS_POINTS:g} points of peak in any case",
+        shape_any,
+        lambda v: v >= -SHAPE_LOSS_POINTS,
+    )
     add(f"triton@{DEFAULT_NUM_CTAS} >= 5x memcpy_batch at pages <= 16 KiB", vs_batch_small, lambda v: v >= 5.0)
     add(f"triton@{DEFAULT_NUM_CTAS} >= 1.0x memcpy_batch at every page size", vs_batch_all, lambda v: v >= 1.0)
     add(f"triton@{DEFAULT_NUM_CTAS} >= 10x memcpy_per_block at pages <= 16 KiB", vs_block, lambda v: v >= 10.0)

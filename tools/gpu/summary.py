@@ -18,6 +18,9 @@ from bench.common.results import (
     INTEGRITY_MAX_COST_PCT,
     INTEGRITY_MAX_HOST_US,
     INTEGRITY_MIN_PAGE_BYTES,
+    SHAPE_GAIN_POINTS,
+    SHAPE_LOSS_POINTS,
+    SHAPE_PAGE_BYTES,
     by_case,
     integrity_pairs,
     target_result,
@@ -30,9 +33,6 @@ CALL_COST_US = 30.0  # median host time per call at 1024 blocks x 80 layers
 CALL_COST_SHAPE = "1024 blocks x 80 layers"
 PEAK_FRACTION = 0.90  # of the same run's contiguous copy, pages >= 2 KiB, 128 and 1024 blocks
 AUTO_SLACK = 1.05  # auto's time over the faster of the kernel and the copy engines
-# The size-aware launch shape (issue 38, section 3): its gain where the default falls short, at these pages or smaller,
-# and the most it may lose anywhere.
-SHAPE_GAIN_POINTS, SHAPE_LOSS_POINTS, SHAPE_PAGE_BYTES = 5.0, 2.0, 8192
 VLLM_BASELINES = ("vllm033", "vllm_native")
 # A GPU test skipped for one of these did not run where it should have: vLLM's code missing (the bundle), or no
 # CUDA device (tests/conftest.py's skip). Other skips (say, a test that needs two GPUs) are listed, not counted.
