@@ -30,7 +30,7 @@ FAILED = "vllm:triton_offload_integrity_failed_blocks"
 # What a consumer read from its peer. The tests below are about what happens to changed bytes once they arrive: a
 # consumer that received none (its fetch missed: once in a CI run on a loaded 2-core machine, the request computed cold
 # with cached 0) has not run the scenario, so a fresh consumer asks again, at most FETCH_ATTEMPTS times; whether a
-# fetch hits at all is tests/test_vllm_p2p_e2e.py's subject.
+# fetch hits at all is tests/e2e/test_vllm_p2p_e2e.py's subject.
 P2P_READ = "vllm:kv_offload_tiering_read_bytes{tier=1:P2PTier}"
 FETCH_ATTEMPTS = 3
 UNCHECKED = "vllm:triton_offload_integrity_unchecked_blocks"
