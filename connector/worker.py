@@ -206,7 +206,7 @@ class TritonOffloadingWorker(OffloadingWorker):
     tier = "host cache"
 
     # Test hook: a subclass may name another engine class (the spec's ``_worker_class`` picks the subclass).
-    # tests/offload_fault_plugin.py uses both to make one transfer fail inside the engine, to check that a failure
+    # tests/e2e/offload_fault_plugin.py uses both to make one transfer fail inside the engine, to check that a failure
     # stops vLLM and is never reported as a success.
     engine_class: type[TransferEngine] = TransferEngine
 

@@ -1,5 +1,5 @@
 """What every end-to-end test shares: the tiny random-weight model, the engine it runs in, and, for the test
-modules, the skip conditions and the log check. The drivers (``vllm_*_driver.py``) run as scripts in their own
+modules, the skip conditions and the log check. The drivers (``e2e/vllm_*_driver.py``) run as scripts in their own
 process, one engine each; the test modules start them and read their JSON."""
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cach
 # workers to exit, then kills them; a loaded 2-core CI machine reached that deadline before the teardown got to our
 # code (our shutdown itself takes ~0.4 s). The engine process's own deadline: ENGINE_SHUTDOWN_S.
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
+# tests/ (this file's folder: the shared factories) and tests/e2e/ (the drivers and the test-only plugins vLLM imports
+# by module name).
+TESTS = pathlib.Path(__file__).resolve().parent
+E2E = TESTS / "e2e"
 # The tiering test engine (one process per engine) and the marker of the result line it prints.
-TIERING_DRIVER = pathlib.Path(__file__).parent / "vllm_tiering_driver.py"
+TIERING_DRIVER = E2E / "vllm_tiering_driver.py"
 TIERING_RESULT = "TIERING_RESULT"
 # How our tiering worker logs its region at startup.
 REGION = re.compile(r"shared region (/dev/shm/vllm_offload_\S+\.mmap)")
@@ -181,7 +185,7 @@ def tiny_llm(model_dir: str, extra_config: dict | None = None, **overrides):
 # How long shutdown() lets the engine core process exit by itself. vLLM's default is 5 s, then SIGKILL: the engine core
 # logs the scheduler's counters only after its workers have exited (about 3 s in, on an idle 2-core machine), so with
 # two engines at once (`./dev test` runs two test modules in parallel) or a loaded machine, the kill came first and the
-# counters were never logged (tests/test_vllm_stress.py's accounting test, three of four configurations in one run).
+# counters were never logged (tests/e2e/test_vllm_stress.py's accounting test, three of four configurations in one run).
 ENGINE_SHUTDOWN_S = 120
 
 
@@ -195,12 +199,13 @@ def shutdown(llm) -> None:
 def _driver_env(env: dict | None) -> dict:
     """The environment a driver runs in: this one minus TRITON_INTERPRET (the kernels pick the interpreter for CPU
     tensors themselves) and VLLM_CPU_KVCACHE_SPACE (it would override the driver's KV-cache size), with INFO logging
-    (the tests read startup and shutdown lines) and this directory on PYTHONPATH (vLLM imports test plugins by module
-    name in every process it starts); ``env`` adds to that (a None value removes the variable)."""
+    (the tests read startup and shutdown lines) and :data:`E2E` and :data:`TESTS` on PYTHONPATH (vLLM imports the
+    test plugins in e2e/ by module name in every process it starts; the drivers import this module); ``env`` adds to
+    that (a None value removes the variable)."""
 
     child = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE")}
     child["VLLM_LOGGING_LEVEL"] = "INFO"
-    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(pathlib.Path(__file__).parent), child.get("PYTHONPATH")) if p)
+    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E), str(TESTS), child.get("PYTHONPATH")) if p)
     for name, value in (env or {}).items():
         if value is None:
             child.pop(name, None)
@@ -221,7 +226,7 @@ def _start(driver, args: list[str], env: dict | None, stdout, stderr):
         stderr=stderr,
         text=True,
         env=_driver_env(env),
-        cwd=pathlib.Path(__file__).parent,
+        cwd=TESTS,
         start_new_session=True,
     )
 
@@ -273,8 +278,8 @@ def run_driver(
 
 
 def run_tiering(model, *args: str, check: bool = True, env: dict | None = None, timeout: int = 400) -> dict:
-    """One engine of tests/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end; its
-    result: :func:`run_driver`'s."""
+    """One engine of tests/e2e/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end;
+    its result: :func:`run_driver`'s."""
     return run_driver(
         TIERING_DRIVER, ["--model", str(model), *args], TIERING_RESULT, timeout=timeout, check=check, env=env
     )

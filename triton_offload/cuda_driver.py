@@ -51,7 +51,7 @@ class CUmemLocation(ctypes.Structure):
 class CUmemcpyAttributes(ctypes.Structure):
     """cuda.h (unchanged from 12.8 to 13.x): ``CUmemcpySrcAccessOrder srcAccessOrder`` (an enum, 4 bytes) at 0,
     ``CUmemLocation srcLocHint`` ({``CUmemLocationType type``, ``int id``}, 8 bytes) at 4, ``dstLocHint`` at 12,
-    ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned (``tests/test_cuda_driver.py`` checks it against cuda.h
+    ``unsigned int flags`` at 20: 24 bytes, 4-byte aligned (``tests/unit/test_cuda_driver.py`` checks it against cuda.h
     with a C compiler where the header is installed)."""
 
     _fields_ = [

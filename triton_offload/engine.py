@@ -119,7 +119,7 @@ class TransferEngine:
         # under MultiConnector does not, and is refused at startup: connector/preflight.py). Broken, a load would
         # overwrite the block while the store reads it, and the host block would hold a mix of two requests' KV,
         # loaded later as a hit. Guarded here too, cheaply: a load into a block a pending store of this engine reads
-        # waits for that store on the device (_stores_reading, tests/test_engine_lanes.py).
+        # waits for that store on the device (_stores_reading, tests/unit/test_engine_lanes.py).
         self._tracker = JobTracker(kv.device, LANES, name="the transfer engine")
         self._issuers = {lane: self._lane_issuers(lane, dma) for lane in LANES}
         # Per GPU block, the sequence number of the last store that reads it (0: none); the pending stores by number;

@@ -86,7 +86,7 @@ __all__ = [
 
 MACHINE_PART = "machine"  # GPU, driver, PCIe link, NUMA, CPUs, memory (tools/gpu/machine.py)
 TEST_PART = "gpu-tests"  # `pytest -m gpu` but the two benchmark-subprocess tests
-SLOW_TEST_PART = "gpu-tests-slow"  # those two: tests/test_bench_gpu.py and tests/test_bench_serving.py's GPU runs
+SLOW_TEST_PART = "gpu-tests-slow"  # those two: tests/bench/test_bench_gpu.py's and test_bench_serving.py's GPU runs
 SERVING_PART = "serving"  # bench.serving's decisive preset (issue 39); the parts in PARTS run bench.transfer
 SERVING_FULL_PART = "serving-full"  # bench.serving's default run: three workloads x every method, duplex
 SERVING_SHAPE_PART = "serving-shape"  # bench.serving's launch-shape preset: the kernel's two launch shapes

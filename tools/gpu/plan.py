@@ -53,8 +53,8 @@ OK = "ok"
 
 # The two GPU tests that start a benchmark in a subprocess (400-500 s timeouts): `gpu-tests-slow`, not `gpu-tests`.
 SLOW_TESTS = (
-    "tests/test_bench_gpu.py::test_a_small_gpu_run_checks_and_times_every_method",
-    "tests/test_bench_serving.py::test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers",
+    "tests/bench/test_bench_gpu.py::test_a_small_gpu_run_checks_and_times_every_method",
+    "tests/bench/test_bench_serving.py::test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers",
 )
 # The serving stage's configuration: issue 39's decisive preset (ours, kernel and auto, vs vllm033, vllm_native and
 # none; async and sync loads; decode- and prefill-heavy), <= 3 minutes on an H100 by its model.

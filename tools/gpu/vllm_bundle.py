@@ -94,8 +94,8 @@ CONNECTOR_WHEELS = {
     "xgrammar": "0.2.8",
 }
 WHEELS = {**WORKER_WHEELS, **CONNECTOR_WHEELS}
-# What the worker's import chain takes from the GPU image; tests/test_vllm_bundle.py stands these in from the local
-# environment when it imitates that image.
+# What the worker's import chain takes from the GPU image; tests/bench/test_vllm_bundle.py stands these in from the
+# local environment when it imitates that image.
 IMAGE_PROVIDES = ("packaging", "regex", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "psutil")
 # vllm/platforms/cuda.py imports this compiled extension at module level, only to register vLLM's CUDA ops; none of
 # them is on the offloading path but swap_blocks_batch, which vllm_native registers. Without the module, vLLM's CUDA

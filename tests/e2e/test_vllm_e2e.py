@@ -1,0 +1,166 @@
+"""End to end: a real vLLM engine (CPU platform) offloading through TritonOffloadingSpec.
+
+Each configuration runs once, in a subprocess (tests/e2e/vllm_e2e_driver.py), through all its scenarios with one
+``vllm.LLM``; the tests below check its report. Prompts are 200 tokens, so a prompt fully on the host gives 192
+cached tokens (vLLM always recomputes the last prompt token, and offloads whole blocks only). Greedy tokens of
+every repeated prompt must equal those of its first (cold) run: a wrong byte loaded back changes them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from importlib.metadata import entry_points
+
+import pytest
+import vllm_harness
+from vllm_harness import GPU_BLOCK_BYTES, require_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine()]
+
+DRIVER = pathlib.Path(__file__).with_name("vllm_e2e_driver.py")
+
+
+def run_driver(config: str, *extra_args: str) -> dict:
+    return vllm_harness.run_driver(DRIVER, ["--config", config, *extra_args], "E2E_RESULT", timeout=400)
+
+
+def cached(result: dict) -> dict[str, int]:
+    return {p["label"]: p["cached"] for p in result["probes"]}
+
+
+# The host-memory settings (docs/host-memory.md), one family per engine: f1 the defaults but base pages, f2 a node
+# number, reserved 2 MiB pages (where none are free: the documented fallback to THP, with a warning) and pinning by
+# registration only (pinning does nothing without CUDA: parsed and handed to the cache, nothing to pin).
+HOST_MEMORY = {"f1": {"huge_pages": "off"}, "f2": {"numa_node": 0, "huge_pages": "2MiB", "pinning": "register"}}
+
+
+@pytest.fixture(scope="module")
+def f1():
+    """Host block = GPU block (32 tokens), 14 host blocks; the spec found by name through the plugin entry point."""
+    names = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "triton_offload"]
+    assert names, "the vllm.general_plugins entry point is not installed: pip install -e ."
+    return run_driver("f1", "--extra", json.dumps(HOST_MEMORY["f1"]))
+
+
+@pytest.fixture(scope="module")
+def f2():
+    """Host block = 2 GPU blocks (64 tokens); the spec found through spec_module_path."""
+    return run_driver("f2", "--spec-module-path", "triton_offload.connector", "--extra", json.dumps(HOST_MEMORY["f2"]))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """A hybrid model: layer 0 attends within a 64-token sliding window, layer 1 to everything, so vLLM keeps two
+    KV-cache groups overlaid on one allocation; a host region per group, room for 5 rows."""
+    return run_driver("hybrid")
+
+
+def test_every_repeated_prompt_gives_the_cold_tokens(f1, f2, hybrid):
+    for result in (f1, f2, hybrid):
+        mismatched = [p["label"] for p in result["probes"] if not p["match"]]
+        assert not mismatched, f"{result['config']}: greedy tokens differ from the cold run in {mismatched}"
+
+
+def test_cold_runs_hit_nothing(f1, f2):
+    assert [cached(f1)[k] for k in ("a_cold", "b_cold", "c_cold")] == [0, 0, 0]
+    assert cached(f2)["p_cold"] == 0
+
+
+@pytest.mark.parametrize("config", ["f1", "f2"])
+def test_reset_device_cache_then_same_prompt_hits_the_whole_offloaded_prefix(config, request):
+    """Cold run, reset of the device prefix cache, same prompt: everything offloaded comes back from the host."""
+    result = request.getfixturevalue(config)
+    label = {"f1": "a_offload_hit", "f2": "p_offload_hit"}[config]
+    assert cached(result)[label] == 192
+
+
+def test_partial_prefix_hits_exactly_the_shared_whole_host_blocks(f2):
+    """100 shared tokens are 3 GPU blocks but 1 whole host block of 64 tokens: only that one is a hit."""
+    assert cached(f2)["q_shares_100"] == 64
+
+
+def test_load_starting_mid_host_block(f2):
+    """The device prefix cache holds the first GPU block, so the load starts at position 1 of host block 0 (skip 1):
+    32 tokens from the device plus 160 from the host, with the cold run's tokens."""
+    got = cached(f2)
+    assert (got["s_shares_32"], got["p_load_skip_1"]) == (0, 192)
+
+
+def test_connector_reset_empties_the_host_cache(f2):
+    assert cached(f2)["p_after_connector_reset"] == 0
+
+
+def test_eviction_follows_lru_under_a_small_budget(f1):
+    """14 host blocks, three prompts of 6 blocks. c's store evicts a's tail (least recently used); a's re-store
+    evicts b's tail, not a's own head just loaded; b's re-store then evicts c's tail. Every request afterwards
+    recomputes what was evicted and gives the cold tokens (checked above)."""
+    got = cached(f1)
+    assert got["c_after_eviction"] == 192
+    assert (got["a_after_eviction"], got["b_after_a_restored"], got["c_last"]) == (64, 64, 64)
+
+
+def test_counters_and_bytes_reach_vllm_metrics(f1, f2):
+    """Our counters and the bytes the workers report are visible through vLLM's metrics (LLM.get_metrics())."""
+    m1, m2 = f1["metrics"], f2["metrics"]
+    assert m1["vllm:triton_offload_hit_blocks"] == 6 + 6 + 2 + 2 + 2
+    assert m1["vllm:triton_offload_stored_blocks"] == 6 * 3 + 4 * 3
+    assert m1["vllm:triton_offload_evicted_blocks"] == 4 * 4
+    assert m1["vllm:triton_offload_cached_blocks"] == 14
+    assert m1["vllm:kv_offload_load_bytes"] == 18 * GPU_BLOCK_BYTES
+    assert m1["vllm:kv_offload_store_bytes"] == 30 * GPU_BLOCK_BYTES
+    # f2, in GPU blocks: loads 6 + 2 + 5; stores 6 (p) + 4 (q past its shared block) + 6 (s) + 6 (p after reset).
+    assert m2["vllm:kv_offload_load_bytes"] == 13 * GPU_BLOCK_BYTES
+    assert m2["vllm:kv_offload_store_bytes"] == 22 * GPU_BLOCK_BYTES
+    # vLLM's own prefix-cache metrics split the hits: tokens from the host ("external") and from the device.
+    assert (m1["vllm:external_prefix_cache_hits"], m1["vllm:prefix_cache_hits"]) == (192 * 2 + 64 * 3, 0)
+    assert (m2["vllm:external_prefix_cache_hits"], m2["vllm:prefix_cache_hits"]) == (192 + 64 + 160, 32)
+
+
+def test_startup_is_logged_once_per_process(f1):
+    log = f1["log"]
+    assert log.count("triton-offload scheduler: 14 host rows of 1 GPU block(s)") == 1
+    assert log.count("triton-offload worker: host cache") == 1
+    import torch
+
+    assert ("pinned" if torch.cuda.is_available() else "pageable (no CUDA)") in log
+    assert "num_ctas=kernel default" in log
+
+
+def test_host_memory_settings_reach_the_cache_and_its_pages_are_read_back(f1, f2):
+    """Each worker says where its host cache is, read back from numa_maps: f1 (numa_node 'auto' without a GPU: not
+    bound by us; base pages), f2 (bound to node 0, policy bind:0; reserved 2 MiB pages, or where none are free the
+    one-line fallback warning with the counts)."""
+    line = re.compile(r"triton-offload worker: host cache .*")
+    (w1,), (w2,) = line.findall(f1["log"]), line.findall(f2["log"])
+    assert "numa_node = 'auto' without a GPU (cpu): not bound" in w1 and ", base pages;" in w1
+    # The policy shown is whatever applies: vLLM's CPU worker binds its whole process (numa_maps shows the task's
+    # policy for a mapping without its own), which the read-back reports instead of assuming.
+    assert re.search(r"memory: node \d+: [\d.]+ [KMG]iB \(100\.0%\); policy \S+; 4 KiB pages\)", w1), w1
+    assert "numa_node = 0; memory: node 0: " in w2 and "(100.0%); policy bind:0" in w2, w2
+    fallback = re.search(
+        r"huge_pages = '2MiB': \d+ free 2MiB page\(s\) on node 0 \(\d+ reserved\), \d+ needed", f2["log"]
+    )
+    reserved = "2MiB reserved huge pages" in w2 and "2048 KiB pages" in w2
+    assert reserved != bool(fallback), "either the reserved pages were used, or the fallback was announced"
+    if fallback:
+        assert "transparent huge pages advised" in w2 and "falling back to transparent huge pages" in f2["log"]
+
+
+def test_a_hybrid_model_hits_with_the_tokens_computed_without_offload(hybrid):
+    """Sliding-window and full-attention groups: a prompt comes back whole from the host (192 tokens) with the tokens
+    its cold run computed (no offload hit then). Each key moves only its group's layer: 32 KiB per GPU block, half
+    the model's block. The full-attention pool holds 5 keys: q's store evicts p's tail key, and p, its
+    sliding-window key kept only for its whole prompt's end, is then recomputed (vLLM finds no boundary where both
+    groups hit) with the same tokens."""
+    got = cached(hybrid)
+    assert (got["p_cold"], got["p_offload_hit"], got["q_cold"], got["q_offload_hit"]) == (0, 192, 0, 192)
+    assert got["p_after_eviction"] == 0
+    m = hybrid["metrics"]
+    half = GPU_BLOCK_BYTES // 2
+    # Keys: p 3 full-attention + 1 sliding-window, q the same, then p's tail full-attention key again.
+    assert m["vllm:triton_offload_stored_blocks"] == 9 and m["vllm:kv_offload_store_bytes"] == 9 * 2 * half
+    assert m["vllm:triton_offload_hit_blocks"] == 8 and m["vllm:kv_offload_load_bytes"] == 8 * 2 * half
+    assert m["vllm:triton_offload_evicted_blocks"] == 2
+    assert m["vllm:triton_offload_cached_blocks"] == 7, "5 full-attention keys (its pool full) and 2 sliding-window"

@@ -1,0 +1,153 @@
+"""Runs a real vLLM (CPU platform) with TritonOffloadingSpec through scripted scenarios; prints one JSON line.
+
+Used by tests/e2e/test_vllm_e2e.py, one subprocess per configuration (vLLM takes ~15 s to start, so each configuration
+runs all its scenarios in one ``LLM``). Prints ``E2E_RESULT {json}``: per probe, the cached tokens vLLM reports
+(device prefix cache plus offload hits) and whether the greedy tokens equal those of the prompt's cold run.
+
+From the repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_harness):
+
+    python tests/e2e/vllm_e2e_driver.py --config f1    # host block = GPU block, budget of 14 host blocks: eviction
+    python tests/e2e/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
+    python tests/e2e/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, offload_metrics, shutdown, tiny_llm
+
+PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
+
+CONFIGS = {
+    # Host block = GPU block; room for 14 host blocks, fewer than three prompts of 6 blocks each.
+    "f1": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * GPU_BLOCK_BYTES, "eviction_policy": "lru"},
+    # Host block = 2 GPU blocks; a budget given as a string, ample for every prompt here.
+    "f2": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": "16MiB", "num_ctas": 4},
+    # A hybrid model (sliding window + full attention), host block = 2 GPU blocks, a host region per KV-cache group:
+    # room for 5 rows, fewer than the 3 + 3 full-attention keys of two prompts (one row also holds a sliding-window
+    # key): the second prompt's store evicts the first's tail, in its group's pool only.
+    "hybrid": {
+        "block_size": 2 * GPU_BLOCK,
+        "cpu_bytes_to_use": 5 * 4 * GPU_BLOCK_BYTES // 2,
+        "host_regions": "per_group",
+    },
+}
+# The hybrid model's sliding window, in tokens (2 GPU blocks).
+SLIDING_WINDOW = 2 * GPU_BLOCK
+
+
+class Runner:
+    def __init__(self, llm, seed: int):
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.rng = random.Random(seed)
+        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        self.cold: dict[str, list[int]] = {}  # prompt name -> tokens of its first run
+        self.probes: list[dict] = []
+
+    def prompt(self, prefix: list[int] = (), length: int = PROMPT_LEN) -> list[int]:
+        return list(prefix) + [self.rng.randrange(3, 512) for _ in range(length - len(prefix))]
+
+    def run(self, label: str, name: str, ids: list[int]) -> dict:
+        """Generates for one prompt; the first run of a name is its reference, later runs are compared to it."""
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0]
+        tokens = list(out.outputs[0].token_ids)
+        ref = self.cold.setdefault(name, tokens)
+        probe = {"label": label, "prompt": name, "cached": out.num_cached_tokens, "match": tokens == ref}
+        self.probes.append(probe)
+        return probe
+
+    def reset_device(self) -> None:
+        """Empties the GPU (here: CPU) prefix cache only, so what a probe finds cached comes from the host cache."""
+        assert self.llm.reset_prefix_cache(), "reset_prefix_cache failed"
+
+    def probe(self, label: str, name: str, ids: list[int]) -> dict:
+        self.reset_device()
+        return self.run(label, name, ids)
+
+
+def scenario_f1(r: Runner) -> None:
+    a, b, c = r.prompt(), r.prompt(), r.prompt()
+    r.run("a_cold", "a", a)
+    r.probe("a_offload_hit", "a", a)  # all 6 blocks from the host
+    r.run("b_cold", "b", b)
+    r.run("c_cold", "c", c)  # 18 blocks > 14: evicts a's 4 least recently used blocks, its tail
+    r.probe("c_after_eviction", "c", c)  # loads (so uses) all of c
+    # a's 2 head blocks survive; its 4 tail blocks are recomputed and stored again, evicting b's tail (the least
+    # recently used), not a's own head blocks just loaded.
+    r.probe("a_after_eviction", "a", a)
+    r.probe("b_after_a_restored", "b", b)  # b's 2 head blocks; storing its tail again evicts c's tail, now the oldest
+    r.probe("c_last", "c", c)
+
+
+def scenario_f2(r: Runner) -> None:
+    p = r.prompt()
+    r.run("p_cold", "p", p)
+    r.probe("p_offload_hit", "p", p)  # 3 host blocks of 64 tokens
+    r.probe("q_shares_100", "q", r.prompt(p[:100]))  # 1 whole host block shared: 64 tokens, not 96 (3 GPU blocks)
+    r.probe("s_shares_32", "s", r.prompt(p[:GPU_BLOCK]))  # puts p's first GPU block in the device prefix cache
+    r.run("p_load_skip_1", "p", p)  # device holds 1 block: the load starts mid host block (skip 1)
+    assert r.llm.reset_prefix_cache(reset_connector=True), "reset_prefix_cache(reset_connector=True) failed"
+    r.run("p_after_connector_reset", "p", p)  # host cache emptied: computed from scratch
+
+
+def scenario_hybrid(r: Runner) -> None:
+    p, q = r.prompt(), r.prompt()
+    r.run("p_cold", "p", p)
+    r.probe("p_offload_hit", "p", p)  # every group's keys of p from the host: 3 host blocks of 64 tokens
+    r.run("q_cold", "q", q)  # stores q: the full-attention pool holds 5 keys, so p's tail key goes
+    r.probe("q_offload_hit", "q", q)
+    r.probe("p_after_eviction", "p", p)  # p's head survives in the full-attention pool; its tail is recomputed
+
+
+SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    ap.add_argument("--spec-module-path", default=None, help="use spec_module_path instead of the plugin's name")
+    ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    extra = {"spec_name": "TritonOffloadingSpec", **CONFIGS[args.config], **json.loads(args.extra)}
+    if args.spec_module_path:
+        extra["spec_module_path"] = args.spec_module_path
+    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
+        build_tiny_llama(model_dir, sliding_window=SLIDING_WINDOW if args.config == "hybrid" else None)
+        t_model = time.perf_counter()
+        llm = tiny_llm(model_dir, extra)
+        t_llm = time.perf_counter()
+        runner = Runner(llm, seed=1)
+        SCENARIOS[args.config](runner)
+        t_runs = time.perf_counter()
+        metrics = offload_metrics(llm)
+        result = {
+            "config": args.config,
+            "extra_config": extra,
+            "probes": runner.probes,
+            "metrics": metrics,
+            "seconds": {
+                "startup": round(t_llm - t0, 1),
+                "model": round(t_model - t0, 1),
+                "scenarios": round(t_runs - t_llm, 1),
+            },
+        }
+        print("E2E_RESULT " + json.dumps(result), flush=True)
+        shutdown(llm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

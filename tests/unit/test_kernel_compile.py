@@ -1,0 +1,149 @@
+"""The CUDA path compiles for Hopper without a GPU, with the access widths the launcher promises.
+
+Triton lowers to PTX on any machine, so this checks what the interpreter cannot: that the kernel type-checks in
+compiled mode for every launch shape the launcher picks, and that aligned pages get 16-byte loads and stores.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import triton_offload as to
+from triton_offload.kernels import copy_blocks
+from triton_offload.plan import Direction
+
+from kv_factory import host_buffer, make_caches
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+except ImportError as e:  # pragma: no cover - a Triton without the AOT entry points
+    pytest.skip(f"this Triton has no ASTSource/GPUTarget: {e}", allow_module_level=True)
+
+HOPPER = GPUTarget("cuda", 90, 32)
+_SCALARS = copy_blocks._NOT_SPECIALIZED  # the launch's runtime scalars, in signature order
+
+
+CHECK_POINTERS = ("ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr")
+CHECK_SCALARS = ("tab_row", "mark")
+
+
+def compile_ptx(
+    cfg: copy_blocks.LaunchConfig, store: bool, grouped: bool, integrity: bool = False, copy=True, kernel=None
+) -> str:
+    """The kernel lowered to sm_90 PTX; ``kernel``: another version of it (same arguments, without the checks')."""
+    # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
+    fn = JITFunction(kernel or copy_blocks._copy_blocks_kernel, **copy_blocks._JIT_OPTIONS)
+    ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
+    signature = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
+    # The scalars are annotated int64 (one variant for every value), which is what a real launch passes.
+    signature |= {name: "i64" for name in _SCALARS if name not in CHECK_SCALARS}
+    constexprs = {}
+    if integrity:
+        signature |= {name: "*i64" for name in CHECK_POINTERS} | {name: "i64" for name in CHECK_SCALARS}
+    elif kernel is None:  # what a launch without the checks passes: None, which Triton specialises away
+        constexprs |= dict.fromkeys(CHECK_POINTERS + CHECK_SCALARS)
+        signature |= dict.fromkeys(CHECK_POINTERS + CHECK_SCALARS, "constexpr")
+    shape = {"STORE": store, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
+    flags = {"INTEGRITY": integrity, "COPY": copy} if kernel is None else {}
+    constexprs |= shape | flags
+    signature |= {name: "constexpr" for name in (*shape, *flags)}
+    # torch allocations are at least 64-byte aligned: Triton specialises the KV anchor and the host buffer as 16-byte
+    # divisible (not the table and id pointers: _ALIGNMENT_NOT_SPECIALIZED).
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options={"num_warps": cfg.num_warps}
+    )
+    return kernel.asm["ptx"]
+
+
+# (id, layout, page, dtype, expected access width in bytes)
+SHAPES = [
+    ("llama3-8b-64KiB", "block_first", dict(block_size=16, heads=8, head_dim=128), torch.bfloat16, 16),
+    ("small-2KiB", "kv_first", dict(block_size=8, heads=1, head_dim=64), torch.bfloat16, 16),
+    ("mla-72KiB", "mla", dict(block_size=64, latent=576), torch.bfloat16, 16),
+    ("page-20B", "mla", dict(block_size=2, latent=5), torch.float16, 4),
+    ("page-6B", "mla", dict(block_size=1, latent=3), torch.float16, 2),
+    ("canonical-13B", "canonical", dict(page_bytes=13, pad=3), torch.int8, 1),
+]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["1group", "groups"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("layout,page,dtype,width", [pytest.param(*s[1:], id=s[0]) for s in SHAPES])
+def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, width, store, grouped):
+    caches = make_caches(layout, 2, 4, page, dtype)
+    spec = to.KVCacheSpec(caches, layout)
+    host = host_buffer(spec, 2, 1)
+    assert copy_blocks.access_width(spec, host) == width
+    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = copy_blocks.launch_config(spec, width, tuning)
+    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
+    ptx = compile_ptx(cfg, store, grouped)
+    data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
+    data_st = re.findall(r"st\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
+    widest = lambda found: max(int(v or 1) * int(b) // 8 for v, b in found)  # noqa: E731
+    # Stores only move data, so their widest access is the data path's; loads also read the 8-byte ids and table.
+    assert widest(data_st) == width, data_st
+    assert widest(data_ld) == max(width, 8), data_ld
+    if width == 16:
+        assert len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) >= 1
+        # Every data load is 16 bytes: ROWS*CHUNK elements over the program's threads, 4 per access.
+        threads = 32 * cfg.num_warps
+        assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == cfg.rows * cfg.chunk // (4 * threads)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:3]])
+def test_real_pages_split_into_whole_chunks(layout, page, dtype, store):
+    """Every step of a real model's page moves a full chunk: no step runs partly masked (the 72 KiB MLA page once
+    took 3 steps of 32 KiB, the last a quarter full)."""
+    spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
+    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    assert cfg.n_chunks * cfg.chunk * cfg.elem == spec.max_segment_bytes, cfg
+    assert cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
+
+
+def _code_only(ptx: str) -> str:
+    """PTX without its debug information (source lines, file names): what runs."""
+    ptx = ptx.split("\t.section\t.debug", 1)[0]
+    return "\n".join(line for line in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", line))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["1group", "groups"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:3]])
+def test_without_the_integrity_checks_the_kernel_is_the_same_code_as_before_them(layout, page, dtype, store, grouped):
+    """The integrity arguments are None and INTEGRITY False: Triton drops them, and the compiled kernel is the one of
+    the commit before the checks existed (tests/unit/golden_copy_kernel.py), instruction for instruction."""
+    import golden_copy_kernel
+
+    spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
+    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    ours = compile_ptx(cfg, store, grouped)
+    before = compile_ptx(cfg, store, grouped, kernel=golden_copy_kernel._copy_blocks_kernel)
+    assert "atom" not in ours
+    assert _code_only(ours) == _code_only(before)
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["fused", "checksum-only"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:2]])
+def test_with_the_integrity_checks_the_data_path_keeps_its_access_width(layout, page, dtype, store, copy):
+    """The checked kernel still moves 16-byte words, sums with integer atomics, and the checksum-only launch (the
+    copy-engine path's check) writes no data."""
+    spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
+    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    ptx = compile_ptx(cfg, store, False, integrity=True, copy=copy)
+    assert len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) >= 1
+    assert re.search(r"atom\.global(?:\.[a-z_]+)*\.add\.[us]64", ptx)
+    wide_stores = len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx))
+    assert wide_stores == (cfg.rows * cfg.chunk // (4 * 32 * cfg.num_warps) if copy else 0)
