@@ -31,15 +31,24 @@ def say(text: str = "", style: str | None = None) -> None:
 
 
 def print_table(
-    title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], note: str = "", left: int = 2
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    note: str = "",
+    left: int = 2,
+    *,
+    wrap_last: bool = False,
 ) -> None:
     """A table whose first ``left`` columns are left-aligned (labels) and the rest right-aligned (numbers); cells that
-    start with PASS/FAIL/ERROR/n/a are colored under rich."""
+    start with PASS/FAIL/ERROR/n/a are colored under rich. ``wrap_last``: the last column is prose (a method's
+    implementation) and wraps under rich, left-aligned, so that a long sentence never squeezes the labels before it
+    into ellipses."""
     cells = [["" if c is None else str(c) for c in row] + [""] * (len(columns) - len(row)) for row in rows]
     if _console is not None:
         table = Table(title=title, caption=note or None, show_lines=False, header_style="bold")
         for i, col in enumerate(columns):
-            table.add_column(col, justify="left" if i < left else "right", no_wrap=True)
+            prose = wrap_last and i == len(columns) - 1
+            table.add_column(col, justify="left" if i < left or prose else "right", no_wrap=not prose)
         for row in cells:
             table.add_row(*(_styled(c) for c in row))
         _console.print(table)

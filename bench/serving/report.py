@@ -288,6 +288,7 @@ def print_rows(rows: list[dict], timed: bool) -> None:
             [[r["workload"], r["shape"], r["load_mode"], _label(r), r["byte_check"], _fmt(r["jobs_checked"], "d"),
               r["byte_check_note"] or r["impl"] or ""] for r in rows],
             left=6,
+            wrap_last=True,
         )  # fmt: skip
         return
     table = []

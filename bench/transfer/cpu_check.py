@@ -54,7 +54,7 @@ def run_cpu(args) -> tuple[dict, int]:
         note="n/a*: needs CUDA (cudaMemcpyAsync / cuMemcpyBatchAsync); its copy plan (src, dst, size per copy) "
         "was replayed with memmove on CPU and moved the right bytes.",
     )
-    print_table("Methods (on this machine)", ["method", "implementation"], run.method_impls())
+    print_table("Methods (on this machine)", ["method", "implementation"], run.method_impls(), wrap_last=True)
     counts = Counter(r["status"] for r in run.rows)
     say(
         f"{counts['pass']} passed, {counts['FAIL'] + counts['ERROR']} failed, {counts['n/a']} not applicable on CPU. "

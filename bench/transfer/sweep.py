@@ -100,7 +100,7 @@ def run_gpu(args, checkpoint: Callable[[dict], None]) -> tuple[dict, int]:
     fill_relative(run.rows)
     print_results(run.rows, sweep)
     methods = run.method_impls() + [(m, f"skipped: {why}") for m, why in run.skipped.items()]
-    print_table("Methods", ["method", "implementation"], methods)
+    print_table("Methods", ["method", "implementation"], methods, wrap_last=True)
     print_extras(overhead, inter, f"{EXTRAS_BLOCKS} blocks x 80 layers ({EXTRAS_WORKLOAD}, {EXTRAS_LAYOUT})")
     targets = evaluate_targets(run.rows, overhead, inter)
     print_targets(targets)
