@@ -146,8 +146,11 @@ def run(tiny_model, tmp_path_factory):
             while not marker.exists() and time.monotonic() < deadline and not killed.get("give_up"):
                 time.sleep(0.02)
             if marker.exists():
-                a3.stop()  # SIGKILL to A3's whole process group
+                # The time before the kill: the signal leaves after it, so a request still waiting on A3 ends after it.
+                # (Taken after stop() returned, once in a CI run it was 1.4 ms past the end of a request that had
+                # already noticed A3 was gone and computed its prompt.)
                 killed.update(at=time.monotonic(), kv_request_id=marker.read_text())
+                a3.stop()  # SIGKILL to A3's whole process group
 
         killer = threading.Thread(target=kill_a3_when_it_stalls, daemon=True)
         killer.start()
