@@ -93,13 +93,10 @@ def calibration_transfers(num_groups: int, blocks_per_host_block: int, n_max: in
             yield n, contiguous, g, h, (None if num_groups == 1 else sizes)
 
 
-def path_issuers(
-    launcher: CopyLauncher, num_ctas: int | None = None, dma: bool = True, launch_shape: str = "fixed"
-) -> IssuersFor:
+def path_issuers(launcher: CopyLauncher, num_ctas: int | None = None, dma: bool = True) -> IssuersFor:
     """The engine's two paths over a canary: the kernel with ``launcher``'s launch shapes and, where it has them,
-    its proven direct launches (as live calls launch), with the engine's programs (``num_ctas`` under
-    ``launch_shape``, chosen by the real caches' page runs), and with ``dma`` the copy engines."""
-    ctas = launcher.ctas(num_ctas, launch_shape)
+    its proven direct launches (as live calls launch), with the programs the engine's launches pass (``num_ctas``,
+    already resolved under its launch shape from the real caches' page runs), and with ``dma`` the copy engines."""
 
     def issuers_for(canary: KVCacheSpec, host: torch.Tensor, stream: torch.cuda.Stream) -> dict[str, Issuer]:
         checksums = None
@@ -111,7 +108,7 @@ def path_issuers(
             kernel.set_direct(d, launcher.direct(d))
             if launcher.integrity:
                 kernel.set_direct(d, launcher.direct(d, copy=False), copy=False)
-        kernel_issuer = KernelIssuer(kernel, IdStager(canary.device, stream), ctas)
+        kernel_issuer = KernelIssuer(kernel, IdStager(canary.device, stream), num_ctas)
         out: dict[str, Issuer] = {KERNEL: kernel_issuer}
         if dma:
             checker = kernel_issuer if launcher.integrity else None

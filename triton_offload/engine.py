@@ -139,10 +139,13 @@ class TransferEngine:
         synchronously, rather than by the first job on whichever side stream it runs: the other stream would read
         them unordered."""
         launcher = CopyLauncher(self.kv, self.host_buffer, self.blocks_per_host_block, checksums=self.checksums)
+        # The programs every kernel launch of this engine passes (num_ctas under the launch shape), resolved once for
+        # the live issuers, the direct launches and the calibration alike.
+        self._kernel_ctas = launcher.ctas(self.num_ctas, self.launch_shape)
         if fast_launch is None:
             fast_launch = fast_launch_default()
         if fast_launch:
-            self.launch_paths = enable_fast_launch(launcher, launcher.ctas(self.num_ctas, self.launch_shape))
+            self.launch_paths = enable_fast_launch(launcher, self._kernel_ctas)
         else:
             self.launch_paths = {d: "turned off" for d in launcher.directions}
         logger.info(
@@ -170,7 +173,7 @@ class TransferEngine:
                     "transfer path 'auto' calibrates both paths on the GPU: on CPU choose 'kernel' or 'dma', or pass "
                     "a calibration"
                 )
-            issuers_for = path_issuers(self._launcher, self.num_ctas, dma is not None, self.launch_shape)
+            issuers_for = path_issuers(self._launcher, self._kernel_ctas, dma=dma is not None)
             note = None if dma is not None else self._no_dma
             calibration = calibrate(self.kv, self.blocks_per_host_block, issuers_for, note)
         logger.info(
@@ -186,7 +189,7 @@ class TransferEngine:
         that stream's order, after the queued copy."""
         stager = IdStager(self.kv.device, self._tracker.streams[lane]) if self.cuda else None
         issuers: dict[str, Issuer] = {}
-        kernel = KernelIssuer(self._launcher, stager, self.num_ctas, self.launch_shape)
+        kernel = KernelIssuer(self._launcher, stager, self._kernel_ctas)
         if self.path != DMA:
             issuers[KERNEL] = kernel
         if dma is not None:
