@@ -45,6 +45,8 @@ __all__ = [
     "SHAPE_GAIN_POINTS",
     "SHAPE_LOSS_POINTS",
     "SHAPE_PAGE_BYTES",
+    "SHAPE_SHORT_OF",
+    "compare_shapes",
 ]
 
 # How a row's impl starts when its baseline issued its copies from a Python loop (bench/baselines/copy_loop.py):
@@ -65,8 +67,9 @@ INTEGRITY_MAX_COST_PCT = 2.0
 INTEGRITY_MIN_PAGE_BYTES = 8192
 INTEGRITY_MAX_HOST_US = 1.0
 # The size-aware launch shape's decision (issue 38, section 3; reported, not asserted): it must gain this many points
-# of the peak where the fixed shape falls short at these pages or smaller, and lose at most this many anywhere.
-SHAPE_GAIN_POINTS, SHAPE_LOSS_POINTS, SHAPE_PAGE_BYTES = 5.0, 2.0, 8192
+# of the peak where the fixed shape falls short (below SHAPE_SHORT_OF of the peak) at these pages or smaller, and lose
+# at most this many anywhere.
+SHAPE_GAIN_POINTS, SHAPE_LOSS_POINTS, SHAPE_PAGE_BYTES, SHAPE_SHORT_OF = 5.0, 2.0, 8192, 0.9
 
 ROW_KEYS = (
     "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",
@@ -115,6 +118,17 @@ def fill_relative(rows: list[dict]) -> None:
                 base = case_rows.get((name, None))
                 if base and base["median_ms"]:
                     r[f"speedup_vs_{name}"] = round(base["median_ms"] / r["median_ms"], 3)
+
+
+def compare_shapes(fixed: dict | None, sized: dict | None, page_bytes: int) -> tuple[float, bool] | None:
+    """One case's size-aware launch shape against the fixed one (rows of the same run): its gain in points of the
+    peak, and whether the gain target reads the case (pages <= SHAPE_PAGE_BYTES where the fixed shape is below
+    SHAPE_SHORT_OF of the peak); None where either row lacks a fraction of the peak. Every case counts for the loss
+    target."""
+    a, b = (r and r.get("fraction_of_peak") for r in (fixed, sized))
+    if not a or not b:
+        return None
+    return 100 * (b - a), page_bytes <= SHAPE_PAGE_BYTES and a < SHAPE_SHORT_OF
 
 
 def integrity_pairs(rows: list[dict], default_ctas: int) -> list[dict]:

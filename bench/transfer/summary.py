@@ -16,7 +16,9 @@ from bench.common.results import (
     SHAPE_GAIN_POINTS,
     SHAPE_LOSS_POINTS,
     SHAPE_PAGE_BYTES,
+    SHAPE_SHORT_OF,
     by_case,
+    compare_shapes,
     integrity_pairs,
     target_result,
 )
@@ -109,8 +111,8 @@ def print_results(rows: list[dict], sweep: list[int]) -> None:
             [*prefix_cols, f"fixed@{DEFAULT_NUM_CTAS}", "size-aware", "gain (points)", "programs"],
             shape_rows,
             note="size-aware: programs from the caches' page runs (kernels/copy_blocks.py, SIZE_AWARE_PROGRAMS). It "
-            "becomes the default only if it gains >= 5 points where the fixed shape is below 90% without losing "
-            "elsewhere or raising the serving benchmark's step slowdown.",
+            f"becomes the default only if it gains >= {SHAPE_GAIN_POINTS:g} points where the fixed shape is below "
+            f"{SHAPE_SHORT_OF:.0%} without losing elsewhere or raising the serving benchmark's step slowdown.",
         )
     print_integrity(rows)
 
@@ -177,11 +179,10 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         sized = by.get(("triton_size_aware", None))
         if n in (128, 1024) and page >= 2048 and tri and tri["fraction_of_peak"]:
             frac_default.append((tri["fraction_of_peak"], where))
-        if tri and sized and tri["fraction_of_peak"] and sized["fraction_of_peak"]:
-            gain = 100 * (sized["fraction_of_peak"] - tri["fraction_of_peak"])
-            shape_any.append((gain, where))
-            if page <= SHAPE_PAGE_BYTES and tri["fraction_of_peak"] < 0.9:
-                shape_gain.append((gain, where))
+        if shape := compare_shapes(tri, sized, page):
+            shape_any.append((shape[0], where))
+            if shape[1]:
+                shape_gain.append((shape[0], where))
         best_of = [r["median_ms"] for r in (tri, by.get(("memcpy_batch", None))) if r and r["median_ms"]]
         mine = by.get(("auto", None))
         if best_of and mine and mine["median_ms"]:
@@ -204,7 +205,8 @@ def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None
         lambda v: v >= 0.9,
     )
     add(
-        f"size-aware shape gains >= {SHAPE_GAIN_POINTS:g} points where triton@{DEFAULT_NUM_CTAS} is below 90% of peak, "
+        f"size-aware shape gains >= {SHAPE_GAIN_POINTS:g} points where triton@{DEFAULT_NUM_CTAS} is below "
+        f"{SHAPE_SHORT_OF:.0%} of peak, "
         f"pages <= {SHAPE_PAGE_BYTES // 1024} KiB",
         shape_gain,
         lambda v: v >= SHAPE_GAIN_POINTS,

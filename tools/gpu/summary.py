@@ -21,7 +21,9 @@ from bench.common.results import (
     SHAPE_GAIN_POINTS,
     SHAPE_LOSS_POINTS,
     SHAPE_PAGE_BYTES,
+    SHAPE_SHORT_OF,
     by_case,
+    compare_shapes,
     integrity_pairs,
     target_result,
 )
@@ -233,11 +235,10 @@ def _transfer_targets(stages: list[dict]) -> list[dict]:
             if kernel and kernel.get("fraction_of_peak") is not None and page >= 2048 and n in (128, 1024):
                 frac.append((kernel["fraction_of_peak"], where))
             sized = timed.get(("triton_size_aware", None))
-            if kernel and sized and kernel.get("fraction_of_peak") and sized.get("fraction_of_peak"):
-                gain = 100 * (sized["fraction_of_peak"] - kernel["fraction_of_peak"])
-                shape_any.append((gain, where))
-                if page <= SHAPE_PAGE_BYTES and kernel["fraction_of_peak"] < PEAK_FRACTION:
-                    shape_gain.append((gain, where))
+            if shape := compare_shapes(kernel, sized, page):
+                shape_any.append((shape[0], where))
+                if shape[1]:
+                    shape_gain.append((shape[0], where))
             dma_name = "dma" if ("dma", None) in by else "memcpy_batch"
             paths = [r["median_ms"] for r in (kernel, timed.get((dma_name, None))) if r]
             if mine and len(paths) == 2:
@@ -259,7 +260,7 @@ def _transfer_targets(stages: list[dict]) -> list[dict]:
         # Issue 38, section 3: the size-aware launch shape becomes the default only if both hold (and the serving
         # stages show no higher step slowdown).
         _entry(target_result(f"size-aware launch shape gains >= {SHAPE_GAIN_POINTS:g} points of peak where the default "
-                             f"is below {PEAK_FRACTION:.2f}, pages <= {SHAPE_PAGE_BYTES // 1024} KiB", shape_gain,
+                             f"is below {SHAPE_SHORT_OF:.2f}, pages <= {SHAPE_PAGE_BYTES // 1024} KiB", shape_gain,
                              lambda v: v >= SHAPE_GAIN_POINTS), names),
         _entry(target_result(f"launch shape: size-aware loses <= {SHAPE_LOSS_POINTS:g} points of peak in any case",
                              shape_any, lambda v: v >= -SHAPE_LOSS_POINTS), names),
