@@ -287,17 +287,13 @@ def _host_memory_s() -> float:
     """bench.micro.host_cache with HOST_MEMORY_ARGS: per size, placement and page size a first touch and a
     registration per thread count (pinning-bound, counted at PIN_BPS each), then the near/far copies (4 GiB pinned
     per node, repeats + 1 each way)."""
-    from tools.gpu.plan import HOST_MEMORY_ARGS  # stdlib only
+    from tools.gpu.plan import HOST_MEMORY_OPTIONS as values  # stdlib only
 
-    def values(flag: str) -> list[str]:
-        rest = list(HOST_MEMORY_ARGS[HOST_MEMORY_ARGS.index(flag) + 1 :])
-        return rest[: next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
-
-    sizes = sum(float(v) for v in values("--sizes-gib")) * 2**30
-    combos = len(values("--placements")) * len(values("--huge-pages"))
-    setup = combos * sizes * (1 / HOST_MEMSET_BPS + len(values("--threads")) / PIN_BPS)
-    gib = float(values("--transfer-gib")[0]) * 2**30
-    near_far = 2 * (gib / PIN_BPS + 2 * (int(values("--repeats")[0]) + 1) * gib / LINK_BPS)
+    sizes = sum(float(v) for v in values["--sizes-gib"]) * 2**30
+    combos = len(values["--placements"]) * len(values["--huge-pages"])
+    setup = combos * sizes * (1 / HOST_MEMSET_BPS + len(values["--threads"]) / PIN_BPS)
+    gib = float(values["--transfer-gib"][0]) * 2**30
+    near_far = 2 * (gib / PIN_BPS + 2 * (int(values["--repeats"][0]) + 1) * gib / LINK_BPS)
     return setup + near_far
 
 

@@ -66,8 +66,9 @@ SERVING_STAGE = (*SERVING_DECISIVE, "--integrity")
 CALL_COST_STAGE = ("--integrity",)
 # The host-memory stage (issue 42): 8 and 32 GiB, the GPU's node and unbound, transparent huge pages (reserved 2 MiB
 # pages are rarely set aside on a lent machine; the benchmark falls back and says so), 1 and 8 registration threads.
-HOST_MEMORY_ARGS = ("--sizes-gib", "8", "32", "--threads", "1", "8", "--placements", "auto", "off", "--huge-pages",
-                    "thp", "--transfer-gib", "4", "--repeats", "5")  # fmt: skip
+HOST_MEMORY_OPTIONS = {"--sizes-gib": ("8", "32"), "--threads": ("1", "8"), "--placements": ("auto", "off"),
+                       "--huge-pages": ("thp",), "--transfer-gib": ("4",), "--repeats": ("5",)}  # fmt: skip
+HOST_MEMORY_ARGS = tuple(a for flag, values in HOST_MEMORY_OPTIONS.items() for a in (flag, *values))
 # Per-test limits under pytest-timeout (a hung test fails alone; the stage's own timeout bounds the rest).
 TEST_TIMEOUT_S = 120
 SLOW_TEST_TIMEOUT_S = 480
