@@ -12,8 +12,10 @@ from bench.common import report
 pytestmark = pytest.mark.skipif(not report.RICH, reason="rich is in the bench extra")
 
 LABELS = ["decode-heavy", "2KiB", "async", "triton_size_aware", "pass"]
-PROSE = ("the same kernel with launch_shape='size-aware': programs chosen from the caches' page runs (16 below 4 KiB, "
-         "8 below 8 KiB, else the default 4; never above num_ctas); the probe of whether it should become the default")  # fmt: skip
+PROSE = (
+    "the same kernel with launch_shape='size-aware': programs chosen from the caches' page runs (16 below 4 KiB, "
+    "8 below 8 KiB, else the default 4; never above num_ctas); the probe of whether it should become the default"
+)
 
 
 def _printed(monkeypatch, **kwargs) -> str:
