@@ -224,8 +224,14 @@ def test_memory_on_a_gpu_counts_the_budget_only():
 
 def _as_nobody(imports: str, body: str) -> subprocess.CompletedProcess:
     """Runs ``imports``, then drops the effective ids to nobody (65534), as the service user vLLM runs as would be,
-    then runs ``body``, in a fresh interpreter (needs root to switch)."""
-    script = textwrap.dedent(imports) + "import os\nos.setegid(65534)\nos.seteuid(65534)\n" + textwrap.dedent(body)
+    then runs ``body``, in a fresh interpreter (needs root to switch).
+
+    ``body`` runs once as root first, its output discarded, so that every module it imports lazily (vLLM's eviction
+    policy, its tier classes) is loaded as a service user would load them from an installation it can read: this
+    checkout may sit below a directory nobody cannot search (mktemp's 0700)."""
+    body = textwrap.dedent(body)
+    warm = "import contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()):\n" + textwrap.indent(body, "    ")
+    script = textwrap.dedent(imports) + warm + "import os\nos.setegid(65534)\nos.seteuid(65534)\n" + body
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
 
 
