@@ -239,6 +239,20 @@ def kill_group(proc) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def print_result(marker: str, result: dict) -> None:
+    """A driver's result line, ``marker`` and the JSON, written to stdout in one write with its newline. print()
+    writes a line over its buffer's size (8 KiB) straight away but keeps the newline for later: a vLLM worker process
+    sharing the pipe once wrote its log line in between (a fault run's result ended in "...}(Worker pid=...) INFO"),
+    and :func:`parse_result` could not read it."""
+    import json
+    import sys
+
+    sys.stdout.flush()
+    line = f"{marker} {json.dumps(result)}\n".encode()
+    while line:
+        line = line[os.write(sys.stdout.fileno(), line) :]
+
+
 def parse_result(log: str, marker: str) -> dict | None:
     """The JSON a driver printed after its last ``marker`` line, or None."""
     import json

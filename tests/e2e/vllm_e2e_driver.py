@@ -21,7 +21,15 @@ import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, offload_metrics, shutdown, tiny_llm
+from vllm_harness import (
+    GPU_BLOCK,
+    GPU_BLOCK_BYTES,
+    build_tiny_llama,
+    offload_metrics,
+    print_result,
+    shutdown,
+    tiny_llm,
+)
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 
@@ -144,7 +152,7 @@ def main(argv=None) -> int:
                 "scenarios": round(t_runs - t_llm, 1),
             },
         }
-        print("E2E_RESULT " + json.dumps(result), flush=True)
+        print_result("E2E_RESULT", result)
         shutdown(llm)
     return 0
 

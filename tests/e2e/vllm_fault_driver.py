@@ -19,13 +19,12 @@ From the repository root, with tests/ on PYTHONPATH (the drivers import the shar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import tempfile
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, shutdown, tiny_llm
+from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, print_result, shutdown, tiny_llm
 
 SCENARIOS = {
     "no-room": {"cpu_bytes_to_use": 4 * GPU_BLOCK_BYTES, "fault": None},
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
                 run(llm, params, probes, "after", p_short)
         except Exception as e:  # the engine stopped: report it, as the test expects for injected faults
             raised = f"{type(e).__name__}: {e}"
-        print("FAULT_RESULT " + json.dumps({"scenario": args.scenario, "probes": probes, "raised": raised}), flush=True)
+        print_result("FAULT_RESULT", {"scenario": args.scenario, "probes": probes, "raised": raised})
         if raised is None:
             shutdown(llm)
     return 0

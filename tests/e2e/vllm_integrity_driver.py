@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, offload_metrics, shutdown, tiny_llm
+from vllm_harness import GPU_BLOCK, offload_metrics, print_result, shutdown, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 RESULT = "INTEGRITY_RESULT"
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         "metrics": offload_metrics(llm),
         "seconds": {"startup": round(t_start - t0, 1), "rounds": round(time.perf_counter() - t_start, 1)},
     }
-    print(f"{RESULT} " + json.dumps(result), flush=True)
+    print_result(RESULT, result)
     shutdown(llm)
     shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -17,14 +17,21 @@ From the repository root, with tests/ on PYTHONPATH (the drivers import the shar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, GPU_BLOCK_BYTES, build_tiny_llama, offload_metrics, shutdown, tiny_llm
+from vllm_harness import (
+    GPU_BLOCK,
+    GPU_BLOCK_BYTES,
+    build_tiny_llama,
+    offload_metrics,
+    print_result,
+    shutdown,
+    tiny_llm,
+)
 
 # A dozen shared prefixes, whole blocks and not, 1 to 12 blocks long.
 PREFIX_LENS = (32, 40, 64, 90, 128, 150, 192, 210, 256, 300, 352, 384)
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
             "passes": passes,
             "seconds": {"startup": round(t_llm - t0, 1), "total": round(time.perf_counter() - t0, 1)},
         }
-        print("STRESS_RESULT " + json.dumps(result), flush=True)
+        print_result("STRESS_RESULT", result)
         # Shut the engine down here, so the scheduler logs its final counters before this process exits.
         shutdown(llm)
     return 0

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-from vllm_harness import GPU_BLOCK, TIERING_RESULT, shm_files, tiny_llm
+from vllm_harness import GPU_BLOCK, TIERING_RESULT, print_result, shm_files, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 SPECS = {
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     }
     if args.scramble_region:
         result["scrambled_rows"] = scramble_region(llm)
-    print(f"{TIERING_RESULT} " + json.dumps(result), flush=True)
+    print_result(TIERING_RESULT, result)
     if args.serve_until:
         # Serving peers (a p2p producer): the tiers answer them once per engine step. vLLM's multiprocess engine core
         # steps back to back for as long as a p2p tier lives, and its worker spins on the step queue, about two cores
