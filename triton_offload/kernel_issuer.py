@@ -354,8 +354,7 @@ class KernelIssuer:
         self.launcher, self.stager = launcher, stager
         self.launch_shape = check_launch_shape(launch_shape)
         # Fixed per spec, so chosen once: a launch pays nothing for the shape.
-        fixed = self.launch_shape == "fixed"
-        self.num_ctas = num_ctas if fixed else launcher.ctas(num_ctas, self.launch_shape)
+        self.num_ctas = launcher.ctas(num_ctas, self.launch_shape)
 
     def descriptors(self, plan: TransferPlan) -> int:
         """None: one launch, whatever the blocks."""

@@ -40,6 +40,9 @@ class RecordingLauncher:
     def __init__(self):
         self.launched = []
 
+    def ctas(self, num_ctas, shape):
+        return num_ctas
+
     def launch(self, plan, ids, num_ctas=None):
         self.launched.append(ids.tolist())
 
