@@ -10,6 +10,22 @@ from vllm.v1.kv_offload import config as vcfg
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
 
+def worker_role_missing() -> str | None:
+    """Why this vLLM cannot run the worker-role tests, or None: they need 0.33's KV cache layouts
+    (``create_kv_cache_views``) and its connector worker role (sync loads). A test module skips with the reason, so
+    that the skip names the module."""
+    import pytest
+
+    kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    if not hasattr(kv_iface, "create_kv_cache_views"):
+        return "needs vLLM 0.33's KV cache layouts (create_kv_cache_views)"
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
+
+    if "sync" not in {f.name for f in dataclasses.fields(TransferJob)}:
+        return "needs vLLM 0.33's connector worker role (sync loads)"
+    return None
+
+
 def key(i: int, group: int = 0) -> bytes:
     """vLLM's ``OffloadKey`` for block ``i`` of KV-cache group ``group``."""
     return make_offload_key(i.to_bytes(4, "big") * 8, group)

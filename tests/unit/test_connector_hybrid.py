@@ -19,22 +19,18 @@ import pytest
 import torch
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
-kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
-if not hasattr(kv_iface, "create_kv_cache_views"):
-    pytest.skip("needs vLLM 0.33's KV cache layouts (create_kv_cache_views)", allow_module_level=True)
+from vllm_configs import ctx, key, worker_role_missing  # noqa: E402
 
+if reason := worker_role_missing():
+    pytest.skip(reason, allow_module_level=True)
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
     OffloadingConnectorMetadata,
     TransferJob,
 )
-
-if "sync" not in {f.name for f in dataclasses.fields(TransferJob)}:
-    pytest.skip("needs vLLM 0.33's connector worker role (sync loads)", allow_module_level=True)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_configs import ctx, key  # noqa: E402
 from vllm_hybrid import Case, HybridKV, full, mamba, sliding, vllm_config  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402

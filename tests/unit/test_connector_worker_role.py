@@ -11,25 +11,21 @@ the interpreter) and, with -m gpu, on CUDA.
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
-kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
-if not hasattr(kv_iface, "create_kv_cache_views"):
-    pytest.skip("needs vLLM 0.33's KV cache layouts (create_kv_cache_views)", allow_module_level=True)
+from vllm_configs import ctx, key, offloading_config, worker_role_missing  # noqa: E402
 
+if reason := worker_role_missing():
+    pytest.skip(reason, allow_module_level=True)
 from vllm.config import ParallelConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
     OffloadingConnectorMetadata,
     TransferJob,
 )
-
-if "sync" not in {f.name for f in dataclasses.fields(TransferJob)}:
-    pytest.skip("needs vLLM 0.33's connector worker role (sync loads)", allow_module_level=True)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -43,7 +39,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_configs import ctx, key, offloading_config  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
 
