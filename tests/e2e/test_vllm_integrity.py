@@ -229,35 +229,22 @@ def p2p(tiny_model, tmp_path_factory):
     TCP transport on loopback: docs/tiering.md's recipe). Both run the checks (integrity = "verify") and vLLM's
     in-process engine (tests/e2e/test_vllm_p2p_e2e.py says why)."""
     pytest.importorskip("nixl._api", reason="the p2p tier needs NIXL")
-    from test_vllm_p2p_e2e import IN_PROCESS, UCX_ENV, fetch, tier
+    from test_vllm_p2p_e2e import IN_PROCESS, UCX_ENV, fetch, start, tier
 
     tmp = tmp_path_factory.mktemp("p2p")
-    env = {**UCX_ENV, **IN_PROCESS}
-    common = ["--model", str(tiny_model), "--block-size", str(GPU_BLOCK), "--extra", '{"integrity": "verify"}']
-    common += ["--connector", "TritonOffloadingConnector"]
-    engines = []
+    env = {**UCX_ENV, **IN_PROCESS}  # the consumers'; start() adds UCX_ENV to the producer's
+    checked = ["--extra", '{"integrity": "verify"}', "--connector", "TritonOffloadingConnector"]
+    # start() tries another port where the one it was handed is taken before the producer binds it.
+    producer, a, port = start("A", tiny_model, GPU_BLOCK, [{"prompt": 1}], tmp, serve=True, env=IN_PROCESS,
+                              extra=[*checked, "--policy", "recompute", "--scramble-region"])  # fmt: skip
     try:
-        for attempt in range(3):
-            port = vllm_harness.free_port()
-            args = [*common, "--policy", "recompute", "--tiers", json.dumps(tier(port)), "--requests",
-                    '[{"prompt": 1}]', "--scramble-region"]  # fmt: skip
-            args += ["--serve-until", str(tmp / "A.stop")]
-            producer = vllm_harness.Background(vllm_harness.TIERING_DRIVER, args, tmp / f"A{attempt}.log", env=env)
-            engines.append(producer)
-            try:
-                a = producer.result(vllm_harness.TIERING_RESULT, 300)
-                break
-            except AssertionError:
-                producer.stop()
-                if "Address already in use" not in producer.log() or attempt == 2:
-                    raise
         consumers = {}
         for name, policy in (("B", "recompute"), ("C", "fail")):
             for attempt in range(FETCH_ATTEMPTS):  # each a fresh engine: an empty CPU tier
                 own = vllm_harness.free_port()
-                args = [*common, "--policy", policy, "--tiers", json.dumps(tier(own)), "--requests",
-                        json.dumps([fetch(1, f"{name.lower()}-{attempt}", port)])]  # fmt: skip
-                consumers[name] = vllm_harness.run_tiering(tiny_model, *args[2:], env=env, timeout=300)
+                args = ["--block-size", str(GPU_BLOCK), *checked, "--policy", policy, "--tiers", json.dumps(tier(own)),
+                        "--requests", json.dumps([fetch(1, f"{name.lower()}-{attempt}", port)])]  # fmt: skip
+                consumers[name] = vllm_harness.run_tiering(tiny_model, *args, env=env, timeout=300)
                 (tmp / f"{name}{attempt}.log").write_text(consumers[name]["log"])  # kept for a failure
                 if consumers[name]["metrics"].get(P2P_READ, 0) > 0:
                     break
@@ -269,8 +256,7 @@ def p2p(tiny_model, tmp_path_factory):
         assert producer.wait(120) == 0
         yield {"A": {**a, "log": producer.log()}, **consumers}
     finally:
-        for engine in engines:
-            engine.stop()
+        producer.stop()
 
 
 def test_a_p2p_peers_corrupted_bytes_are_recomputed(p2p):

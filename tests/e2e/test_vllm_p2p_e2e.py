@@ -31,6 +31,7 @@ import json
 import pathlib
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 from doc_recipes import recipe_env, recipe_json
@@ -88,8 +89,10 @@ def start(
     serve: bool,
     env: dict,
     stalls: bool = False,
+    extra: Sequence[str] = (),
 ) -> tuple[Background, dict, int]:
-    """Starts an engine with a p2p tier on a fresh port and waits for its result; returns it with the port.
+    """Starts an engine with a p2p tier on a fresh port (the driver's other arguments: ``extra``) and waits for its
+    result; returns it with the port.
 
     A port the kernel handed out can be taken by someone else before the engine binds it: then the engine fails to
     start ("Address already in use") and another port is tried.
@@ -104,7 +107,7 @@ def start(
             "--tiers",
             json.dumps(tier(port, stalls=stalls)),
         ]
-        args += ["--requests", json.dumps(requests)]
+        args += ["--requests", json.dumps(requests), *extra]
         if serve:
             args += ["--serve-until", str(tmp / f"{name}.stop")]
         engine = Background(TIERING_DRIVER, args, tmp / f"{name}-{attempt}.log", env={**UCX_ENV, **env})
