@@ -38,11 +38,18 @@ def corrupt_host(worker, host_spec) -> None:
             f.write(json.dumps({"host_block": host_id, "byte": byte, "bit": order.get("bit", 0)}) + "\n")
 
 
-class CorruptingWorker(TritonOffloadingWorker):
+class CorruptsLoads:
+    """Put before either of our workers: carries out a pending order (:func:`corrupt_host`) before it submits a
+    load."""
+
     def _submit(self, job_id, gpu, host, store, **kwargs):  # kwargs: the worker's own (expedited)
         if not store:
             corrupt_host(self, host)
         return super()._submit(job_id, gpu, host, store, **kwargs)
+
+
+class CorruptingWorker(CorruptsLoads, TritonOffloadingWorker):
+    pass
 
 
 class CorruptingSpec(TritonOffloadingSpec):
@@ -51,11 +58,8 @@ class CorruptingSpec(TritonOffloadingSpec):
         return CorruptingWorker
 
 
-class CorruptingTieringWorker(TritonTieringWorker):
-    def _submit(self, job_id, gpu, host, store, **kwargs):  # kwargs: the worker's own (expedited)
-        if not store:
-            corrupt_host(self, host)
-        return super()._submit(job_id, gpu, host, store, **kwargs)
+class CorruptingTieringWorker(CorruptsLoads, TritonTieringWorker):
+    pass
 
 
 class CorruptingTieringSpec(TritonTieringOffloadingSpec):
