@@ -305,7 +305,8 @@ class Background:
     caller once done with it (in a ``finally``).
 
     Args:
-        driver: the script; args, env: as for :func:`run_driver`.
+        driver: the script (one that calls :func:`dump_stacks_on_request`, for :meth:`state`); args, env: as for
+            :func:`run_driver`.
         log_path: where its stdout and stderr go (a file, not a pipe: nobody reads it while it runs).
     """
 
@@ -336,6 +337,23 @@ class Background:
                 raise AssertionError(f"{self.name}: no {marker} within {timeout} s:\n{self.log()[-6000:]}")
             time.sleep(0.2)
 
+    def state(self, wait_s: float = 5.0) -> str:
+        """What the driver is doing, for the message of a test that found it unresponsive: its exit status and the end
+        of its log if it exited, else every thread's Python stack as it is now (the driver called
+        :func:`dump_stacks_on_request`), read back from its log."""
+        if self.proc.poll() is not None:
+            return f"exited (rc={self.proc.returncode}); its log ends:\n{self.log()[-3000:]}"
+        start = len(self.log())
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        deadline, seen = time.monotonic() + wait_s, ""
+        while time.monotonic() < deadline:  # until the dump has begun and stopped growing
+            time.sleep(0.2)
+            now = self.log()[start:]
+            if "most recent call first" in now and now == seen:
+                break
+            seen = now
+        return f"running (pid {self.proc.pid}); its threads now:\n{seen[-6000:]}"
+
     def wait(self, timeout: float) -> int:
         """The exit status; past ``timeout`` seconds the group is killed and the test fails."""
         import subprocess
@@ -349,6 +367,14 @@ class Background:
     def stop(self) -> None:
         kill_group(self.proc)
         self.proc.wait()
+
+
+def dump_stacks_on_request() -> None:
+    """For a driver that runs beside a test (:class:`Background`): on SIGUSR1 it writes every thread's Python stack to
+    its stderr (its log), which :meth:`Background.state` reads when the driver stopped answering."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -251,7 +251,8 @@ def p2p(tiny_model, tmp_path_factory):
             else:
                 lines = [line for line in consumers[name]["log"].splitlines() if "P2P" in line or "p2p" in line]
                 pytest.fail(f"consumer {name} never received the peer's blocks in {FETCH_ATTEMPTS} attempts; "
-                            "the last one's p2p lines:\n" + "\n".join(lines[-30:]))  # fmt: skip
+                            "the last one's p2p lines:\n" + "\n".join(lines[-30:]) +
+                            f"\nthe producer A: {producer.state()}")  # fmt: skip
         (tmp / "A.stop").touch()
         assert producer.wait(120) == 0
         yield {"A": {**a, "log": producer.log()}, **consumers}

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-from vllm_harness import GPU_BLOCK, TIERING_RESULT, print_result, shm_files, tiny_llm
+from vllm_harness import GPU_BLOCK, TIERING_RESULT, dump_stacks_on_request, print_result, shm_files, tiny_llm
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 SPECS = {
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         "tier in place: what its peers then fetch is corrupted (the integrity checks' p2p test)",
     )
     args = ap.parse_args(argv)
+    dump_stacks_on_request()  # a producer that stops answering its peers says where it is (Background.state)
     if args.umask is not None:
         os.umask(int(args.umask, 8))  # before vLLM starts: its processes inherit it
     from vllm import SamplingParams
