@@ -28,6 +28,8 @@ from tools.gpu import parts, plan, run, summary
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAFE = re.compile(r"[A-Za-z0-9._-]+")
 DAY = datetime.date(2026, 11, 27)
+# A lease that started at 09:30 UTC: its files are named <device>-<date>-0930-...
+START = datetime.datetime(2026, 11, 27, 9, 30, 12, tzinfo=datetime.timezone.utc)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ class Harness:
         self.runner = m.run.Runner(
             self.out, budget_s=budget, chosen=chosen, spent_s=spent, work=self.work, ledger_path=ledger_path,
             stages=stub_stages(m, kinds), default=tuple(kinds), model=models.__getitem__, install_model_s=lambda: 0.0,
-            clock=self.clock, sleep=self.clock.sleep, spawn=spawn, root=tmp_path, today=DAY,
+            clock=self.clock, sleep=self.clock.sleep, spawn=spawn, root=tmp_path, started_at=START,
             out=open(os.devnull, "w"),
         )  # fmt: skip
 
@@ -162,7 +164,7 @@ def test_a_timed_out_stage_is_killed_and_the_results_before_it_stay(m, tmp_path)
     # b's timeout: twice its estimate (2 x 50 s), at least its model (100 s) and a minute.
     assert b["outcome"] == "timed out" and 100 <= b["seconds"] <= 101, b
     assert h.stage("a")["outcome"] == "ok" and h.stage("a")["figures"]["complete"] is True
-    assert "fake-gpu-80gb-2026-11-27-a.json" in h.tar_names()
+    assert "fake-gpu-80gb-2026-11-27-0930-a.json" in h.tar_names()
     assert h.started == ["machine", "a", "b", "c"]  # c still fitted after b's 100 s
     ledger = json.loads((h.out / "gpu-ledger.json").read_text())
     assert ledger["stages"]["b"]["outcome"] == "timed out" and ledger["stages"]["a"]["outcome"] == "ok"
@@ -186,7 +188,7 @@ def test_a_sigterm_mid_stage_still_packs_everything(m, tmp_path):
     assert s["complete"] is False and s["interrupted"] == "SIGTERM"
     assert [st["outcome"] for st in s["stages"]] == ["ok", "ok", "killed", "not started"]
     names = h.tar_names()
-    assert "fake-gpu-80gb-2026-11-27-a.json" in names and "fake-gpu-80gb-2026-11-27-b.log" in names
+    assert "fake-gpu-80gb-2026-11-27-0930-a.json" in names and "fake-gpu-80gb-2026-11-27-0930-b.log" in names
     assert json.loads((h.out / "gpu-ledger.json").read_text())["stages"]["b"]["outcome"] == "killed"
 
 
@@ -200,8 +202,8 @@ def test_the_returned_files_are_at_most_seven_and_safely_named(m, tmp_path):
     h.run()
     files = sorted(p.name for p in h.out.iterdir())
     assert len(files) == 7 and all(SAFE.fullmatch(f) for f in files), files
-    assert [f for f in files if f.endswith(".png")] == [f"fake-gpu-80gb-2026-11-27-p{i}.png" for i in range(4)]
-    assert {"fake-gpu-80gb-2026-11-27-p4.png", "fake-gpu-80gb-2026-11-27-p5.png"} <= set(h.tar_names())
+    assert [f for f in files if f.endswith(".png")] == [f"fake-gpu-80gb-2026-11-27-0930-p{i}.png" for i in range(4)]
+    assert {"fake-gpu-80gb-2026-11-27-0930-p4.png", "fake-gpu-80gb-2026-11-27-0930-p5.png"} <= set(h.tar_names())
     assert all(SAFE.fullmatch(n) for n in h.tar_names())
 
 
@@ -221,15 +223,16 @@ def _entry(m, outcome, fp=None, seconds=None, model_s=None):
                 date="2026-11-26", device="X")  # fmt: skip
 
 
-def test_the_ledger_puts_never_run_failed_and_changed_stages_first(m):
-    names = ("machine", "ok1", "never", "failed", "changed", "ok2", "killed")
+def test_the_ledger_queues_never_run_then_not_ok_then_changed_stages(m):
+    names = ("machine", "ok1", "changed", "never", "failed", "ok2", "killed")
     ledger = m.plan.new_ledger(dict.fromkeys(names))
     given = {"machine": ("ok", "f0"), "ok1": ("ok", "f1"), "failed": ("failed", "f3"), "changed": ("ok", "old"),
              "ok2": ("ok", "f5"), "killed": ("killed", "f6")}  # fmt: skip
     ledger["stages"].update({n: _entry(m, *v) for n, v in given.items()})
     fps = {"machine": "f0", "ok1": "f1", "never": "f2", "failed": "f3", "changed": "f4", "ok2": "f5", "killed": "f6"}
     planned = m.plan.order(ledger, fps, None, names)
-    assert [n for n, _ in planned] == ["machine", "never", "failed", "changed", "killed", "ok1", "ok2"]
+    # A code change ranks after "never ran" and "not ok", whatever the priority says (issue 56).
+    assert [n for n, _ in planned] == ["machine", "never", "failed", "killed", "changed", "ok1", "ok2"]
     why = dict(planned)
     assert why["never"] == "never ran" and why["changed"].startswith("code changed") and "failed" in why["failed"]
     # --stages: those, in the order given, machine first.
@@ -319,15 +322,22 @@ def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
 
 
 def test_the_stages_of_a_first_lease(m):
-    assert m.plan.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "serving", "call-cost", "quick", "launch-shape",
+    # The call cost before serving: its figure is the one most likely to come back empty (issue 56).
+    assert m.plan.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "call-cost", "serving", "quick", "launch-shape",
                                         "serving-shape", "host-memory", "gpu-tests-slow")  # fmt: skip
-    tests, slow = m.plan.STAGES["gpu-tests"].steps[0], m.plan.STAGES["gpu-tests-slow"].steps[0]
+    core, vllm = m.plan.STAGES["gpu-tests"].steps
+    slow = m.plan.STAGES["gpu-tests-slow"].steps[0]
     for t in m.plan.SLOW_TESTS:
-        assert tests[tests.index(t) - 1] == "--deselect" and t in slow
         path, name = t.split("::")
+        assert t in slow and path not in core + vllm
         funcs = {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
         assert name in funcs, f"{t} no longer exists: the stages would run or deselect nothing"
-    assert "--timeout" in tests and "--live-junit" in tests
+    # The library's GPU test files in the first process, vLLM's in the second, appended to the same XML.
+    assert core[-len(m.plan.GPU_TESTS_CORE) :] == m.plan.GPU_TESTS_CORE and "--live-junit-append" not in core
+    assert vllm[-len(m.plan.GPU_TESTS_VLLM) :] == m.plan.GPU_TESTS_VLLM and "--live-junit-append" in vllm
+    for step in (core, vllm):
+        assert step[step.index("--timeout") + 1] == "45" and "--live-junit" in step and "-m" in step
+    assert m.plan.STAGES["gpu-tests"].keep_going
     serving = m.plan.STAGES["serving"].steps[0]
     assert serving[1:3] == ("-m", "bench.serving") and tuple(serving[3:5]) == m.plan.SERVING_DECISIVE
 
@@ -339,8 +349,8 @@ def test_every_test_stage_finds_its_plugins(m, tmp_path):
     stages = [s for s in m.plan.STAGES.values() if s.kind == "pytest"]
     assert [s.name for s in stages] == ["gpu-tests", "gpu-tests-slow"]
     for stage in stages:
-        step = stage.steps[0]
-        assert step[step.index("-p") + 1] == "live_junit" and "--timeout" in step
+        for step in stage.steps:
+            assert step[step.index("-p") + 1] == "live_junit" and "--timeout" in step
         probe = subprocess.run([sys.executable, "-c", "import live_junit, pytest_timeout"], env=runner._env(stage),
                                capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
         assert probe.returncode == 0, (stage.name, probe.stderr)
@@ -581,7 +591,7 @@ def test_merge_puts_a_returned_run_into_results_and_the_ledger(m, tmp_path):
     ledger.write_text(json.dumps(m.plan.new_ledger(m.plan.STAGES)))
     # The stub stages are not the real ones: their entries merge, no commit is filled in.
     written = m.run.merge(h.out, results, ledger, out=open(os.devnull, "w"))
-    stem = "fake-gpu-80gb-2026-11-27"
+    stem = "fake-gpu-80gb-2026-11-27-0930"
     assert {f"{stem}-gpu-run.json", f"{stem}-a.json", f"{stem}-a.png", f"{stem}-a.log", f"{stem}-machine.json",
             f"{stem}-gpu-run.log"} <= set(written)  # fmt: skip
     assert json.loads((results / f"{stem}-gpu-run.json").read_text())["device"] == "Fake GPU 80GB"
@@ -596,7 +606,9 @@ def test_merge_puts_a_returned_run_into_results_and_the_ledger(m, tmp_path):
 def test_merge_refuses_an_unsafe_tarball_member(m, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "summary.json").write_text(json.dumps({"stem": "x-2026-11-27", "tarball": "x-gpu-run.tar.gz"}))
+    machine = {"stage": "machine", "outcome": "ok", "figures": {"cuda": True}}
+    (out / "summary.json").write_text(json.dumps({"stem": "x-2026-11-27", "tarball": "x-gpu-run.tar.gz",
+                                                  "stages": [machine]}))  # fmt: skip
     with tarfile.open(out / "x-gpu-run.tar.gz", "w:gz") as tar:
         (tmp_path / "f").write_text("evil")
         tar.add(tmp_path / "f", arcname="../escape.json")
@@ -630,7 +642,7 @@ def test_a_real_run_without_cuda_degrades_gracefully(m, tmp_path):
     with open(log, "w") as f:
         runner = m.run.Runner(out, budget_s=120, work=tmp_path / "work", ledger_path=tmp_path / "ledger.json",
                               stages=stages, default=tuple(stages), model=lambda name: 20.0,
-                              install_model_s=lambda: 0.0, today=DAY, out=f)  # fmt: skip
+                              install_model_s=lambda: 0.0, started_at=START, out=f)  # fmt: skip
         t0 = time.monotonic()
         rc = runner.run()
     assert rc == 0, log.read_text()
@@ -641,14 +653,15 @@ def test_a_real_run_without_cuda_degrades_gracefully(m, tmp_path):
     assert any("no CUDA" in n for n in machine["figures"]["notes"]), machine
     assert tiny["outcome"] == "ok" and tiny["figures"] == {"complete": True, "passed": 3, "failure": 0, "error": 0,
                                                            "skipped": 0, "modules_skipped": 0}  # fmt: skip
-    assert s["device"] == "no-gpu" and s["stem"] == "no-gpu-2026-11-27"
-    with tarfile.open(out / "no-gpu-2026-11-27-gpu-run.tar.gz") as tar:
+    assert s["device"] == "no-gpu" and s["stem"] == "no-gpu-2026-11-27-0930"
+    with tarfile.open(out / "no-gpu-2026-11-27-0930-gpu-run.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"no-gpu-2026-11-27-machine.json", "no-gpu-2026-11-27-machine.log", "no-gpu-2026-11-27-tiny-tests.xml",
-            "no-gpu-2026-11-27-tiny-tests.log", "no-gpu-2026-11-27-gpu-run.log"} <= names  # fmt: skip
+    stem = "no-gpu-2026-11-27-0930"
+    assert {f"{stem}-machine.json", f"{stem}-machine.log", f"{stem}-tiny-tests.xml", f"{stem}-tiny-tests.log",
+            f"{stem}-gpu-run.log"} <= names  # fmt: skip
     text = log.read_text()
     assert "test_tiny.py::test_one PASSED" in text  # the stage's output is tee'd through
-    assert "./dev gpu merge" in text and "summary.json -> bench/results/no-gpu-2026-11-27-gpu-run.json" in text
+    assert "./dev gpu merge" in text and "summary.json -> bench/results/no-gpu-2026-11-27-0930-gpu-run.json" in text
 
 
 def test_the_live_junit_plugin_keeps_finished_tests_when_killed(tmp_path):
@@ -705,3 +718,178 @@ def test_the_live_junit_plugin_records_modules_skipped_or_broken_at_collection(t
     assert [t for t, _ in got["skipped"]] == ["test_needs_vllm.py"] and "no_such_vllm" in got["skipped"][0][1]
     assert got["modules_skipped"] == [("test_no_gpu.py", "Skipped: builds from vLLM")]
     assert [t for t, _ in got["error"]] == ["test_broken.py"] and "no_such_module_either" in got["error"][0][1]
+
+
+# -- issue 56: what the first lease must bring back whatever happens -------------------------------------------------
+
+
+def test_the_gpu_test_files_are_every_file_with_a_gpu_test(m):
+    """gpu-tests names its files (the library's, then vLLM's) instead of collecting the whole tree: together with the
+    two slow tests they must be every file `pytest -m gpu` collects, or a new GPU test would never run on a lease."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
+                           "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+    slow = {t.split("::")[0] for t in m.plan.SLOW_TESTS}
+    named = set(m.plan.GPU_TESTS_CORE) | set(m.plan.GPU_TESTS_VLLM)
+    assert collected - slow <= named, f"GPU tests in files the gpu-tests stage does not name: {collected - named}"
+    assert slow <= collected and all((ROOT / f).is_file() for f in named)
+    # The library's files import no vLLM code: a broken vLLM import cannot cost them.
+    for f in m.plan.GPU_TESTS_CORE:
+        src = (ROOT / f).read_text()
+        vllm_import = r"^\s*(import vllm|from vllm|import vllm_|from vllm_|import tiering_factory)"
+        assert not re.search(vllm_import, src, re.M), f
+
+
+def test_a_failed_step_does_not_stop_the_next_and_the_outcome_names_it(m, tmp_path):
+    """A stage of two steps with keep_going (gpu-tests): the first fails, the second still runs; the stage is failed
+    and says which step; without keep_going the second never starts."""
+    for keep_going, started in ((True, ["machine", "core", "vllm"]), (False, ["machine", "core"])):
+        stages = {"machine": m.plan.Stage("machine", "", "machine", (("stub", "machine", "{json}", "{xml}", "{plot}"),),
+                                          ()),
+                  "t": m.plan.Stage("t", "", "pytest", (("stub", "core", "{json}", "{xml}", "{plot}"),
+                                                        ("stub", "vllm", "{json}", "{xml}", "{plot}")), (),
+                                    step_names=("the library's GPU tests", "vLLM's GPU tests"),
+                                    keep_going=keep_going)}  # fmt: skip
+        h = Harness(
+            m,
+            tmp_path / str(keep_going),
+            {"machine": "machine", "t": "pytest"},
+            {"core": {"rc": 1, "seconds": 5}, "vllm": {"rc": 0, "seconds": 5}},
+            {"machine": 4, "t": 100},
+        )
+        h.runner.stages = stages
+        assert h.run() == 1
+        assert h.started == started
+        t = h.stage("t")
+        assert t["outcome"] == "failed" and t["why"] == "the library's GPU tests: exit 1", t
+        assert t["returncodes"] == ([1, 0] if keep_going else [1])
+
+
+def test_a_vllm_collection_error_keeps_the_library_s_test_results(m, tmp_path):
+    """The real two-process test stage: the library's tests pass in the first process; in the second a vLLM test
+    module cannot be imported. The XML holds both processes' tests; the stage is failed naming vLLM's step; the
+    summary lists the broken module and every library test as passed."""
+    (tmp_path / "test_core.py").write_text("def test_kernel(): pass\ndef test_engine(): pass\n")
+    (tmp_path / "test_vllm_mod.py").write_text("raise AttributeError('vllm on torch 2.11: no attribute X')\n")
+    (tmp_path / "test_vllm_ok.py").write_text("def test_native(): pass\n")
+    two = m.plan.Stage("gpu-tests", "two steps", "pytest",
+                       (m.plan._pytest(str(tmp_path / "test_core.py"), timeout=60),
+                        m.plan._pytest(str(tmp_path / "test_vllm_mod.py"), str(tmp_path / "test_vllm_ok.py"),
+                                       timeout=60, append=True)),
+                       (), m.plan.STAGES["gpu-tests"].env, m.plan.STAGES["gpu-tests"].step_names,
+                       keep_going=True)  # fmt: skip
+    stages = {"machine": m.plan.STAGES["machine"], "gpu-tests": two}
+    out = tmp_path / "out"
+    with open(tmp_path / "runner.log", "w") as f:
+        runner = m.run.Runner(out, budget_s=200, work=tmp_path / "work", ledger_path=tmp_path / "ledger.json",
+                              stages=stages, default=tuple(stages), model=lambda name: 20.0,
+                              install_model_s=lambda: 0.0, started_at=START, out=f)  # fmt: skip
+        assert runner.run() == 1
+    s = json.loads((out / "summary.json").read_text())
+    st = s["stages"][1]
+    assert st["outcome"] == "failed" and st["why"] == "vLLM's GPU tests: exit 1", st
+    assert st["figures"] == {"complete": True, "passed": 3, "failure": 0, "error": 1, "skipped": 0,
+                             "modules_skipped": 0}  # fmt: skip
+    target = next(t for t in s["targets"] if t["target"].startswith("every GPU test"))
+    assert target["verdict"] == "miss" and "test_vllm_mod.py" in target["where"] and "no attribute X" in target["where"]
+    assert target["detail"].startswith("3 passed")
+
+
+def test_a_broken_time_model_still_returns_the_install_log_and_the_summary(m, tmp_path):
+    """The model raises for one stage: that stage is skipped saying why, the others run, and OUTDIR holds the summary
+    and the install's log (in the tarball)."""
+
+    def model(name):
+        if name == "b":
+            raise ImportError("torch is broken")
+        return 10.0
+
+    h = Harness(m, tmp_path, KINDS, {}, {})
+    h.runner.model = model
+    h.out.mkdir()
+    (h.out / "install.log").write_text("pip install ...\n")
+    assert h.run() == 0
+    b = h.stage("b")
+    assert b["outcome"] == "skipped" and "the time model failed" in b["why"] and "torch is broken" in b["why"]
+    assert h.started == ["machine", "a", "c"]
+    assert "fake-gpu-80gb-2026-11-27-0930-install.log" in h.tar_names()
+
+
+def test_merge_refuses_a_run_that_saw_no_gpu(m, tmp_path):
+    def cpu_machine(files):
+        pathlib.Path(files["json"]).write_text(json.dumps({"benchmark": "machine", "device": None, "cuda": False}))
+
+    h = Harness(m, tmp_path, {"machine": "machine", "a": "transfer"}, {"machine": {"writes": cpu_machine}},
+                {"machine": 4, "a": 10})  # fmt: skip
+    h.run()
+    results, ledger = tmp_path / "results", tmp_path / "ledger.json"
+    with pytest.raises(SystemExit, match="saw no CUDA device"):
+        m.run.merge(h.out, results, ledger, out=open(os.devnull, "w"))
+    assert not results.exists()
+
+
+def test_two_leases_on_one_day_merge_side_by_side(m, tmp_path):
+    results, ledger = tmp_path / "results", tmp_path / "committed-ledger.json"
+    ledger.write_text(json.dumps(m.plan.new_ledger(m.plan.STAGES)))
+    written = []
+    for i, hour in enumerate((9, 14)):
+
+        def a_writes(files, i=i):
+            pathlib.Path(files["json"]).write_text(json.dumps({"mode": "gpu", "rows": [], "lease": i}))
+
+        h = Harness(m, tmp_path / f"lease{i}", {"machine": "machine", "a": "transfer"}, {"a": {"writes": a_writes}},
+                    {"machine": 4, "a": 10})  # fmt: skip
+        h.runner.started_at = START.replace(hour=hour)
+        h.run()
+        written.append(m.run.merge(h.out, results, ledger, out=open(os.devnull, "w")))
+    assert "fake-gpu-80gb-2026-11-27-0930-a.json" in written[0] and "fake-gpu-80gb-2026-11-27-1430-a.json" in written[1]
+    assert json.loads((results / "fake-gpu-80gb-2026-11-27-1430-a.json").read_text())["lease"] == 1
+    assert json.loads((results / "fake-gpu-80gb-2026-11-27-0930-a.json").read_text())["lease"] == 0
+
+
+def test_the_dry_run_of_a_first_lease_plans_the_three_answers_within_the_budget(m, tmp_path, capsys):
+    """A fresh ledger: machine, gpu-tests, call-cost and serving are planned to run, in that order, ending within the
+    default budget (counted from the top of ./dev gpu), each with the model's seconds printed."""
+    runner = m.run.Runner(tmp_path / "out", ledger_path=tmp_path / "fresh.json", out=sys.stdout)
+    assert runner.budget_s == 540 and runner.dry_run() == 0
+    text = capsys.readouterr().out
+    runs = [line.split()[2] for line in text.splitlines() if re.match(r"\[gpu-run\]\s+\d+ ", line) and " runs;" in line]
+    assert runs[:4] == ["machine", "gpu-tests", "call-cost", "serving"], text
+    for name in ("gpu-tests", "call-cost", "serving"):
+        line = next(x for x in text.splitlines() if f" {name} " in x)
+        assert re.search(rf" {name}\s+{parts.estimate_seconds(name):.0f}s ", line), line
+    end = float(re.search(r"expected end ~(\d+) s of 540 s", text).group(1))
+    assert end <= 540 - m.run.PACK_RESERVE_S
+
+
+def test_a_bundle_that_cannot_be_unpacked_leaves_a_run_without_vllm(tmp_path):
+    """./dev gpu unpacks the vLLM bundle leniently: a damaged bundle is a warning, no folder goes on PYTHONPATH and
+    nothing is left half-unpacked, so the lease runs without vLLM's code (vllm_native: not available) instead of
+    returning only its install log. ./dev bench stays strict. The shell function itself runs here, from dev."""
+    bundle = tmp_path / "repo" / ".gpu-bundle"
+    bundle.mkdir(parents=True)
+    (bundle / "vllm-0.33.0-py.tar.gz").write_bytes(b"not the tarball the manifest names")
+    manifest = {"vllm": "0.33.0", "source": {"file": "vllm-0.33.0-py.tar.gz", "files": 3027, "sha256": "0" * 64},
+                "wheels": {}, "pins": {"vllm": "0.33.0"}, "total_bytes": 1, "limit_bytes": 40 << 20}  # fmt: skip
+    (bundle / "MANIFEST.json").write_text(json.dumps(manifest))
+    function = re.search(r"^use_vllm_bundle\(\) \{.*?^\}$", (ROOT / "dev").read_text(), re.M | re.S).group(0)
+    site = tmp_path / "site"
+    script = (f"set -euo pipefail\nROOT={tmp_path / 'repo'}\nPY={sys.executable}\nlog() {{ echo \"[dev] $*\" >&2; }}\n"
+              f"{function.replace('unpack --bundle', f'unpack --dest {site} --bundle')}\nuse_vllm_bundle \"$1\"\n"
+              "echo \"site=${TRITON_OFFLOAD_VLLM_BUNDLE:-} error=${TRITON_OFFLOAD_VLLM_BUNDLE_ERROR:-} "
+              "path=${PYTHONPATH:-}\"\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_OFFLOAD_VLLM_BUNDLE")}
+
+    def run_(mode):
+        return subprocess.run(["bash", "-c", script, "dev", mode], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    lenient = run_("lenient")
+    assert lenient.returncode == 0, lenient.stderr
+    last = lenient.stdout.strip().splitlines()[-1]
+    assert last.startswith("site= error=[vllm-bundle] WARNING: the bundle could not be unpacked") and "path=" in last
+    assert last.endswith("path=") and "differs from the manifest" in last and not site.exists()
+    strict = run_("strict")
+    assert strict.returncode == 1 and "differs from the manifest" in strict.stderr and "site=" not in strict.stdout

@@ -63,7 +63,7 @@ from bench.serving.config import (
     ring_sizes,
     with_integrity,
 )
-from tools.gpu.plan import CALL_COST_STAGE, SERVING_STAGE
+from tools.gpu.plan import CALL_COST_STAGE, SERVING_STAGE, STAGES
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS, size_aware_ctas
 
 __all__ = [
@@ -326,8 +326,8 @@ def estimate_seconds(part: str) -> float:
     """The model's seconds for one part, start-up included."""
     if part == MACHINE_PART:
         return MACHINE_S
-    if part == TEST_PART:
-        return STARTUP_S + TESTS_S
+    if part == TEST_PART:  # a process per step: the library's tests, vLLM's
+        return STARTUP_S * len(STAGES[TEST_PART].steps) + TESTS_S
     if part == SLOW_TEST_PART:
         return STARTUP_S + SLOW_TESTS_S
     if part == SERVING_PART:

@@ -8,8 +8,8 @@ hash over the git blob hashes (``git hash-object``, computed from the files them
 of the working tree without ``.git``) of the files it declares: the library, and for a benchmark the bench/ modules
 its script imports, transitively. The **ledger** (bench/results/gpu-ledger.json, committed) keeps per stage the
 device, date, commit, outcome and measured seconds of its last run and the fingerprint it ran at; a run without
-``--stages`` puts first the stages that never ran, did not end ok, or whose code changed since, so consecutive leases
-cover everything; a stage's measured seconds replace the model's estimate.
+``--stages`` puts first the stages that never ran, then those that did not end ok, then those whose code changed
+since, so consecutive leases cover everything; a stage's measured seconds replace the model's estimate.
 """
 
 from __future__ import annotations
@@ -69,8 +69,30 @@ CALL_COST_STAGE = ("--integrity",)
 HOST_MEMORY_OPTIONS = {"--sizes-gib": ("8", "32"), "--threads": ("1", "8"), "--placements": ("auto", "off"),
                        "--huge-pages": ("thp",), "--transfer-gib": ("4",), "--repeats": ("5",)}  # fmt: skip
 HOST_MEMORY_ARGS = tuple(a for flag, values in HOST_MEMORY_OPTIONS.items() for a in (flag, *values))
-# Per-test limits under pytest-timeout (a hung test fails alone; the stage's own timeout bounds the rest).
-TEST_TIMEOUT_S = 120
+# The GPU tests, named file by file (collecting the whole tree to select ~40 tests cost 10-30 s and let a module
+# that cannot even be imported on the GPU machine, with no GPU test in it, fail the stage): first the library's own
+# (kernels, engine, direct launch, copy engines, host memory), then, in a process of their own, those that import
+# vLLM's code (the bundle's: its failure to import costs only them). tests/bench/test_gpu_run.py checks that these
+# and SLOW_TESTS are every file `pytest -m gpu` collects.
+GPU_TESTS_CORE = (
+    "tests/gpu/test_gpu_kernels.py",
+    "tests/gpu/test_gpu_engine.py",
+    "tests/unit/test_fast_launch.py",
+    "tests/unit/test_integrity.py",
+    "tests/unit/test_launch_shape.py",
+    "tests/unit/test_path_choice.py",
+    "tests/unit/test_host_cache.py",
+    "tests/unit/test_host_memory.py",
+)
+GPU_TESTS_VLLM = (
+    "tests/gpu/test_gpu_tiering.py",
+    "tests/unit/test_connector.py",
+    "tests/unit/test_connector_worker_role.py",
+    "tests/bench/test_bench_vllm_native.py",
+)
+# Per-test limits under pytest-timeout (a hung test fails alone; the stage's own timeout bounds the rest): the
+# longest GPU test took well under a minute on the 11-22 H100 (the whole `pytest -m gpu` 1.8 min).
+TEST_TIMEOUT_S = 45
 SLOW_TEST_TIMEOUT_S = 480
 PYTEST_PLUGINS = "tools/gpu/pytest_plugins"  # live_junit.py: the JUnit XML rewritten after every test
 
@@ -91,6 +113,10 @@ class Stage:
         paths: what its fingerprint covers, relative to the repository: a file, a folder (its ``.py`` files), or
             ``imports:bench.X`` (that module, run with ``-m``, and the bench modules it imports, transitively).
         env: variables for its commands; ``{root}`` is the repository, a ``PYTHONPATH`` is prepended to the caller's.
+        step_names: what each step is, for the summary (``gpu-tests``: the library's tests, vLLM's); default
+            ``step 1``, ``step 2``, ...
+        keep_going: a step that fails does not stop the steps after it (the stage still ends ``failed``, naming the
+            step); a timeout always ends the stage.
     """
 
     name: str
@@ -99,12 +125,19 @@ class Stage:
     steps: tuple[tuple[str, ...], ...]
     paths: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    step_names: tuple[str, ...] = ()
+    keep_going: bool = False
+
+    def step_name(self, i: int) -> str:
+        return self.step_names[i] if i < len(self.step_names) else f"step {i + 1}"
 
 
-def _pytest(*args: str, timeout: int) -> tuple[str, ...]:
+def _pytest(*args: str, timeout: int, append: bool = False) -> tuple[str, ...]:
     # A module that fails to import costs only its own tests (--continue-on-collection-errors), not the session.
-    return ("{py}", "-m", "pytest", "-p", "live_junit", "--live-junit", "{xml}", "-p", "no:cacheprovider", "-v",
-            "--continue-on-collection-errors", "--timeout", str(timeout), *args)  # fmt: skip
+    # ``append``: the step adds its tests to the XML an earlier step of the stage wrote.
+    return ("{py}", "-m", "pytest", "-p", "live_junit", "--live-junit", "{xml}", *(("--live-junit-append",) * append),
+            "-p", "no:cacheprovider", "-v", "--continue-on-collection-errors", "--timeout", str(timeout),
+            *args)  # fmt: skip
 
 
 def _transfer(part: str, what: str, kind: str = "transfer") -> Stage:
@@ -120,18 +153,21 @@ STAGES: dict[str, Stage] = {
     for s in (
         Stage("machine", "GPU, driver, CUDA, PCIe link, NUMA nodes, CPUs, memory (tools/gpu/machine.py)", "machine",
               (("{py}", "-m", "tools.gpu.machine", "--json", "{json}"),), ("imports:tools.gpu.machine",)),
-        Stage("gpu-tests", f"pytest -m gpu (pytest-timeout {TEST_TIMEOUT_S} s per test), the two benchmark-subprocess "
-              "tests deselected", "pytest",
-              (_pytest("-m", "gpu", *(a for t in SLOW_TESTS for a in ("--deselect", t)), timeout=TEST_TIMEOUT_S),),
-              (*_TESTED, "bench"), _TEST_ENV),
-        Stage("serving", f"python -m bench.serving {' '.join(SERVING_STAGE)}: the serving benchmark's decisive "
-              "configuration, and triton with the integrity checks",
-              "serving", (("{py}", "-m", "bench.serving", *SERVING_STAGE, "--json", "{json}", "--plot", "{plot}"),),
-              (*LIBRARY, "imports:bench.serving")),
+        Stage("gpu-tests", f"pytest -m gpu over the GPU test files (pytest-timeout {TEST_TIMEOUT_S} s per test): the "
+              "library's first, then vLLM's in a process of their own; the two benchmark-subprocess tests deselected",
+              "pytest",
+              (_pytest("-m", "gpu", *GPU_TESTS_CORE, timeout=TEST_TIMEOUT_S),
+               _pytest("-m", "gpu", *GPU_TESTS_VLLM, timeout=TEST_TIMEOUT_S, append=True)),
+              (*_TESTED, "bench"), _TEST_ENV, step_names=("the library's GPU tests", "vLLM's GPU tests"),
+              keep_going=True),
         Stage("call-cost", f"python -m bench.micro.call_cost {' '.join(CALL_COST_STAGE)}: host time per call at "
               "1024 x 80, direct launch vs Triton's dispatch, the engine's submits also with the integrity checks",
               "call-cost", (("{py}", "-m", "bench.micro.call_cost", *CALL_COST_STAGE, "--json", "{json}"),),
               (*LIBRARY, "imports:bench.micro.call_cost")),
+        Stage("serving", f"python -m bench.serving {' '.join(SERVING_STAGE)}: the serving benchmark's decisive "
+              "configuration, and triton with the integrity checks",
+              "serving", (("{py}", "-m", "bench.serving", *SERVING_STAGE, "--json", "{json}", "--plot", "{plot}"),),
+              (*LIBRARY, "imports:bench.serving")),
         _transfer("quick", "bench.transfer --quick --integrity: every workload, 128 blocks, f=4/skip=1, every method "
                   "(auto, vllm033, vllm_native too), the kernel with the integrity checks beside it, short extras"),
         _transfer("launch-shape", "bench.transfer: 2 KiB and 8 KiB pages, 128/1024 blocks, num_ctas 4-32, f 1 and "
@@ -316,15 +352,22 @@ def estimate(name: str, ledger: dict, model_s: float) -> Estimate:
     return Estimate(seconds, source, max(MIN_TIMEOUT_S, 2 * seconds, model_s), model_s)
 
 
-def _why_first(entry: dict, current: str) -> str | None:
-    """Why a stage goes first (None when its last run is ok at this code)."""
+# The queue's groups, first to last: a stage that never ran, then one whose last run did not end ok, then one whose
+# code changed since an ok run, then the rest. A code change does not rank with "never ran": every library fix
+# changes the fingerprint of the stages that measure the library, and the stages last in the priority would never
+# be reached (issue 56).
+QUEUE = ("never ran", "not ok", "code changed", "ok at this code")
+
+
+def _why_first(entry: dict, current: str) -> tuple[int, str]:
+    """The stage's group in the queue (an index into :data:`QUEUE`) and why."""
     if entry["outcome"] == NEVER:
-        return NEVER
+        return 0, NEVER
     if entry["outcome"] != OK:
-        return f"last run {entry['outcome']} ({entry.get('date')})"
+        return 1, f"last run {entry['outcome']} ({entry.get('date')})"
     if entry.get("fingerprint") != current:
-        return f"code changed since its last run ({entry.get('date')})"
-    return None
+        return 2, f"code changed since its last run ({entry.get('date')})"
+    return 3, f"ok at this code ({entry.get('date')})"
 
 
 def order(
@@ -334,19 +377,13 @@ def order(
     default: tuple[str, ...] = DEFAULT_ORDER,
 ) -> list[tuple[str, str]]:
     """(stage, why there) in run order. ``chosen`` (``--stages``): those, as given, after ``machine``. Otherwise
-    ``machine``, then the stages that never ran, did not end ok or whose fingerprint changed, then the rest, each
-    group in the default priority."""
+    ``machine``, then the stages that never ran, then those that did not end ok, then those whose fingerprint
+    changed, then the rest (:data:`QUEUE`), each group in the default priority."""
     first = default[0]
     if chosen is not None:
         return [(first, "always first")] + [(n, "asked for") for n in chosen if n != first]
-    stale, fresh = [], []
-    for name in default[1:]:
-        why = _why_first(ledger["stages"][name], fingerprints[name])
-        if why:
-            stale.append((name, why))
-        else:
-            fresh.append((name, f"ok at this code ({ledger['stages'][name].get('date')})"))
-    return [(first, "always first"), *stale, *fresh]
+    ranked = [(_why_first(ledger["stages"][name], fingerprints[name]), i, name) for i, name in enumerate(default[1:])]
+    return [(first, "always first"), *((name, why) for (_, why), _, name in sorted(ranked))]
 
 
 def record_run(ledger: dict, name: str, **fields) -> None:

@@ -5,8 +5,8 @@
     python -m tools.gpu.run check OUTDIR [...]     # the options and OUTDIR, before ./dev installs anything
     python -m tools.gpu.run merge OUTDIR           # here: a returned run into bench/results/ and the ledger
 
-The stages (tools/gpu/plan.py) run in priority order inside one budget (default 520 s, counted from ``--t0``, when
-``./dev`` began installing): each has an estimate (its measured seconds from the ledger, else tools/gpu/parts.py's model
+The stages (tools/gpu/plan.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
+``./dev gpu`` began): each has an estimate (its measured seconds from the ledger, else tools/gpu/parts.py's model
 scaled by what the ledger measured) and a hard timeout; a stage whose estimate does not fit what is left is skipped
 and named as skipped, never started and killed. Each stage's commands run in their own process group, killed at the
 stage's timeout, their output tee'd into the stage's log. After every stage, and on SIGTERM/SIGINT, everything is
@@ -53,7 +53,10 @@ from tools.gpu.plan import (
 )
 from tools.gpu.summary import evaluate, stage_figures
 
-DEFAULT_BUDGET_S = 520.0  # of work in one 10-minute command: the install, the stages, the packing
+# Seconds from the top of `./dev gpu` (the CUDA probe, the install, the stages, the packing): one 10-minute command
+# (the device tool's timeout_s 600) with a minute to spare for whatever runs after the budget (the last pack, the
+# report) and the device tool's own start.
+DEFAULT_BUDGET_S = 540.0
 PACK_RESERVE_S = 10.0  # kept back from the last stage for the final pack
 POLL_S = 0.5
 KILL_GRACE_S = 5.0  # SIGTERM to a stage's process group, then SIGKILL
@@ -177,13 +180,15 @@ class Runner:
         spawn=Process,
         python: str = sys.executable,
         root: pathlib.Path = ROOT,
-        today: datetime.date | None = None,
+        started_at: datetime.datetime | None = None,
         out=None,
     ):
         self.outdir, self.budget_s, self.spent_s = pathlib.Path(outdir), budget_s, spent_s
         self.stages, self.model, self.install_model_s = stages, model, install_model_s
         self.clock, self.sleep, self.spawn, self.python, self.root = clock, sleep, spawn, python, root
-        self.today = today or datetime.date.today()
+        # The lease's start (UTC) names its files, so two leases on one day and device merge side by side.
+        self.started_at = started_at or datetime.datetime.now(datetime.timezone.utc)
+        self.today = self.started_at.date()
         self._own_work = work is None
         self.work = pathlib.Path(work) if work else None
         self.out = out or sys.stdout
@@ -216,17 +221,23 @@ class Runner:
         self._say(f"plan: budget {self.budget_s:.0f} s; install ~{inst_s:.0f} s ({inst_src}); model factor "
                   f"{factor:.2f} ({why}); {PACK_RESERVE_S:.0f} s kept for packing")  # fmt: skip
         t = inst_s
-        self._say(f"{'#':>2} {'stage':<15} {'expect':>7} {'timeout':>7} {'starts':>7}  plan, why there, estimate from")
+        self._say(f"{'#':>2} {'stage':<15} {'model':>6} {'expect':>7} {'timeout':>7} {'starts':>7}  plan, why there, "
+                  "estimate from")  # fmt: skip
         for i, (name, why_first) in enumerate(self.plan, 1):
-            est = estimate(name, self.ledger, self.model_s(name))
+            try:
+                model_s = self.model_s(name)
+            except Exception as exc:
+                self._say(f"{i:>2} {name:<15} SKIPPED: the time model failed: {exc!r}")
+                continue
+            est = estimate(name, self.ledger, model_s)
             left = self.budget_s - PACK_RESERVE_S - t
             if est.seconds <= left:
                 plan, starts = "runs", f"{t:.0f}s"
                 t += est.seconds
             else:
                 plan, starts = f"SKIPPED (~{est.seconds:.0f} s > {max(0, left):.0f} s left)", "-"
-            self._say(f"{i:>2} {name:<15} {est.seconds:>6.0f}s {est.timeout_s:>6.0f}s {starts:>7}  {plan}; "
-                      f"{why_first}; {est.source}")  # fmt: skip
+            self._say(f"{i:>2} {name:<15} {model_s:>5.0f}s {est.seconds:>6.0f}s {est.timeout_s:>6.0f}s {starts:>7}  "
+                      f"{plan}; {why_first}; {est.source}")  # fmt: skip
         self._say(f"expected end ~{t:.0f} s of {self.budget_s:.0f} s (nothing was run: --dry-run)")
         return 0
 
@@ -243,8 +254,6 @@ class Runner:
             raise SystemExit(f"OUTDIR {self.outdir} must be empty (it holds {stray}): its files are what comes back")
         if (self.outdir / INSTALL_LOG).is_file():  # ./dev's install, before this process
             shutil.move(str(self.outdir / INSTALL_LOG), str(self.work / INSTALL_LOG))
-        for name, _ in self.plan:  # the time model, before anything runs: a broken model stops the run here
-            self.model_s(name)
         self.start = self.clock()
         spent = self.spent_s or 0.0
         self.deadline = self.start + self.budget_s - spent
@@ -256,6 +265,9 @@ class Runner:
                       f"commit {self.commit or 'unknown (no git here)'}; "
                       f"vLLM bundle: {os.environ.get('TRITON_OFFLOAD_VLLM_BUNDLE') or 'none'}")  # fmt: skip
             self._say("order: " + ", ".join(f"{n} ({why})" for n, why in self.plan))
+            if os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE_ERROR"):
+                self._say(f"vLLM bundle failed to unpack, going on without it: "
+                          f"{os.environ['TRITON_OFFLOAD_VLLM_BUNDLE_ERROR']}")  # fmt: skip
             for name, _ in self.plan:
                 self._stage(name)
                 self._pack()
@@ -294,7 +306,15 @@ class Runner:
 
     def _stage(self, name: str) -> None:
         stage = self.stages[name]
-        est = estimate(name, self.ledger, self.model_s(name))
+        try:
+            model_s = self.model_s(name)
+        except Exception as exc:  # a broken time model costs its stage, not the lease's files
+            self.records[name] = {"stage": name, "kind": stage.kind, "outcome": "skipped",
+                                  "why": f"the time model failed: {exc!r}"[:300],
+                                  "fingerprint": self.fingerprints[name]}  # fmt: skip
+            self._say(f"[{name}] skipped: the time model failed: {exc!r}")
+            return
+        est = estimate(name, self.ledger, model_s)
         left = self.deadline - self.clock() - PACK_RESERVE_S
         if est.seconds > left:
             self._record(
@@ -310,22 +330,25 @@ class Runner:
         self._current = {"name": name, "start": start, "est": est, "timeout": timeout, "handle": None,
                          "commands": commands}  # fmt: skip
         self._say(f"[{name}] starts: ~{est.seconds:.0f} s expected ({est.source}), killed at {timeout:.0f} s")
-        outcome, rcs = "ok", []
+        outcome, rcs, failed = "ok", [], []
         log = self.work / f"{name}.log"
-        for argv in commands:
+        for i, argv in enumerate(commands):
             with open(log, "a") as f:
                 f.write(f"$ {' '.join(argv)}\n")
             handle = self._current["handle"] = self.spawn(argv, log, self._env(stage), self.root, self._echo)
             rc = self._wait(handle, start + timeout)
             if rc is None:
                 outcome = "timed out"
+                failed.append(f"{stage.step_name(i)}: timed out")
                 break
             rcs.append(rc)
             if rc != 0:
                 outcome = "failed"
-                break
+                failed.append(f"{stage.step_name(i)}: exit {rc}")
+                if not stage.keep_going:
+                    break
         self._current = None
-        self._finish(name, outcome, est, timeout, start, rcs, commands)
+        self._finish(name, outcome, est, timeout, start, rcs, commands, failed)
 
     def _wait(self, handle, deadline: float) -> int | None:
         while True:
@@ -345,11 +368,13 @@ class Runner:
             cur["handle"].kill()
         self._finish(cur["name"], "killed", cur["est"], cur["timeout"], cur["start"], [], cur["commands"])
 
-    def _finish(self, name, outcome, est, timeout, start, rcs, commands) -> None:
+    def _finish(self, name, outcome, est, timeout, start, rcs, commands, failed=()) -> None:
         seconds = self.clock() - start
         shown = [" ".join(_shown(a, self.work, self.root) for a in argv) for argv in commands]
+        # Which step did not end ok, where the stage has several (gpu-tests: the library's tests or vLLM's).
+        why = {"why": "; ".join(failed)} if failed and len(commands) > 1 else {}
         self._record(name, outcome, est, seconds=round(seconds, 1), timeout_s=round(timeout, 1), returncodes=rcs,
-                     commands=shown)  # fmt: skip
+                     commands=shown, **why)  # fmt: skip
         if name == "machine":
             doc = _read_json(self._files(name)["json"]) or {}
             self.device = doc.get("device") or ("no-gpu" if doc else "unknown-device")
@@ -357,7 +382,7 @@ class Runner:
         record_run(self.ledger, name, outcome=outcome, device=self.device, date=self.today.isoformat(), ran_at=_now(),
                    commit=self.commit, seconds=round(seconds, 1), model_s=round(est.model_s, 1),
                    fingerprint=self.fingerprints[name])  # fmt: skip
-        self._say(f"[{name}] {outcome} in {seconds:.0f} s" + (f" (exit {rcs[-1]})" if outcome == "failed" else ""))
+        self._say(f"[{name}] {outcome} in {seconds:.0f} s" + (f" ({'; '.join(failed)})" if failed else ""))
 
     def _record(self, name: str, outcome: str, est: Estimate, **fields) -> None:
         self.records[name] = {"stage": name, "kind": self.stages[name].kind, "outcome": outcome,
@@ -381,7 +406,7 @@ class Runner:
 
     @property
     def stem(self) -> str:
-        return result_stem(self.device, date=self.today)
+        return f"{result_stem(self.device, date=self.today)}-{self.started_at:%H%M}"
 
     def summary(self) -> dict:
         stages = []
@@ -390,7 +415,10 @@ class Runner:
                        "why": "interrupted" if self.interrupted else "not reached yet"}  # fmt: skip
             rec = self.records.get(name) or pending
             files = {k: p for k, p in self._files(name).items() if p.is_file()}
-            figures = stage_figures(rec["kind"], files) if files else {}
+            try:
+                figures = stage_figures(rec["kind"], files) if files else {}
+            except Exception as exc:  # a malformed stage file costs only its figures
+                figures = {"error": f"could not read the stage's files: {exc!r}"[:300]}
             packed = sorted(f"{self.stem}-{p.name}" for p in files.values())
             stages.append({**rec, "order_why": why, "figures": figures, "files": packed})
         targets = evaluate([{**s, "files": {k: p for k, p in self._files(s["stage"]).items() if p.is_file()}}
@@ -408,6 +436,8 @@ class Runner:
             "stem": self.stem,
             "commit": self.commit,
             "vllm_bundle": os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE") or None,
+            "vllm_bundle_error": os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE_ERROR") or None,
+            "started_at": self.started_at.isoformat(timespec="seconds"),
             "budget_s": self.budget_s,
             "install_s": None if self.spent_s is None else round(self.spent_s, 1),
             "elapsed_s": round(elapsed, 1),
@@ -422,7 +452,8 @@ class Runner:
     def _commit_plan(self) -> dict[str, str]:
         return {
             SUMMARY: f"bench/results/{self.stem}-gpu-run.json",
-            f"{self.stem}-gpu-run.tar.gz": "extracted into bench/results/ (<device>-<date>-<stage>.log/.json/.xml)",
+            f"{self.stem}-gpu-run.tar.gz": "extracted into bench/results/ (<device>-<date>-<HHMM>-<stage>.log/.json/"
+            ".xml)",
             LEDGER_OUT: "merged into bench/results/gpu-ledger.json",
             "*.png": "bench/results/ (same names)",
         }
@@ -490,9 +521,16 @@ def _shown(arg: str, work: pathlib.Path, root: pathlib.Path) -> str:
 def merge(outdir: pathlib.Path, results: pathlib.Path = RESULTS_DIR, ledger_path: pathlib.Path = LEDGER_PATH,
           root: pathlib.Path = ROOT, out=None) -> list[str]:  # fmt: skip
     """A returned run into ``results``: the summary as ``<stem>-gpu-run.json``, the tarball's files, the PNGs, and the
-    ledger merged. Refuses (SystemExit, nothing written) to overwrite a different file or take an unsafe name."""
+    ledger merged. Refuses (SystemExit, nothing written) a run whose machine stage did not see a CUDA device (a run
+    here, or on a broken lease: its numbers measure no GPU), and to overwrite a different file or take an unsafe
+    name."""
     out = out or sys.stdout
     summary = json.loads((outdir / SUMMARY).read_text())
+    machine = next((s for s in summary.get("stages") or [] if s.get("stage") == "machine"), {})
+    if (machine.get("figures") or {}).get("cuda") is not True:
+        raise SystemExit(f"refusing to merge {outdir}: its machine stage saw no CUDA device (device "
+                         f"{summary.get('device')!r}, machine stage {machine.get('outcome', 'missing')}): "
+                         "not a GPU run")  # fmt: skip
     stem = _safe(summary["stem"])
     files: dict[str, bytes] = {f"{stem}-gpu-run.json": (outdir / SUMMARY).read_bytes()}
     with tarfile.open(outdir / _safe(summary["tarball"])) as tar:

@@ -180,7 +180,7 @@ def _tests_target(stages: list[dict]) -> dict:
             missing.append(f"{s['stage']}: {s['outcome']}")
             continue
         ended = sum(len(t[k]) for k in ("passed", "failure", "error", "skipped"))
-        if not t["complete"]:
+        if not t["complete"] or s["outcome"] in ("timed out", "killed"):  # a step may have ended, the next not
             missing.append(f"{s['stage']}: cut short ({s['outcome']}) after {ended} tests")
         elif not ended:
             missing.append(f"{s['stage']}: no test ran")

@@ -2,9 +2,11 @@
 rewritten (atomically) after every test, so a run killed at its time limit keeps every test that finished.
 
 pytest's own ``--junitxml`` writes only at the end of the session. Here the suite's ``complete`` property is
-``false`` until the session ends; each test case carries its outcome (a ``failure``, ``error`` or ``skipped`` child
-with the message, none when it passed) and its seconds (setup, call and teardown). This folder is put on
-``PYTHONPATH`` by tools/gpu/plan.py's test stages only: it holds nothing else, so no module name can shadow another.
+``false`` until the session ends; with ``--live-junit-append`` the tests of an earlier session in that file (an
+earlier step of the same stage) are kept ahead of this one's. Each test case carries its outcome (a ``failure``,
+``error`` or ``skipped`` child with the message, none when it passed) and its seconds (setup, call and teardown).
+This folder is put on ``PYTHONPATH`` by tools/gpu/plan.py's test stages only: it holds nothing else, so no module
+name can shadow another.
 """
 
 from __future__ import annotations
@@ -20,12 +22,39 @@ TEST_PARAMS = re.compile(r"def test_\w*\s*\(([^)]*)\)", re.S)
 
 def pytest_addoption(parser):
     parser.addoption("--live-junit", metavar="PATH", default=None, help="JUnit XML rewritten after every test")
+    parser.addoption(
+        "--live-junit-append",
+        action="store_true",
+        help="keep the test cases the file holds (an earlier session's), this session's after them",
+    )
 
 
 def pytest_configure(config):
     path = config.getoption("live_junit")
     if path:
-        config.pluginmanager.register(LiveJunit(path), "live-junit-writer")
+        writer = LiveJunit(path)
+        if config.getoption("live_junit_append"):
+            writer.cases.update(read_cases(path))
+        config.pluginmanager.register(writer, "live-junit-writer")
+
+
+def read_cases(path: str) -> dict[str, dict]:
+    """The test cases a file written by :class:`LiveJunit` holds (none where there is no readable file)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    cases = {}
+    for case in root.iter("testcase"):
+        file, name = case.get("file") or "", case.get("name") or ""
+        nodeid = file if name == file else f"{file}::{name}"
+        child = next((c for c in case if c.tag in RANK), None)
+        cases[nodeid] = {"outcome": child.tag if child is not None else "passed",
+                         "message": (child.text or "") if child is not None else "",
+                         "time": float(case.get("time") or 0.0)}  # fmt: skip
+        if case.get("gpu"):
+            cases[nodeid]["gpu"] = case.get("gpu") == "yes"
+    return cases
 
 
 def _message(report) -> str:
