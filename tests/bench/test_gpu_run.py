@@ -380,6 +380,17 @@ def test_the_stages_measure_the_integrity_checks_and_their_estimates_count_them(
         assert parts.estimate_seconds(name) < parts.LIMIT_S, name
 
 
+def test_the_call_cost_stage_fits_a_first_lease_and_its_estimate_counts_its_calls():
+    """Issue 56: the call-cost stage runs fewer calls per row than the benchmark's default, and the time model counts
+    the calls the stage's command passes (not the default)."""
+    (cmd,) = plan.STAGES["call-cost"].steps
+    calls = int(cmd[cmd.index("--calls") + 1])
+    assert calls == plan.CALL_COST_STAGE_CALLS == 200 < parts.CALL_COST_CALLS
+    integrity = "--integrity" in cmd
+    assert parts.estimate_seconds(parts.CALL_COST_PART) == parts.STARTUP_S + parts._call_cost_s(integrity, calls)
+    assert parts._call_cost_s(integrity, calls) < parts._call_cost_s(integrity, parts.CALL_COST_CALLS)
+
+
 def test_stage_names_and_aliases(m):
     assert m.plan.resolve_stages("tests,quick") == ["gpu-tests", "gpu-tests-slow", "quick"]
     assert m.plan.resolve_stages(None) is None
