@@ -15,9 +15,10 @@ and packing) is the part the CPU target is set on.
 
 Every row says what its launches went through (``launch``): ``direct``, ``triton dispatch`` (the row did not ask for
 the direct launch) or ``direct refused: <why>`` (it asked, and the canary refused it, or it cannot apply: on CPU); None
-for a step that launches nothing. A row's name says what it asked for. The run is a series of measurements (PHASES
-names them); the JSON is rewritten after each, ``complete`` false and ``done`` / ``left`` naming the measurements
-finished and still to run, so a run killed part-way leaves what it measured; the last write sets ``complete``.
+for a step that launches nothing. A row's name says what it asked for. The run is a series of measurements
+(:func:`phases` names them); the JSON is rewritten after each, ``complete`` false and ``done`` / ``left`` naming
+the measurements finished and still to run (and ``error`` where one raised), so a run killed part-way leaves what it
+measured; the last write sets ``complete``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,7 @@ ENGINE_STEPS = {
 }
 PUBLIC_STEPS, PUBLIC_CALLS = "public steps", "public calls"
 ENGINE_SUBMITS, ENGINE_TRACE = "engine submits", "engine submit steps (inside the calls above)"
-# A row's "launch": what its launches went through.
-USED_DIRECT = DIRECT  # "direct"
+# A row's "launch": what its launches went through: DIRECT ("direct"), or
 TRITON_DISPATCH = "triton dispatch"  # the row did not ask for the direct launch
 REFUSED = "direct refused: "  # it asked; followed by why Triton's dispatch ran instead
 
@@ -67,8 +67,8 @@ Sections = dict[str, dict[str, dict]]
 
 def launch_used(asked: bool, verdict) -> str:
     """A row's ``launch``: :data:`TRITON_DISPATCH` where the direct launch was not asked for, else ``verdict``
-    (:func:`~triton_offload.fast_launch.enable_fast_launch`'s, per direction: DIRECT or why not) as
-    :data:`USED_DIRECT` or :data:`REFUSED` with the reason. A launch hook (a profiler's) also keeps Triton's launch
+    (:func:`~triton_offload.fast_launch.enable_fast_launch`'s, per direction: DIRECT or why not) as DIRECT or
+    :data:`REFUSED` with the reason. A launch hook (a profiler's) also keeps Triton's launch
     (CopyLauncher.launch)."""
     if not asked:
         return TRITON_DISPATCH
@@ -76,7 +76,7 @@ def launch_used(asked: bool, verdict) -> str:
         return REFUSED + str(verdict)
     if not launch_hooks_idle():
         return REFUSED + "a launch hook is installed, and CopyLauncher.launch then takes Triton's launch"
-    return USED_DIRECT
+    return DIRECT
 
 
 def public_launch(s: Setup, direction: Direction, fast: bool) -> str:
