@@ -74,7 +74,8 @@ VLLM033_MAX_PAGE_BYTES = 28 * 1024
 # Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
 NATIVE_WARM_DEPTH = 16
 
-# bench.micro.call_cost's default --calls (the GPU run's time model counts them).
+# bench.micro.call_cost's default --calls, run alone; the GPU run's stage passes fewer (tools/gpu/plan.py's
+# CALL_COST_STAGE_CALLS), and its time model counts those.
 CALL_COST_CALLS = 400
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]
 # The transfer benchmark's parts of the GPU run (``--part NAME``: these options first; tools/gpu/ runs and sizes them).

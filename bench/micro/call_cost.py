@@ -12,6 +12,13 @@ Calls are issued in bursts of 8 after a drain (a synchronize, or waiting for the
 so the GPU's queue stays short. Medians, p99 and minimum over ``--calls`` calls. On CPU only the steps before the
 launch mean anything (the kernel runs in Triton's interpreter), and they are reported alone: planning (validation
 and packing) is the part the CPU target is set on.
+
+Every row says what its launches went through (``launch``): ``direct``, ``triton dispatch`` (the row did not ask for
+the direct launch) or ``direct refused: <why>`` (it asked, and the canary refused it, or it cannot apply: on CPU); None
+for a step that launches nothing. A row's name says what it asked for. The run is a series of measurements
+(:func:`phases` names them); the JSON is rewritten after each, ``complete`` false and ``done`` / ``left`` naming
+the measurements finished and still to run (and ``error`` where one raised), so a run killed part-way leaves what it
+measured; the last write sets ``complete``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -31,9 +39,10 @@ from bench.common.results import machine_info, write_json
 from bench.common.timing import stats_us
 from bench.common.workloads import WORKLOADS, make_caches
 from triton_offload.engine import TransferEngine
-from triton_offload.fast_launch import FAST_LAUNCH_ENV, enable_fast_launch
+from triton_offload.fast_launch import DIRECT, FAST_LAUNCH_ENV, enable_fast_launch
 from triton_offload.host_cache import HostCache, checksum_table
 from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.kernels.copy_blocks import pack_ids
 from triton_offload.plan import Direction, check_host_buffer
 from triton_offload.transfer import planner_for
@@ -47,6 +56,39 @@ ENGINE_STEPS = {
     "launch": "launch: kernel launch",
     "done": "end event + bookkeeping",
 }
+PUBLIC_STEPS, PUBLIC_CALLS = "public steps", "public calls"
+ENGINE_SUBMITS, ENGINE_TRACE = "engine submits", "engine submit steps (inside the calls above)"
+# A row's "launch": what its launches went through: DIRECT ("direct"), or
+TRITON_DISPATCH = "triton dispatch"  # the row did not ask for the direct launch
+REFUSED = "direct refused: "  # it asked; followed by why Triton's dispatch ran instead
+
+Sections = dict[str, dict[str, dict]]
+
+
+def launch_used(asked: bool, verdict) -> str:
+    """A row's ``launch``: :data:`TRITON_DISPATCH` where the direct launch was not asked for, else ``verdict``
+    (:func:`~triton_offload.fast_launch.enable_fast_launch`'s, per direction: DIRECT or why not) as DIRECT or
+    :data:`REFUSED` with the reason. A launch hook (a profiler's) also keeps Triton's launch
+    (CopyLauncher.launch)."""
+    if not asked:
+        return TRITON_DISPATCH
+    if verdict != DIRECT:
+        return REFUSED + str(verdict)
+    if not launch_hooks_idle():
+        return REFUSED + "a launch hook is installed, and CopyLauncher.launch then takes Triton's launch"
+    return DIRECT
+
+
+def public_launch(s: Setup, direction: Direction, fast: bool) -> str:
+    """What the public calls' launches in ``direction`` went through, as triton_offload/transfer.py decides: on CPU
+    Triton's launch (the interpreter) always; on CUDA the direct launch where the spec's verdict on its variant
+    (recorded by the first call that asked, kept per spec by CopyLauncher) is a proven runner."""
+    if s.device.type != "cuda":
+        return launch_used(fast, "not applicable: the public calls on CPU always take Triton's launch (interpreter)")
+    verdict = CopyLauncher(s.spec, s.host, 1, direction).direct_verdict(direction)
+    if verdict is None:
+        verdict = "never proven: no call asked for it"
+    return launch_used(fast, verdict if isinstance(verdict, str) else DIRECT)
 
 
 def _sync(device: torch.device) -> None:
@@ -105,8 +147,14 @@ def public_calls(s: Setup, calls: int, fast: bool) -> dict[str, dict]:
         _sync(s.device)
         label = "direct launch" if fast else "Triton's dispatch"
         return {
-            f"gather_blocks, {label}": timed(gather, s.device, calls),
-            f"scatter_blocks, {label}": timed(scatter, s.device, calls),
+            f"gather_blocks, {label}": {
+                **timed(gather, s.device, calls),
+                "launch": public_launch(s, Direction.STORE, fast),
+            },
+            f"scatter_blocks, {label}": {
+                **timed(scatter, s.device, calls),
+                "launch": public_launch(s, Direction.LOAD, fast),
+            },
         }
     finally:
         if prior is None:
@@ -115,8 +163,10 @@ def public_calls(s: Setup, calls: int, fast: bool) -> dict[str, dict]:
             os.environ[FAST_LAUNCH_ENV] = prior
 
 
-def public_steps(s: Setup, calls: int) -> dict[str, dict]:
-    """Steps of a public call (a store) timed alone: the checks, the planning, the launcher and its proof lookup."""
+def public_steps(s: Setup, calls: int, launches: bool) -> dict[str, dict]:
+    """Steps of a public call (a store) timed alone: the checks, the planning, the launcher; with ``launches`` (on
+    CUDA) also the direct launch's verdict lookup and the launch alone, direct (if not refused) and through Triton's
+    dispatch."""
     planner = planner_for(s.spec, s.host.shape[0], 1)
     staging = np.empty(4 * len(s.g) + 16, dtype=np.int64)
     out = {
@@ -126,20 +176,25 @@ def public_steps(s: Setup, calls: int) -> dict[str, dict]:
         ),
         "CopyLauncher(...)": timed(lambda: CopyLauncher(s.spec, s.host, 1, Direction.STORE), s.device, calls),
     }
-    if s.device.type == "cuda":
+    out = {name: {**st, "launch": None} for name, st in out.items()}  # none of them launches
+    if launches:
         launcher = CopyLauncher(s.spec, s.host, 1, Direction.STORE)
-        out["enable_fast_launch (a proven variant)"] = timed(lambda: enable_fast_launch(launcher), s.device, calls)
+        used = launch_used(True, enable_fast_launch(launcher)[Direction.STORE])
+        lookup = timed(lambda: enable_fast_launch(launcher), s.device, calls)
+        out["enable_fast_launch (its verdict known)"] = {**lookup, "launch": used}
         plan = planner.plan(s.g, s.h, direction=Direction.STORE)
         ids = torch.from_numpy(pack_ids(plan)).to(s.device)
-        out["launch alone, direct"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+        out["launch alone, direct"] = {**timed(lambda: launcher.launch(plan, ids), s.device, calls), "launch": used}
         launcher.set_direct(Direction.STORE, None)
-        out["launch alone, Triton's dispatch"] = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+        dispatch = timed(lambda: launcher.launch(plan, ids), s.device, calls)
+        out["launch alone, Triton's dispatch"] = {**dispatch, "launch": TRITON_DISPATCH}
     return out
 
 
 def engine_calls(s: Setup, calls: int, fast: bool, integrity: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
     """Both submits, whole; and the steps of each, from the trace of the same calls. ``integrity``: with the integrity
-    checks (``integrity="verify"``, a checksum table, each host block named by its id), labelled so."""
+    checks (``integrity="verify"``, a checksum table, each host block named by its id), labelled so. Each row's
+    ``launch`` comes from the engine's verdict for its direction (``launch_paths``)."""
     checks = {}
     if integrity:
         checks = {"integrity": "verify", "checksums": checksum_table(s.host.shape[0], 1, pin=s.device.type == "cuda")}
@@ -154,9 +209,12 @@ def engine_calls(s: Setup, calls: int, fast: bool, integrity: bool = False) -> t
             assert all(r.ok for r in eng.get_finished())
             queued.clear()
 
-    label = ("direct launch" if fast else "Triton's dispatch") + (", integrity verify" if integrity else "")
+    label = engine_label(fast, integrity)
     whole, steps = {}, {}
-    for name, submit in (("submit_store", eng.submit_store), ("submit_load", eng.submit_load)):
+    for name, submit, direction in (
+        ("submit_store", eng.submit_store, Direction.STORE),
+        ("submit_load", eng.submit_load, Direction.LOAD),
+    ):
 
         def one(submit=submit):
             job[0] += 1
@@ -166,10 +224,16 @@ def engine_calls(s: Setup, calls: int, fast: bool, integrity: bool = False) -> t
         one()  # compiles this direction
         drain()
         marks.clear()
-        whole[f"engine.{name}, {label}"] = timed(one, s.device, calls, drain)
-        steps.update(_trace_steps(marks, f"engine.{name}, {label}"))
+        used = launch_used(fast, eng.launch_paths[direction])
+        whole[f"engine.{name}, {label}"] = {**timed(one, s.device, calls, drain), "launch": used}
+        traced = _trace_steps(marks, f"engine.{name}, {label}")
+        steps.update({k: {**st, "launch": used} for k, st in traced.items()})
     eng.shutdown()
     return whole, steps
+
+
+def engine_label(fast: bool, integrity: bool) -> str:
+    return ("direct launch" if fast else "Triton's dispatch") + (", integrity verify" if integrity else "")
 
 
 def _trace_steps(marks: list[tuple[str, int]], prefix: str) -> dict[str, dict]:
@@ -187,56 +251,109 @@ def _trace_steps(marks: list[tuple[str, int]], prefix: str) -> dict[str, dict]:
     return {f"{prefix} / {ENGINE_STEPS.get(k, k)}": stats_us(v) for k, v in per_step.items()}
 
 
-def measure(tiny: bool, calls: int, integrity: bool = False) -> dict[str, dict[str, dict]]:
-    s = setup(tiny)
-    sections: dict[str, dict[str, dict]] = {"public steps": public_steps(s, calls)}
-    if s.device.type == "cuda":
-        sections["public calls"] = {**public_calls(s, calls, True), **public_calls(s, calls, False)}
-        fast_whole, fast_steps = engine_calls(s, calls, True)
-        slow_whole, slow_steps = engine_calls(s, calls, False)
-        sections["engine submits"] = {**fast_whole, **slow_whole}
-        sections["engine submit steps (inside the calls above)"] = {**fast_steps, **slow_steps}
-        if integrity:  # the integrity checks' host cost: the same submits, with them (issue 41)
-            checked_whole, checked_steps = engine_calls(s, calls, True, integrity=True)
-            sections["engine submits"].update(checked_whole)
-            sections["engine submit steps (inside the calls above)"].update(checked_steps)
+def _engine_phase(fast: bool, integrity: bool, whole: bool) -> Callable[[Setup, int], Sections]:
+    def run(s: Setup, calls: int) -> Sections:
+        submits, steps = engine_calls(s, calls, fast, integrity)
+        return {ENGINE_SUBMITS: submits, ENGINE_TRACE: steps} if whole else {ENGINE_TRACE: steps}
+
+    return run
+
+
+def phases(tiny: bool, integrity: bool, cuda: bool) -> list[tuple[str, Callable[[Setup, int], Sections]]]:
+    """The run's measurements, in order: (name, ``fn(setup, calls)`` -> the rows it measured, by section)."""
+    out = [(PUBLIC_STEPS, lambda s, calls: {PUBLIC_STEPS: public_steps(s, calls, cuda)})]
+    if cuda:
+        public = lambda s, calls: {PUBLIC_CALLS: {**public_calls(s, calls, True), **public_calls(s, calls, False)}}  # noqa: E731
+        out.append((PUBLIC_CALLS, public))
+        engines = [(True, False), (False, False)] + ([(True, True)] if integrity else [])
     elif tiny:
         # The interpreter runs the kernel inside the call (seconds at the full shape): the engine's calls run only at
         # the tiny shape, to check the trace; their numbers mean nothing.
-        sections["engine submit steps (inside the calls above)"] = engine_calls(s, calls, False)[1]
-        if integrity:
-            sections["engine submit steps (inside the calls above)"].update(engine_calls(s, calls, False, True)[1])
-    s.cache.close()
+        engines = [(False, False)] + ([(False, True)] if integrity else [])
+    else:
+        engines = []
+    # The integrity checks' host cost: the same submits, with them (issue 41). On CPU only their steps are kept.
+    out += [(f"engine submits, {engine_label(f, i)}", _engine_phase(f, i, whole=cuda)) for f, i in engines]
+    return out
+
+
+def run_phases(tiny: bool, calls: int, integrity: bool = False) -> Iterator[tuple[str, Sections]]:
+    """Runs :func:`phases` one by one, yielding each one's name and rows as it finishes."""
+    s = setup(tiny)
+    try:
+        for name, measure_one in phases(tiny, integrity, s.device.type == "cuda"):
+            yield name, measure_one(s, calls)
+    finally:
+        s.cache.close()
+
+
+def merge(sections: Sections, new: Sections) -> None:
+    for title, rows in new.items():
+        sections.setdefault(title, {}).update(rows)
+
+
+def measure(tiny: bool, calls: int, integrity: bool = False) -> Sections:
+    sections: Sections = {}
+    for _, new in run_phases(tiny, calls, integrity):
+        merge(sections, new)
     return sections
+
+
+def print_rows(new: Sections) -> None:
+    for title, rows in new.items():
+        print(f"\n{title}")
+        for name, st in rows.items():
+            print(
+                f"  {name:<78} median {st['median_us']:8.1f} us  p80 {st['p80_us']:8.1f}  min {st['min_us']:8.1f}"
+                f"  launch: {st['launch'] or '-'}"
+            )
+    sys.stdout.flush()  # a kill keeps what was printed
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (any machine; CPU runs the interpreter)")
     ap.add_argument("--calls", type=int, default=CALL_COST_CALLS)
-    ap.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
+    ap.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON, after each measurement")
     ap.add_argument("--integrity", action="store_true", help="also the engine's submits with the integrity checks")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     where = torch.cuda.get_device_name() if cuda else "CPU (no CUDA: the steps before the launch only)"
     shape = "tiny" if args.tiny else "1024 blocks x 80 layers"
-    print(f"host time per call, {shape}, {where}")
-    sections = measure(args.tiny, args.calls, args.integrity)
-    for title, rows in sections.items():
-        print(f"\n{title}")
-        for name, st in rows.items():
-            print(f"  {name:<78} median {st['median_us']:8.1f} us  p80 {st['p80_us']:8.1f}  min {st['min_us']:8.1f}")
+    print(f"host time per call, {shape}, {where}", flush=True)
+    doc = {
+        "benchmark": "call_cost",
+        **machine_info(),
+        "device": where,
+        "torch": torch.__version__,
+        "shape": shape,
+        "calls": args.calls,
+        "integrity": args.integrity,
+        "complete": False,
+        "done": [],
+        "left": [name for name, _ in phases(args.tiny, args.integrity, cuda)],
+        "sections": {},
+    }
+
+    def save() -> None:
+        if args.json:
+            write_json(args.json, doc)
+
+    save()  # a kill before the first measurement still leaves the machine and the plan
+    try:
+        for name, new in run_phases(args.tiny, args.calls, args.integrity):
+            print_rows(new)
+            merge(doc["sections"], new)
+            doc["done"].append(name)
+            doc["left"].remove(name)
+            save()
+    except BaseException as e:
+        doc["error"] = f"{doc['left'][0] if doc['left'] else 'after the last measurement'}: {type(e).__name__}: {e}"
+        save()
+        raise
+    doc["complete"] = True
+    save()
     if args.json:
-        doc = {
-            "benchmark": "call_cost",
-            **machine_info(),
-            "device": where,
-            "torch": torch.__version__,
-            "shape": shape,
-            "calls": args.calls,
-            "sections": sections,
-        }
-        write_json(args.json, doc)
         print(f"wrote {args.json}")
     return 0
 

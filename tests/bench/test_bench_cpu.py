@@ -89,7 +89,10 @@ def test_call_cost_runs_every_step_at_a_tiny_shape(tmp_path):
     proc = _run(["-m", "bench.micro.call_cost", "--tiny", "--calls", "8", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "the steps before the launch only" in proc.stdout or "NVIDIA" in proc.stdout
-    sections = json.loads(out.read_text())["sections"]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["left"] == [] and doc["done"], doc["done"]
+    sections = doc["sections"]
+    assert all("launch" in row for rows in sections.values() for row in rows.values())
     steps = sections["public steps"]
     for step in ("check_host_buffer", "plan: validation + packing", "CopyLauncher(...)"):
         assert steps[step]["calls"] == 8 and steps[step]["median_us"] > 0, step

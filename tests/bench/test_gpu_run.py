@@ -390,6 +390,17 @@ def test_the_stages_measure_the_integrity_checks_and_their_estimates_count_them(
         assert parts.estimate_seconds(name) < parts.LIMIT_S, name
 
 
+def test_the_call_cost_stage_fits_a_first_lease_and_its_estimate_counts_its_calls():
+    """Issue 56: the call-cost stage runs fewer calls per row than the benchmark's default, and the time model counts
+    the calls the stage's command passes (not the default)."""
+    (cmd,) = plan.STAGES["call-cost"].steps
+    calls = int(cmd[cmd.index("--calls") + 1])
+    assert calls == plan.CALL_COST_STAGE_CALLS == 200 < parts.CALL_COST_CALLS
+    integrity = "--integrity" in cmd
+    assert parts.estimate_seconds(parts.CALL_COST_PART) == parts.STARTUP_S + parts._call_cost_s(integrity, calls)
+    assert parts._call_cost_s(integrity, calls) < parts._call_cost_s(integrity, parts.CALL_COST_CALLS)
+
+
 def test_stage_names_and_aliases(m):
     assert m.plan.resolve_stages("tests,quick") == ["gpu-tests", "gpu-tests-slow", "quick"]
     assert m.plan.resolve_stages(None) is None
@@ -529,6 +540,60 @@ def test_the_integrity_checks_cost_targets(m, tmp_path, cost_pct, extra_us, verd
     assert "8192B" in bandwidth["where"] and bandwidth["from"] == ["quick"]  # the 2 KiB case is not the goal's
     assert host["verdict"] == verdict and host["worst"] == pytest.approx(extra_us), host
     assert host["where"].startswith("call-cost: engine.submit_")
+
+
+def test_the_call_cost_target_says_where_the_direct_launch_was_refused(m, tmp_path):
+    """Issue 56: a row that asked for the direct launch but was refused by the canary measured Triton's dispatch. It
+    still counts (it is what the default gives on that machine), and the verdict's place and detail say so; the
+    stage's figures carry each row's launch and whether the run completed."""
+    cc = _call_cost(worst_us=45.0)
+    for sec in cc["sections"].values():
+        for name, row in sec.items():
+            row["launch"] = "direct" if "direct launch" in name else "triton dispatch"
+    refused = "direct refused: the direct launch of the load wrote other bytes than Triton's launch on the canary"
+    cc["sections"]["public calls"]["scatter_blocks, direct launch"]["launch"] = refused
+    cc.update(complete=True, left=[])
+    cc_target = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]
+    assert cc_target["verdict"] == "miss" and cc_target["worst"] == 45.0
+    assert cc_target["where"] == f"scatter_blocks, direct launch (launch: {refused})", cc_target
+    assert "the direct launch was not used in 1: scatter_blocks" in cc_target["detail"]
+    fig = m.summary.stage_figures("call-cost", {"json": tmp_path / "call-cost.json"})
+    assert fig["complete"] is True and fig["launch"]["scatter_blocks, direct launch"] == refused
+    assert fig["launch"]["gather_blocks, direct launch"] == "direct"
+    assert fig["median_us"]["scatter_blocks, direct launch"] == 45.0
+
+
+def test_a_call_cost_run_cut_short_is_not_measured_and_says_why(m, tmp_path):
+    """A call-cost JSON a killed run left (complete false): the calls it measured pass, the rest were never measured,
+    so the target is not measured, naming what was left; a miss among what it measured is still a miss."""
+    cc = _call_cost(worst_us=20.0)
+    del cc["sections"]["engine submits"]
+    left = ["engine submits, direct launch", "engine submits, Triton's dispatch"]
+    cc.update(complete=False, left=left, error=None)
+    t = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]
+    assert t["verdict"] == "not measured", t
+    assert "only 2 of the 4 calls measured" in t["detail"] and ", ".join(left) in t["detail"], t
+    cc["sections"]["public calls"]["gather_blocks, direct launch"]["median_us"] = 50.0
+    assert _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]["verdict"] == "miss"
+    fig = m.summary.stage_figures("call-cost", {"json": tmp_path / "call-cost.json"})
+    assert fig["complete"] is False and fig["left"] == left
+
+
+def test_the_integrity_host_cost_compares_only_like_launches(m, tmp_path):
+    """Where the submit without the checks went direct and the one with them was refused (or the other way), their
+    difference is the dispatch's, not the checks': that pair is left out, and said so."""
+    cc = _call_cost(worst_us=20.0)
+    subs = cc["sections"]["engine submits"]
+    for call, on in (("engine.submit_store", "direct"), ("engine.submit_load", "direct refused: RuntimeError: x")):
+        subs[f"{call}, direct launch"]["launch"] = "direct"
+        us = subs[f"{call}, direct launch"]["median_us"] + 0.5
+        subs[f"{call}, direct launch, integrity verify"] = {"median_us": us, "launch": on}
+    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["host"]
+    assert host["verdict"] == "pass" and host["where"] == "call-cost: engine.submit_store", host
+    assert "not compared where the two launched differently: call-cost: engine.submit_load" in host["detail"]
+    subs["engine.submit_store, direct launch, integrity verify"]["launch"] = "direct refused: RuntimeError: x"
+    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["host"]
+    assert host["verdict"] == "not measured" and "launched differently" in host["detail"], host
 
 
 @pytest.mark.parametrize(

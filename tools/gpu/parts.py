@@ -63,7 +63,7 @@ from bench.serving.config import (
     ring_sizes,
     with_integrity,
 )
-from tools.gpu.plan import CALL_COST_STAGE, SERVING_STAGE, STAGES
+from tools.gpu.plan import CALL_COST_STAGE, CALL_COST_STAGE_CALLS, SERVING_STAGE, STAGES
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS, size_aware_ctas
 
 __all__ = [
@@ -92,9 +92,10 @@ SERVING_FULL_PART = "serving-full"  # bench.serving's default run: three workloa
 SERVING_SHAPE_PART = "serving-shape"  # bench.serving's launch-shape preset: the kernel's two launch shapes
 HOST_MEMORY_PART = "host-memory"  # bench.micro.host_cache with tools/gpu/plan.py's HOST_MEMORY_ARGS
 CALL_COST_PART = "call-cost"  # bench.micro.call_cost: host time per call, direct launch vs Triton's dispatch
-# bench.micro.call_cost's rows that each issue CALL_COST_CALLS transfers of 1024 blocks x 80 layers of 8 KiB pages:
-# the public calls and engine submits, each with the direct launch and with Triton's dispatch, and the launch alone
-# twice; with --integrity (the stage's CALL_COST_STAGE) also both engine submits with the integrity checks.
+# bench.micro.call_cost's rows that each issue --calls transfers (the stage's CALL_COST_STAGE_CALLS) of 1024 blocks x
+# 80 layers of 8 KiB pages: the public calls and engine submits, each with the direct launch and with Triton's
+# dispatch, and the launch alone twice; with --integrity (the stage's CALL_COST_STAGE) also both engine submits with
+# the integrity checks.
 CALL_COST_ROWS = 10
 CALL_COST_INTEGRITY_ROWS = 2
 LIMIT_S = 8 * 60  # each part must fit a 10-minute call with room for the install and a cold start
@@ -268,12 +269,13 @@ def _serving_s() -> float:
     return serving_plan_seconds(FULL_PLAN)
 
 
-def _call_cost_s(integrity: bool) -> float:
+def _call_cost_s(integrity: bool, calls: int = CALL_COST_CALLS) -> float:
+    """bench.micro.call_cost with ``--calls calls`` (the stage passes CALL_COST_STAGE_CALLS)."""
     w = WORKLOADS["llama3-70b-tp8"]
     transfer = 1024 * w.num_layers * w.page_bytes / LINK_BPS
     allocate = 2100 * w.num_layers * w.page_bytes / PIN_BPS  # the caches' random fill and the pinned host cache
     rows = CALL_COST_ROWS + (CALL_COST_INTEGRITY_ROWS if integrity else 0)
-    return allocate + rows * CALL_COST_CALLS * transfer
+    return allocate + rows * calls * transfer
 
 
 def serving_stage_plan() -> RunPlan:
@@ -339,7 +341,7 @@ def estimate_seconds(part: str) -> float:
     if part == SERVING_FULL_PART:
         return STARTUP_S + _serving_s()
     if part == CALL_COST_PART:
-        return STARTUP_S + _call_cost_s("--integrity" in CALL_COST_STAGE)
+        return STARTUP_S + _call_cost_s("--integrity" in CALL_COST_STAGE, CALL_COST_STAGE_CALLS)
     args = PARTS[part]
     if part == "extras":
         return STARTUP_S + _extras_s(FULL)
