@@ -43,6 +43,7 @@ from bench.serving.config import (
     FULL_PLAN,
     LOAD_MODES,
     PRESETS,
+    RUN_LAST,
     SERVING_WORKLOADS,
     SHAPE_NAMES,
     RunPlan,
@@ -173,12 +174,15 @@ def run_plan(args, cuda: bool) -> RunPlan:
 
 def schedule(points: list[MethodPoint], rounds: int) -> list[tuple[MethodPoint, int]]:
     """(point, round) in run order: each round ``none`` first, then the other points (in reverse order every other
-    round, so a linear drift cancels out of their means), and ``none`` once more at the end."""
+    round, so a linear drift cancels out of their means), then RUN_LAST's methods (``vllm_native``: a sticky fault
+    there costs no other method's run of that round), and ``none`` once more at the end."""
     none = [p for p in points if p.method == "none"]
-    others = [p for p in points if p.method != "none"]
+    last = sorted((p for p in points if p.method in RUN_LAST), key=lambda p: RUN_LAST.index(p.method))
+    others = [p for p in points if p.method != "none" and p.method not in RUN_LAST]
     order = []
     for r in range(rounds):
-        order += [(p, r) for p in none] + [(p, r) for p in (others if r % 2 == 0 else others[::-1])]
+        middle = others if r % 2 == 0 else others[::-1]
+        order += [(p, r) for p in [*none, *middle, *last]]
     return order + [(p, rounds) for p in none]
 
 

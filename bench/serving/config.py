@@ -26,6 +26,7 @@ __all__ = [
     "SERVING_WORKLOADS",
     "DEFAULT_METHODS",
     "DUPLEX_METHODS",
+    "RUN_LAST",
     "TRITON_CTAS",
     "DEFAULT_ROUNDS",
     "PREFIXES",
@@ -121,10 +122,15 @@ DEFAULT_METHODS = ("none", "triton", "triton_size_aware", "auto", "vllm033", "vl
 # The methods the duplex figure is measured for, where the run has them: our kernel (at its default num_ctas) and the
 # copy engines.
 DUPLEX_METHODS = ("triton", "memcpy_batch")
+# The methods run last in every round, after every other (triton_integrity included), in this order: the least-proven
+# paths, whose sticky CUDA fault would cost the runs after it (vllm_native: a ctypes stand-in for vLLM 0.33's compiled
+# op, never run on a GPU yet). Each is still bracketed by ``none`` (the next round's, or the closing one).
+RUN_LAST = ("vllm_native",)
 # triton's num_ctas besides the kernel's default in the full run.
 TRITON_CTAS = (2, 8)
 # Rounds of a run: every method once per round, ``none`` first in each and once more at the end, the order reversed
-# in every other round (so a linear drift cancels out of the methods' means); the ``none`` runs measure the drift.
+# in every other round (so a linear drift cancels out of the methods' means) but RUN_LAST's always last; the ``none``
+# runs measure the drift.
 DEFAULT_ROUNDS = 2
 
 

@@ -80,6 +80,26 @@ def test_the_schedule_brackets_every_method_with_none():
     assert [p.label for p, _ in serving.schedule(methods.method_points(["triton"], ()), 1)] == ["triton@4"]
 
 
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_vllm_native_runs_last_in_every_round(rounds):
+    """vllm_native, the least-proven path (a ctypes stand-in for vLLM's compiled op), runs after every other method of
+    its round, triton_integrity included, wherever it stands in the method list: a sticky CUDA fault there costs no
+    other method's run of that round. The other methods still reverse every other round, and none brackets each."""
+    names = ["none", "vllm_native", "triton", "auto", "vllm033", "triton_integrity"]
+    order = [(p.label, r) for p, r in serving.schedule(methods.method_points(names, ()), rounds)]
+    assert len(order) == rounds * len(names) + 1 and order[-1] == ("none", rounds)
+    middle = ["triton@4", "auto", "vllm033", "triton_integrity"]
+    for r in range(rounds):
+        this = [label for label, k in order if k == r]
+        assert this == ["none", *(middle if r % 2 == 0 else middle[::-1]), "vllm_native"], (r, this)
+    # The stage's plan (the decisive preset with --integrity) alike.
+    plan = config.with_integrity(config.PRESETS["decisive"])
+    order = serving.schedule(methods.method_points(plan.methods, plan.triton_ctas), plan.rounds)
+    for r in range(plan.rounds):
+        this = [p.method for p, k in order if k == r]
+        assert this[-1] == "vllm_native" and "triton_integrity" in this[:-1], (r, this)
+
+
 def test_the_command_line_picks_the_plan():
     full = serving.run_plan(serving.parse_args([]), cuda=True)
     assert full.cases == config.FULL_PLAN.cases and full.rounds == 2 and full.shapes == config.GPU_SHAPES
