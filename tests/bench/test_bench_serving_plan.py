@@ -56,6 +56,17 @@ def test_the_decisive_preset_is_what_the_issue_asks():
     assert p.rounds >= 2  # every method bracketed by none, so the drift is measured
 
 
+def test_the_decisive_preset_runs_the_decisive_case_first():
+    """Llama-3-70B at TP 8, decode-heavy (8 KiB pages: vllm033's loads take its SM copy against a busy GPU) runs first,
+    so a lease cut short keeps it; the command line's filters keep the preset's order."""
+    assert config.PRESETS["decisive"].cases[0] == ("llama3-70b-tp8", "decode-heavy")
+    for cuda in (True, False):
+        plan = serving.run_plan(serving.parse_args(["--preset", "decisive", "--integrity"]), cuda)
+        assert plan.cases[0] == ("llama3-70b-tp8", "decode-heavy") and len(plan.cases) == 3, plan.cases
+    plan = serving.run_plan(serving.parse_args(["--preset", "decisive", "--shapes", "decode-heavy"]), True)
+    assert plan.cases == (("llama3-70b-tp8", "decode-heavy"), ("llama3-8b", "decode-heavy"))
+
+
 def test_the_decode_heavy_shape_is_a_decode_step_with_heavier_loads():
     """5-15 ms on an H100 by the time model (its reads of the weights and the batch's KV bound it), and its prefix
     loads ask far more of the link than the prefill-heavy shape's."""
