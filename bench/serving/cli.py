@@ -94,8 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (serving_config.PRESETS): "
                    "'decisive' is the GPU run's serving stage; options below filter or override it")  # fmt: skip
-    p.add_argument("--json", metavar="PATH", help="write the rows, drift, duplex, targets and samples (rewritten "
-                   "after every workload and shape, so a killed run keeps what it measured)")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="write the rows, drift, duplex, cases, targets and samples "
+                   "(rewritten after every row, so a killed run keeps every row it finished)")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="write a PNG: step-time distribution and load latency per method")
     p.add_argument("--workloads", nargs="+", metavar="NAME", help=f"subset of {list(SERVING_WORKLOADS)}")
     p.add_argument("--shapes", nargs="+", choices=SHAPE_NAMES, help=f"loop shapes (default: both, {list(SHAPE_NAMES)})")
@@ -187,7 +187,15 @@ def schedule(points: list[MethodPoint], rounds: int) -> list[tuple[MethodPoint, 
 
 
 def _row(
-    setup: Setup, point: MethodPoint, mode: str, device: str, args, impl: str, problem: str | None, runs: list[LoopRun]
+    setup: Setup,
+    point: MethodPoint,
+    mode: str,
+    device: str,
+    args,
+    impl: str,
+    problem: str | None,
+    runs: list[LoopRun],
+    note: str | None = None,
 ) -> dict:
     w, shape = setup.workload, setup.shape
     fields = dict(
@@ -196,13 +204,23 @@ def _row(
         block_size=w.block_size, prefill_tokens=shape.prefill, decode_tokens=shape.decode,
         context_tokens=shape.context, prefix_tokens=shape.prefix_tokens, load_every=shape.load_every,
         steps=shape.steps, rounds=len(runs), defer_stores=args.defer_stores,
-        byte_check="fail" if problem else "pass" if runs else "n/a", byte_check_note=problem,
+        byte_check="fail" if problem else "pass" if runs else "n/a", byte_check_note=problem or note,
     )  # fmt: skip
     if runs:
         fields.update(count_fields(runs))
         if setup.cuda and problem is None:  # wrong bytes are reported, never timed
             fields.update(timing_fields(runs, shape.warmup))
     return new_row(**fields)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _locate(exc: FatalCudaError, **where) -> None:
+    """Notes on ``exc`` where the CUDA context died (``exc.at``; the innermost place that knew is kept)."""
+    if getattr(exc, "at", None) is None:
+        exc.at = where
 
 
 class _Engines:
@@ -228,16 +246,26 @@ class _Engines:
             except Exception:  # the first error is the one reported
                 pass
 
-    def close(self) -> None:
+    def close(self) -> list[tuple[MethodPoint, str]]:
+        """Shuts every engine down, each whatever the others raise; returns the points whose shutdown raised, with
+        the error (none once the context is dead: the error that killed it is the one reported)."""
+        errors = []
         for point in list(self.engines):
             engine = self.engines.pop(point)
-            if engine is not None:
+            if engine is None:
+                continue
+            try:
                 engine.shutdown()
+            except Exception as exc:
+                errors.append((point, _error(exc)))
+        return errors if self.env.alive() else []
 
 
 def _run_point(engines: _Engines, point: MethodPoint, mode: str, defer: bool, exact: bool):
     """(run, problem, impl) of one run of one method: the loop with its per-job checks, then (``exact``) the
-    byte-exact check of the final state. ``run`` is None where the method cannot run here (impl says why)."""
+    byte-exact check of the final state. ``run`` is None where the method cannot run here (impl says why); any error
+    of the method is its ``problem``, but one that leaves the CUDA context dead (or a FatalCudaError), which is
+    raised as a FatalCudaError."""
     setup, env = engines.setup, engines.env
     impl = METHODS[point.method].describe
     try:
@@ -253,20 +281,24 @@ def _run_point(engines: _Engines, point: MethodPoint, mode: str, defer: bool, ex
         return run, problem, impl
     except Unavailable as exc:  # cannot run on this machine: said in its row, not a failure
         return None, None, f"n/a: {exc}"
+    except FatalCudaError:
+        raise
     except Exception as exc:  # reported in its row; a dead CUDA context stops the run
         if not env.alive():
-            raise FatalCudaError(f"{point.label} on {setup.workload.name}: {exc}") from exc
+            raise FatalCudaError(f"{point.label} on {setup.workload.name}: {_error(exc)}") from exc
         engines.drop(point)
-        return None, f"ERROR: {type(exc).__name__}: {exc}", impl
+        return None, f"ERROR: {_error(exc)}", impl
 
 
 def _duplex_row(setup: Setup, point: MethodPoint, env: Env, repeats: int, contiguous_gbps: float | None) -> dict:
     try:
         return duplex(setup, point, repeats, contiguous_gbps)
+    except FatalCudaError:
+        raise
     except Exception as exc:  # reported in its row, as a run's
         if not env.alive():
-            raise FatalCudaError(f"duplex {point.label} on {setup.workload.name}: {exc}") from exc
-        note = f"ERROR: {type(exc).__name__}: {exc}"
+            raise FatalCudaError(f"duplex {point.label} on {setup.workload.name}: {_error(exc)}") from exc
+        note = f"ERROR: {_error(exc)}"
         return {"workload": setup.workload.name, "method": point.method, "num_ctas": point.num_ctas,
                 "byte_check": "fail", "byte_check_note": note, "ratio": None}  # fmt: skip
 
@@ -283,6 +315,103 @@ def _say_row(r: dict) -> None:
             f"achieved, {r['jobs_checked']} jobs checked")  # fmt: skip
     else:
         say(f"    {MethodPoint(r['method'], r['num_ctas']).label}: bytes pass, {r['jobs_checked']} jobs checked")
+    if r["byte_check"] == "pass" and r["byte_check_note"]:  # a row cut short
+        say(f"    ({r['byte_check_note']})", "yellow")
+
+
+FAILURE_KEYS = ("workload", "shape", "load_mode", "method", "num_ctas", "byte_check_note")
+
+
+class _Results:
+    """What a run has measured so far, and its JSON file (``--json``): rewritten whole, atomically (a temporary file,
+    then a rename: bench.common.results.write_json), after every row, duplex point and case, so that the file always
+    holds every finished row, each finished case's targets and, where the run stopped short, where and why.
+
+    Rows are kept in table order (case, load mode, method point), whatever order they finish in; the relative
+    columns and the run's targets are recomputed over every row at each write."""
+
+    def __init__(self, path: str | None, doc: dict, plan: RunPlan, points: list[MethodPoint], cuda: bool):
+        self.path, self.doc, self.cuda = path, doc, cuda
+        self.rows: list[dict] = []
+        self.duplex: list[dict] = []
+        self.contiguous: dict[str, dict] = {}
+        self.samples: dict[str, dict] = {}
+        self.workloads: dict[str, dict] = {}
+        self.drift: dict[str, dict] = {}
+        self.cases: list[dict] = []
+        self.errors: list[dict] = []  # failures outside a row: a case that stopped, an engine that would not shut down
+        self.fatal: str | None = None
+        self.fatal_at: dict | None = None
+        cases = {c: i for i, c in enumerate(plan.cases)}
+        modes = {m: i for i, m in enumerate(plan.load_modes)}
+        order = {(p.method, p.num_ctas): i for i, p in enumerate(points)}
+        self._key = lambda r: (cases[r["workload"], r["shape"]], modes[r["load_mode"]],
+                               order[r["method"], r["num_ctas"]])  # fmt: skip
+
+    def add_row(self, row: dict) -> None:
+        self.rows.append(row)
+        self.rows.sort(key=self._key)
+        self.write()
+
+    def add_duplex(self, row: dict) -> None:
+        self.duplex.append(row)
+        self.write()
+
+    def targets(self, rows: list[dict], duplex_rows: list[dict]) -> list[dict]:
+        """The targets over ``rows``: where something was timed (never on CPU)."""
+        timed = self.cuda or any(r["step_ms_mean"] is not None for r in rows)
+        return evaluate_targets(rows, duplex_rows) if timed else []
+
+    def failures(self) -> list[dict]:
+        failed = [r for r in self.rows + self.duplex if r["byte_check"] == "fail"]
+        return [{k: r.get(k) for k in FAILURE_KEYS} for r in failed] + self.errors
+
+    def write(self, complete: bool = False) -> None:
+        fill_relative(self.rows, self.contiguous)
+        if self.path:
+            write_json(self.path, {**self.doc, "complete": complete, "workloads": self.workloads, "rows": self.rows,
+                                   "drift": self.drift, "duplex": self.duplex, "contiguous": self.contiguous,
+                                   "samples": self.samples, "cases": self.cases,
+                                   "targets": self.targets(self.rows, self.duplex), "failures": self.failures(),
+                                   "fatal": self.fatal, "fatal_at": self.fatal_at})  # fmt: skip
+
+    def start_case(self, workload: str, shape: str) -> dict:
+        case = {"workload": workload, "shape": shape, "status": "running", "error": None, "rows": 0, "targets": []}
+        self.cases.append(case)
+        self.write()
+        return case
+
+    def end_case(self, case: dict, duplex_rows: list[dict]) -> None:
+        """The case's table and targets, printed and written, from its rows (and the duplex points it measured)."""
+        fill_relative(self.rows, self.contiguous)
+        rows = [r for r in self.rows if (r["workload"], r["shape"]) == (case["workload"], case["shape"])]
+        case["rows"] = len(rows)
+        case["targets"] = self.targets(rows, duplex_rows)
+        if case["status"] == "running":
+            case["status"] = "done"
+        self.write()
+        say(f"{case['workload']}, {case['shape']}: {case['status']}" + (f" ({case['error']})" if case["error"] else ""),
+            "bold green" if case["status"] == "done" else "bold red")  # fmt: skip
+        if rows:
+            print_rows(rows, self.cuda)
+        print_duplex(duplex_rows)
+        if case["targets"]:
+            print_targets(case["targets"])
+
+    def stop(self, case: dict, exc: Exception, env: Env) -> None:
+        """A case that raised: where the CUDA context died (the rest of the run is lost), or an error of the case
+        alone (recorded as a failure; the run goes on)."""
+        case["error"] = _error(exc) if not isinstance(exc, FatalCudaError) else str(exc)
+        if isinstance(exc, FatalCudaError) or not env.alive():
+            case["status"] = "fatal"
+            self.fatal = case["error"]
+            self.fatal_at = getattr(exc, "at", None) or {"workload": case["workload"], "shape": case["shape"]}
+            say(f"FATAL: the CUDA context is unusable after {self.fatal}; stopping, results so far follow", "bold red")
+        else:
+            case["status"] = "error"
+            self.errors.append({**dict.fromkeys(FAILURE_KEYS), "workload": case["workload"], "shape": case["shape"],
+                                "byte_check_note": f"ERROR: the case stopped: {case['error']}"})  # fmt: skip
+            say(f"ERROR: {case['workload']}, {case['shape']} stopped: {case['error']}; going on", "bold red")
 
 
 def main(argv=None) -> int:
@@ -306,125 +435,90 @@ def main(argv=None) -> int:
     except ValueError as exc:
         raise SystemExit(f"bench.serving: {exc}") from None
     points = method_points(plan.methods, plan.triton_ctas)
-    rows, duplex_rows, contiguous, samples, workloads, drift = [], [], {}, {}, {}, {}
     doc = {"benchmark": "serving", "mode": mode, **meta, "args": dict(vars(args)), "preset": args.preset,
            "plan": {"cases": [list(c) for c in plan.cases], "methods": list(plan.methods),
                     "triton_ctas": list(plan.triton_ctas), "load_modes": list(plan.load_modes),
                     "rounds": plan.rounds, "shapes": {n: dataclasses.asdict(s) for n, s in plan.shapes.items()}},
            "load_modes": list(plan.load_modes), "load_mode_sources": LOAD_MODE_SOURCES,
            "submit_timing": SUBMIT_TIMING}  # fmt: skip
-
-    def write(complete: bool, **extra) -> None:
-        if args.json:
-            write_json(args.json, {**doc, "complete": complete, "workloads": workloads, "rows": rows,
-                                   "drift": drift, "duplex": duplex_rows, "contiguous": contiguous,
-                                   "samples": samples, **extra})  # fmt: skip
-
-    fatal = None
-    try:
-        for w, shape in plan.cases:
-            state = (rows, duplex_rows, contiguous, samples, workloads, drift)
-            first_of_workload = next(c for c in plan.cases if c[0] == w) == (w, shape)
-            _run_case(WORKLOADS[w] if cuda else WORKLOADS[w].tiny(), plan, shape, points, env, meta, args, state,
+    results = _Results(args.json, doc, plan, points, cuda)
+    for w, shape in plan.cases:
+        first_of_workload = next(c for c in plan.cases if c[0] == w) == (w, shape)
+        case = results.start_case(w, shape)
+        measured = len(results.duplex)
+        try:
+            _run_case(WORKLOADS[w] if cuda else WORKLOADS[w].tiny(), plan, shape, points, env, meta, args, results,
                       duplex_too=plan.duplex and first_of_workload)  # fmt: skip
-            fill_relative(rows, contiguous)
-            write(False)
-    except FatalCudaError as exc:  # keep what was measured before the context died
-        fatal = str(exc)
-        say(f"FATAL: the CUDA context is unusable after {fatal}; stopping, results so far follow", "bold red")
-    fill_relative(rows, contiguous)
-    print_rows(rows, cuda)
-    print_duplex(duplex_rows)
-    targets = evaluate_targets(rows, duplex_rows) if cuda else []
-    if cuda:
+        except Exception as exc:  # one case's error costs that case's rest; a dead context the run's
+            results.stop(case, exc, env)
+        results.end_case(case, results.duplex[measured:])
+        if results.fatal:
+            break
+    targets = results.targets(results.rows, results.duplex)
+    if len(results.cases) > 1 and targets:  # over every case (each case's own are above)
         print_targets(targets)
-    failed = [r for r in rows + duplex_rows if r["byte_check"] == "fail"]
-    ran = [r for r in rows if r["byte_check"] != "n/a"]
-    na = len(rows) - len(ran)
+    ran = [r for r in results.rows if r["byte_check"] != "n/a"]
+    na = len(results.rows) - len(ran)
+    failures = results.failures()
     say(
         f"{sum(r['byte_check'] == 'pass' for r in ran)} of {len(ran)} runs byte-checked pass"
         + (f" ({na} n/a: cannot run here, not counted)" if na else "")
         + f"; {sum(r['jobs_checked'] or 0 for r in ran)} jobs' bytes checked as they completed"
         + ("" if cuda else "; nothing was timed: this machine has no CUDA device (or --cpu-check)"),
-        style="bold red" if failed else "bold green",
+        style="bold red" if failures or results.fatal else "bold green",
     )
-    failures = [{k: r.get(k) for k in ("workload", "shape", "load_mode", "method", "num_ctas", "byte_check_note")}
-                for r in failed]  # fmt: skip
-    write(fatal is None, targets=targets, failures=failures, fatal=fatal)
+    results.write(complete=results.fatal is None)
     if args.json:
         say(f"wrote {args.json}")
     if args.plot:
-        why = plot_serving(samples, contiguous, args.plot, f"{meta['device']} -- triton-offload serving step loop")
+        why = plot_serving(results.samples, results.contiguous, args.plot,
+                           f"{meta['device']} -- triton-offload serving step loop")  # fmt: skip
         say(why or f"wrote {args.plot}")
-    return 1 if failed or fatal else 0
+    return 1 if failures or results.fatal else 0
 
 
-def _run_case(w, plan: RunPlan, shape_name: str, points, env, meta, args, state, duplex_too: bool) -> None:
-    """Every load mode, round and method on one workload in one shape (then its duplex figure), into ``state``."""
-    rows, duplex_rows, contiguous, samples, workloads, drift = state
+def _run_case(w, plan: RunPlan, shape_name: str, points, env, meta, args, results: _Results, duplex_too: bool) -> None:
+    """Every load mode, round and method on one workload in one shape (then its duplex figure), into ``results``:
+    each (load mode, point)'s row as soon as its last run is done (or it failed, or cannot run here). A point's error
+    is its row's; a FatalCudaError (the CUDA context died) first writes a row for every point that ran in the load
+    mode so far (their runs until then: ``rounds`` says how many, ``byte_check_note`` that the row was cut short),
+    then propagates with where it happened (``exc.at``)."""
     cuda, name, shape = env.cuda, w.name, plan.shape(shape_name)
     say(f"{name}, {shape_name}: {w.model.source}; {shape.prefill} prefill + {shape.decode} decode tokens per step"
         + (f", each decode reading {shape.context} tokens of KV" if shape.context else ""))  # fmt: skip
+    where = {"workload": name, "shape": shape_name}
     setup = setup_workload(w, args.layout, shape, env, args.seed)
     engines = _Engines(setup, env)
     try:
-        entry = workloads.setdefault(name, {"model": dataclasses.asdict(w.model),
-                                            "bytes_per_block": setup.spec.bytes_per_block, "sizes": {}})  # fmt: skip
+        model = dataclasses.asdict(w.model)
+        entry = results.workloads.setdefault(name, {"model": model, "bytes_per_block": setup.spec.bytes_per_block,
+                                                    "sizes": {}})  # fmt: skip
         entry["sizes"][shape_name] = dataclasses.asdict(setup.sizes)
         nbytes = setup.sizes.prefix_blocks * setup.spec.bytes_per_block
         case = f"{name}/{shape_name}"  # the shapes' prefixes differ in size
         if cuda:
-            contiguous[case] = contiguous_load(setup, nbytes, CONTIGUOUS_REPEATS)
-            say(f"  contiguous pinned copy of one prefix ({nbytes / 2**20:.0f} MiB): {contiguous[case]}")
+            results.contiguous[case] = contiguous_load(setup, nbytes, CONTIGUOUS_REPEATS)
+            say(f"  contiguous pinned copy of one prefix ({nbytes / 2**20:.0f} MiB): {results.contiguous[case]}")
         order = schedule(points, plan.rounds)
-        last_run = {p: i for i, (p, _) in enumerate(order)}
         for mode in plan.load_modes:
-            runs: dict[MethodPoint, list[LoopRun]] = collections.defaultdict(list)
-            problems: dict[MethodPoint, str] = {}
-            impls: dict[MethodPoint, str] = {}
-            for i, (point, rnd) in enumerate(order):
-                if point in problems or point in engines.unavailable:
-                    continue
-                say(f"  {name}/{shape_name}/{mode} round {rnd + 1}: {point.label}")
-                # The byte-exact check of the final state: every run without CUDA; on a GPU a point's last run (in
-                # the last mode), the per-job checks having seen every job of every run.
-                exact = not cuda or (mode == plan.load_modes[-1] and i == last_run[point])
-                run, problem, impl = _run_point(engines, point, mode, args.defer_stores, exact)
-                impls[point] = impl
-                if run is None and problem is None:
-                    engines.unavailable[point] = impl
-                    continue
-                if problem is not None:
-                    problems[point] = problem
-                    say(f"    FAIL: {problem}", "bold red")
-                    continue
-                runs[point].append(run)
-            group = f"{name}/{shape_name}/{mode}"
-            # Nothing is timed without CUDA: no drift either.
-            drift[group] = drift_of(runs.get(MethodPoint("none"), []) if cuda else [])
-            for point in points:
-                impl = engines.unavailable.get(point) or impls.get(point, METHODS[point.method].describe)
-                row = _row(setup, point, mode, meta["device"], args, impl, problems.get(point), runs.get(point, []))
-                if point.method == "none" and row["step_ms_mean"] is not None:
-                    row["drift_vs_none"] = drift[group]["drift_vs_none"]
-                rows.append(row)
-                _say_row(row)
-                if cuda and point not in problems and runs.get(point):
-                    samples.setdefault(group, {})[point.label] = {
-                        "step_ms": [round(r.step_s * 1e3, 4) for run in runs[point] for r in run.records],
-                        "load_step": [int(r.load_step) for run in runs[point] for r in run.records],
-                        "run": [k for k, run in enumerate(runs[point]) for _ in run.records],
-                        "load_latency_ms": [round(ld.latency_s * 1e3, 4) for run in runs[point]
-                                            for ld in run.loads.values() if ld.measured and ld.latency_s is not None],
-                    }  # fmt: skip
+            _run_mode(setup, engines, order, plan, mode, points, meta, args, results)
         if duplex_too:
             for point in DUPLEX_POINTS:
                 if point in points:
-                    gbps = contiguous.get(case, {}).get("gbps")
-                    duplex_rows.append(_duplex_row(setup, point, env, args.duplex_repeats, gbps))
+                    gbps = results.contiguous.get(case, {}).get("gbps")
+                    try:
+                        row = _duplex_row(setup, point, env, args.duplex_repeats, gbps)
+                    except FatalCudaError as exc:
+                        _locate(exc, **where, during="duplex", method=point.method, num_ctas=point.num_ctas)
+                        raise
+                    results.add_duplex(row)
     finally:
         try:
-            engines.close()
+            for point, error in engines.close():  # each engine's error its own failure; the case's rows stand
+                results.errors.append({**dict.fromkeys(FAILURE_KEYS), **where, "method": point.method,
+                                       "num_ctas": point.num_ctas,
+                                       "byte_check_note": f"ERROR at shutdown: {error}"})  # fmt: skip
+                say(f"  FAIL: {point.label}'s shutdown: {error}", "bold red")
         finally:
             try:
                 setup.close()
@@ -433,6 +527,79 @@ def _run_case(w, plan: RunPlan, shape_name: str, points, env, meta, args, state,
             except RuntimeError:  # a dead context fails every sync: the FatalCudaError in flight says why
                 if env.alive():
                     raise
+
+
+def _run_mode(setup: Setup, engines: _Engines, order, plan: RunPlan, mode: str, points, meta, args, results) -> None:
+    """One load mode of a case: ``order``'s runs, each point's row written as soon as it is done."""
+    cuda, name, shape_name = setup.cuda, setup.workload.name, setup.shape.name
+    group = f"{name}/{shape_name}/{mode}"
+    last_run = {p: i for i, (p, _) in enumerate(order)}
+    planned = collections.Counter(p for p, _ in order)
+    runs: dict[MethodPoint, list[LoopRun]] = collections.defaultdict(list)
+    problems: dict[MethodPoint, str] = {}
+    impls: dict[MethodPoint, str] = {}
+    pending = list(points)
+
+    def finish(point: MethodPoint, note: str | None = None) -> None:
+        """The point's row in this mode, written."""
+        pending.remove(point)
+        # Nothing is timed without CUDA: no drift either.
+        results.drift[group] = drift_of(runs.get(MethodPoint("none"), []) if cuda else [])
+        impl = engines.unavailable.get(point) or impls.get(point, METHODS[point.method].describe)
+        row = _row(setup, point, mode, meta["device"], args, impl, problems.get(point), runs.get(point, []), note)
+        if point.method == "none" and row["step_ms_mean"] is not None:
+            row["drift_vs_none"] = results.drift[group]["drift_vs_none"]
+        if cuda and point not in problems and runs.get(point):
+            results.samples.setdefault(group, {})[point.label] = {
+                "step_ms": [round(r.step_s * 1e3, 4) for run in runs[point] for r in run.records],
+                "load_step": [int(r.load_step) for run in runs[point] for r in run.records],
+                "run": [k for k, run in enumerate(runs[point]) for _ in run.records],
+                "load_latency_ms": [round(ld.latency_s * 1e3, 4) for run in runs[point]
+                                    for ld in run.loads.values() if ld.measured and ld.latency_s is not None],
+            }  # fmt: skip
+        results.add_row(row)
+        _say_row(row)
+
+    point, rnd = None, None
+    try:
+        for i, (point, rnd) in enumerate(order):
+            if point not in pending:  # done, failed in this mode
+                continue
+            if point in engines.unavailable:  # found unable to run here in an earlier mode
+                finish(point)
+                continue
+            say(f"  {group} round {rnd + 1}: {point.label}")
+            # The byte-exact check of the final state: every run without CUDA; on a GPU a point's last run (in
+            # the last mode), the per-job checks having seen every job of every run.
+            exact = not cuda or (mode == plan.load_modes[-1] and i == last_run[point])
+            try:
+                run, problem, impl = _run_point(engines, point, mode, args.defer_stores, exact)
+            except FatalCudaError as exc:
+                problems[point] = f"FATAL: the CUDA context died: {exc}"
+                _locate(exc, workload=name, shape=shape_name, load_mode=mode, method=point.method,
+                        num_ctas=point.num_ctas, round=rnd + 1, during="loop")  # fmt: skip
+                raise
+            impls[point] = impl
+            if run is None and problem is None:
+                engines.unavailable[point] = impl
+                finish(point)
+            elif problem is not None:
+                problems[point] = problem
+                say(f"    FAIL: {problem}", "bold red")
+                finish(point)
+            else:
+                runs[point].append(run)
+                if i == last_run[point]:
+                    finish(point)
+    except Exception as exc:  # keep what ran: each point that ran gets its row, cut short
+        stopped = f"{point.label}, round {rnd + 1}" if point is not None else "its start"
+        for p in [p for p in pending if p in problems or runs.get(p)]:
+            cut = None if p in problems else (f"cut short: {len(runs[p])} of {planned[p]} runs in this load mode; "
+                                              f"the run stopped at {stopped}: {_error(exc)}")  # fmt: skip
+            finish(p, cut)
+        raise
+    for p in list(pending):  # none left in a full run; kept so every point has its row
+        finish(p)
 
 
 if __name__ == "__main__":
