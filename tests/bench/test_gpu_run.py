@@ -23,6 +23,7 @@ import pytest
 
 from bench.common import results
 from bench.serving import config as serving_config
+from bench.serving import report as serving_report
 from tools.gpu import parts, plan, run, summary
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -462,8 +463,9 @@ def _targets(m, tmp_path, docs: dict[str, tuple[str, object]]) -> dict[str, dict
 
 def test_verdicts_come_from_the_stage_files(m, tmp_path):
     ok = {"tests/a.py::t1": None, "tests/b.py::t2": None}
-    serving_targets = [m.results.target_result("step within 2%", [(0.01, "w1"), (0.03, "w2")], lambda v: v <= 0.02,
-                                               False)]  # fmt: skip
+    # The serving benchmark's own targets (name, verdict), as its JSON carries them.
+    cases = [serving_report.Case(0.01, "w1"), serving_report.Case(0.03, "w2")]
+    serving_targets = [serving_report.target("step within 2%", cases, 0.02, relative=False)]
     t = _targets(m, tmp_path, {
         "gpu-tests": ("pytest", (ok,)),
         "gpu-tests-slow": ("pytest", ({"tests/c.py::t3": None},)),
@@ -487,6 +489,30 @@ def test_verdicts_come_from_the_stage_files(m, tmp_path):
     serving = t["serving"]
     assert serving["target"] == "serving (serving): step within 2%"
     assert serving["verdict"] == "miss" and serving["worst"] == 0.03 and serving["where"] == "w2"
+
+
+def test_a_serving_run_cut_short_gives_its_targets_and_says_where_it_stopped(m, tmp_path):
+    """A serving JSON whose run was cut short (complete false: a CUDA context that died in its second case) still
+    gives the targets over the rows it finished, each saying how many cases ended and where the context died; the
+    stage's figures give each case's status."""
+    cases = [serving_report.Case(1.05, "llama3-70b-tp8/decode-heavy/sync")]
+    at = {"workload": "llama3-8b", "shape": "decode-heavy", "load_mode": "async", "method": "vllm_native",
+          "num_ctas": None, "round": 1, "during": "loop"}  # fmt: skip
+    doc = {"mode": "gpu", "complete": False, "fatal": "vllm_native on llama3-8b: RuntimeError: illegal address",
+           "fatal_at": at, "plan": {"cases": [["llama3-70b-tp8", "decode-heavy"], ["llama3-8b", "decode-heavy"],
+                                              ["llama3-8b", "prefill-heavy"]]},
+           "cases": [{"workload": "llama3-70b-tp8", "shape": "decode-heavy", "status": "done"},
+                     {"workload": "llama3-8b", "shape": "decode-heavy", "status": "fatal"}],
+           "rows": [{"byte_check": "pass"}, {"byte_check": "fail"}], "failures": [{"method": "vllm_native"}],
+           "targets": [serving_report.target("load within 1.15x", cases, 1.15)]}  # fmt: skip
+    t = _targets(m, tmp_path, {"serving": ("serving", doc)})["serving"]
+    assert t["target"] == "serving (serving): load within 1.15x" and t["verdict"] == "pass" and t["worst"] == 1.05
+    assert t["detail"].endswith(f" [run cut short: 1 of 3 cases ended; the CUDA context died at {at}]"), t
+    path = tmp_path / "serving.json"
+    figures = m.summary.stage_figures("serving", {"json": path})
+    assert figures["cases"] == {"llama3-70b-tp8/decode-heavy": "done", "llama3-8b/decode-heavy": "fatal"}
+    assert figures["fatal_at"] == at and figures["failures"] == 1 and figures["not_pass"] == 1
+    assert figures["own_targets"] == {"pass": 1} and figures["complete"] is False
 
 
 def test_verdicts_pass_when_the_files_say_so(m, tmp_path):

@@ -4,7 +4,8 @@ JSON and JUnit XML), never written by hand.
 
 Stdlib only. The transfer targets use bench/common/results.py's ``by_case`` and ``target_result`` (as
 bench/transfer/summary.py's do); the serving targets are the serving benchmark's own ``targets`` list, as its JSON
-carries them.
+carries them (bench/serving/report.py's ``target``: ``name`` and ``verdict``), over every row it finished: a serving
+run cut short (``complete`` false) says how many of its cases ended.
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ def stage_figures(kind: str, files: dict[str, pathlib.Path]) -> dict:
     out = {"complete": doc.get("complete"), "mode": doc.get("mode"), "device": doc.get("device"),
            "rows": len(doc.get("rows") or []), "not_pass": _not_pass(doc), "fatal": doc.get("fatal"),
            "own_targets": _counts(doc.get("targets") or [])}  # fmt: skip
+    if kind == "serving":  # per case (workload/shape) how it ended, and where the CUDA context died, if it did
+        out["cases"] = {f"{c.get('workload')}/{c.get('shape')}": c.get("status") for c in doc.get("cases") or []}
+        out["fatal_at"] = doc.get("fatal_at")
+        out["failures"] = len(doc.get("failures") or [])
     if kind == "launch-shape":
         out["launch_shape"] = launch_shape(doc.get("rows") or [], doc.get("default_num_ctas"))
     return out
@@ -158,7 +163,8 @@ def _not_pass(doc: dict) -> int:
 def _counts(targets: list[dict]) -> dict:
     out: dict[str, int] = {}
     for t in targets:
-        verdict = VERDICTS.get(t.get("result"), str(t.get("result")))
+        result = t.get("result", t.get("verdict"))  # target_result's key, or the serving benchmark's
+        verdict = VERDICTS.get(result, str(result))
         out[verdict] = out.get(verdict, 0) + 1
     return out
 
@@ -336,14 +342,26 @@ def _integrity_targets(transfers: list[dict], call_costs: list[dict]) -> list[di
 
 
 def _serving_targets(stages: list[dict]) -> list[dict]:
+    """The serving JSONs' own targets (bench/serving/report.py's: ``name``, ``verdict`` PASS / FAIL / n/a, ``worst``,
+    ``where``, ``detail``), over every row each run finished; a run cut short says so in each detail."""
     out = []
     for s in stages:
         doc = _load_json(s["files"].get("json"))
         if doc is None or doc.get("mode") != "gpu" or not doc.get("targets"):
             continue
+        cut = ""
+        if not doc.get("complete"):
+            cases = doc.get("cases") or []
+            ended = sum(c.get("status") == "done" for c in cases)
+            planned = len((doc.get("plan") or {}).get("cases") or cases)
+            cut = f" [run cut short: {ended} of {planned} cases ended" + (
+                f"; the CUDA context died at {doc['fatal_at']}]" if doc.get("fatal_at") else "]"
+            )
         for t in doc["targets"]:
-            entry = _entry(t, [s["stage"]])
-            entry["target"] = f"serving ({s['stage']}): {t['target']}"
+            name = t.get("name", t.get("target"))
+            entry = _entry({**t, "target": name, "result": t.get("verdict", t.get("result"))}, [s["stage"]])
+            entry["target"] = f"serving ({s['stage']}): {name}"
+            entry["detail"] += cut
             out.append(entry)
     if not out:
         why = "no GPU serving JSON with targets in this run"
