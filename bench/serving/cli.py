@@ -128,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-check", action="store_true", help="the CPU mode (tiny shapes, nothing timed) even with CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--integrity", action="store_true", help="also run triton_integrity (triton with the integrity "
-                   "checks, docs/integrity.md) after the methods: their cost per step, beside triton's")  # fmt: skip
+                   "checks, docs/integrity.md) after the methods (before vllm_native, last in every round): their cost "
+                   "per step, beside triton's")  # fmt: skip
     args = p.parse_args(argv)
     unknown = [w for w in args.workloads or () if w not in SERVING_WORKLOADS]
     if unknown:
