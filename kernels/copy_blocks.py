@@ -2,7 +2,7 @@
 (a store) or scatters them back (a load), with what it reads built here: the segment table, the id buffer packed from
 a :class:`~triton_offload.plan.TransferPlan`, and the launch shape of a :class:`LaunchTuning`. docs/design.md
 (section 5) explains the decomposition, the addressing and the performance model behind the constants;
-:mod:`triton_offload.kernel_issuer` derives all of it once per spec and issues plans.
+:mod:`triton_offload.issuers` derives all of it once per spec and issues plans.
 """
 
 from __future__ import annotations

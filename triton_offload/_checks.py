@@ -19,7 +19,8 @@ __all__ = [
 ]
 
 _DIGITS = re.compile(r"\s*[0-9]+\s*")
-# How a transfer may move (triton_offload/path_choice.py): chosen per call, the Triton kernel, the copy engines.
+# How a transfer may move: chosen per call (triton_offload/path_choice.py), or a path of triton_offload/issuers/
+# (the Triton kernel, the copy engines).
 TRANSFER_PATHS = ("auto", "kernel", "dma")
 AUTO, KERNEL, DMA = TRANSFER_PATHS
 # How a kernel launch picks its programs (triton_offload/kernels/copy_blocks.py explains both).
@@ -63,9 +64,10 @@ def int_in_range(value, name: str, low: int, high: int | None = None) -> int:
     return int(value)
 
 
-def transfer_path(value, name: str = "path") -> str:
-    """``value`` if it is one of :data:`TRANSFER_PATHS`; else a ``ValueError`` naming ``name`` and listing them."""
-    return _one_of(value, name, TRANSFER_PATHS)
+def transfer_path(value, name: str = "path", choices: tuple[str, ...] = TRANSFER_PATHS) -> str:
+    """``value`` if it is one of ``choices`` (default :data:`TRANSFER_PATHS`; an engine's are ``auto`` and its
+    issuers' paths); else a ``ValueError`` naming ``name`` and listing them."""
+    return _one_of(value, name, choices)
 
 
 def launch_shape(value, name: str = "launch_shape") -> str:

@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from triton_offload._checks import DMA, KERNEL
-from triton_offload.dma import DmaIssuer
 from triton_offload.fast_launch import canary_spec
-from triton_offload.issuer import Issuer
-from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
+from triton_offload.issuers.base import Issuer, IssuerContext
+from triton_offload.issuers.factory import PATHS, build_issuers
+from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.path_choice import Calibration, fit
 from triton_offload.plan import Direction, TransferPlanner
 from triton_offload.staging import IdStager
 
-__all__ = ["calibrate", "path_issuers", "calibration_transfers", "sleep_cycles_per_us"]
+__all__ = ["calibrate", "canary_issuers", "calibration_transfers", "sleep_cycles_per_us"]
 
 # Canary bytes (GPU, and as much pinned host memory) a calibration may allocate: the live KV cache already holds
 # most of the device's memory when a worker starts.
@@ -93,10 +93,16 @@ def calibration_transfers(num_groups: int, blocks_per_host_block: int, n_max: in
             yield n, contiguous, g, h, (None if num_groups == 1 else sizes)
 
 
-def path_issuers(launcher: CopyLauncher, num_ctas: int | None = None, dma: bool = True) -> IssuersFor:
-    """The engine's two paths over a canary: the kernel with ``launcher``'s launch shapes and, where it has them,
-    its proven direct launches (as live calls launch), with the programs the engine's launches pass (``num_ctas``,
-    already resolved under its launch shape from the real caches' page runs), and with ``dma`` the copy engines."""
+def canary_issuers(
+    launcher: CopyLauncher,
+    num_ctas: int | None = None,
+    paths: Sequence[str] = (KERNEL, DMA),
+    builders: Mapping[str, Callable[[IssuerContext], Issuer]] = PATHS,
+) -> IssuersFor:
+    """The issuers of ``paths`` (built by ``builders``, :data:`~triton_offload.issuers.factory.PATHS`) over a canary:
+    the kernel's with ``launcher``'s launch shapes and, where it has them, its proven direct launches (as live calls
+    launch), passing the programs the engine's launches pass (``num_ctas``, already resolved under its launch shape
+    from the real caches' page runs)."""
 
     def issuers_for(canary: KVCacheSpec, host: torch.Tensor, stream: torch.cuda.Stream) -> dict[str, Issuer]:
         checksums = None
@@ -108,12 +114,9 @@ def path_issuers(launcher: CopyLauncher, num_ctas: int | None = None, dma: bool 
             kernel.set_direct(d, launcher.direct(d))
             if launcher.integrity:
                 kernel.set_direct(d, launcher.direct(d, copy=False), copy=False)
-        kernel_issuer = KernelIssuer(kernel, IdStager(canary.device, stream), num_ctas)
-        out: dict[str, Issuer] = {KERNEL: kernel_issuer}
-        if dma:
-            checker = kernel_issuer if launcher.integrity else None
-            out[DMA] = DmaIssuer(canary, host, launcher.blocks_per_host_block, checker=checker)
-        return out
+        ctx = IssuerContext(canary, host, launcher.blocks_per_host_block, kernel, IdStager(canary.device, stream),
+                            num_ctas)  # fmt: skip
+        return build_issuers(ctx, paths, builders)
 
     return issuers_for
 
@@ -124,8 +127,8 @@ def calibrate(
     """Measures the issuers ``issuers_for`` builds over canary blocks shaped like ``spec`` (CUDA) and fits a
     :class:`~triton_offload.path_choice.PathModel` per path and direction.
 
-    An issuer whose cost does not depend on where the blocks are (it issues no descriptors: the kernel) is measured
-    at random ids only. ``note`` says why a path is missing, for the log.
+    An issuer whose cost does not depend on where the blocks are (it issues no copies of its own: the kernel) is
+    measured at random ids only. ``note`` says why a path is missing, for the log.
     """
     t_start = time.perf_counter()
     f = blocks_per_host_block
@@ -145,14 +148,14 @@ def calibrate(
             for direction in Direction:
                 plan = planner.plan(g, h, direction=direction, group_sizes=sizes)
                 for path, issuer in issuers.items():
-                    descriptors = issuer.descriptors(plan)
-                    if contiguous and not descriptors:
+                    copies = issuer.copies(plan)
+                    if contiguous and not copies:
                         continue
                     issue = lambda i=issuer, p=plan: i.issue(p, stream)  # noqa: E731
                     gpu_s, host_s = _measure(issue, issuer.release, stream, cycles)
                     points.append(
                         dict(path=path, direction=str(direction), blocks=n, contiguous=contiguous,
-                             bytes=plan.num_bytes, descriptors=descriptors, gpu_s=gpu_s, host_s=host_s)
+                             bytes=plan.num_bytes, descriptors=copies, gpu_s=gpu_s, host_s=host_s)
                     )  # fmt: skip
     stream.synchronize()
     return Calibration(fit(points), time.perf_counter() - t_start, tuple(points), note)

@@ -1,6 +1,6 @@
 """The CUDA driver's ``cuMemcpyBatchAsync`` through ctypes, for the copy-engine transfer path
-(:mod:`triton_offload.dma`): it loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call over
-arrays built beforehand, the driver's own cost as a C++ caller such as vLLM pays it. The entry point's ABI changed
+(:mod:`triton_offload.issuers.dma`): it loads ``libcuda.so.1`` itself (no cuda-python), so a batch is one ctypes call
+over arrays built beforehand, the driver's own cost as a C++ caller such as vLLM pays it. The entry point's ABI changed
 between CUDA 12.8 and 13.0 (:data:`BATCH_ABIS`; docs/design.md, "The copy-engine path and auto");
 bench/baselines/driver.py adds what only the benchmark's baselines use.
 """

@@ -1,27 +1,25 @@
 """Worker-side transfer engine: a store or load is planned (:mod:`triton_offload.plan`), its path chosen
-(:mod:`triton_offload.path_choice`), issued (the kernel, :mod:`triton_offload.kernel_issuer`, or the copy engines,
-:mod:`triton_offload.dma`) and tracked to completion on a side stream per lane (:mod:`triton_offload.jobs`): stores,
-loads, and expedited loads. Everything that does not change per call is built and checked once, at construction. With
-the integrity checks, every transfer also checksums the blocks it moves (docs/integrity.md).
+(:mod:`triton_offload.path_choice`), issued by that path's issuer (:mod:`triton_offload.issuers`) and tracked to
+completion on a side stream per lane (:mod:`triton_offload.jobs`): stores, loads, and expedited loads. Everything that
+does not change per call is built and checked once, at construction. With the integrity checks, every transfer also
+checksums the blocks it moves (docs/integrity.md).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
 from triton_offload import integrity as _integrity
-from triton_offload._checks import AUTO, DMA, KERNEL, int_in_range, transfer_path
+from triton_offload._checks import AUTO, KERNEL, int_in_range, transfer_path
 from triton_offload._checks import launch_shape as check_launch_shape
-from triton_offload.calibrate import calibrate, path_issuers
-from triton_offload.cuda_driver import CudaError
-from triton_offload.dma import DmaIssuer
-from triton_offload.fast_launch import DIRECT, enable_fast_launch, fast_launch_default
-from triton_offload.issuer import Issuer
+from triton_offload.calibrate import calibrate, canary_issuers
+from triton_offload.issuers.base import Issuer, IssuerContext
+from triton_offload.issuers.factory import PATHS, PathUnavailable, describe_launch_paths, kernel_launcher
 from triton_offload.jobs import JobResult, JobTracker
-from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.path_choice import Calibration, cheapest
 from triton_offload.plan import BlockIds, Direction, TransferPlan, TransferPlanner, check_host_buffer
@@ -58,8 +56,9 @@ class TransferEngine:
             transfer at creation proves it moves the same bytes (:mod:`triton_offload.fast_launch`); None follows
             ``TRITON_OFFLOAD_FAST_LAUNCH`` (on unless it is ``0``). ``launch_paths`` says what each direction uses.
         path: how transfers move: ``"kernel"`` (the Triton kernel), ``"dma"`` (one ``cuMemcpyBatchAsync`` of
-            coalesced descriptors, :mod:`triton_offload.dma`) or ``"auto"`` (per call, the one a calibration made now
-            predicts faster, :mod:`triton_offload.path_choice`). None: ``"auto"`` on CUDA, ``"kernel"`` on CPU.
+            coalesced descriptors, :mod:`triton_offload.issuers.dma`), another path of ``issuers``, or ``"auto"`` (per
+            call, the one a calibration made now predicts fastest, :mod:`triton_offload.path_choice`). None:
+            ``"auto"`` on CUDA, ``"kernel"`` on CPU.
         calibration: for ``"auto"``, use this :class:`~triton_offload.path_choice.Calibration` instead of measuring
             one (required on CPU, where nothing can be measured).
         integrity: ``"off"`` (the default), ``"verify"`` or ``"require"`` (:data:`triton_offload.integrity.
@@ -67,10 +66,15 @@ class TransferEngine:
             checks it; a load's result says which blocks failed (:meth:`load_failures`). docs/integrity.md.
         checksums: the checksum table, int64 host memory ``(num_host_blocks, 1 + blocks_per_host_block)`` (pinned on
             CUDA; e.g. :attr:`triton_offload.host_cache.HostCache.checksums`); required with the checks.
+        issuers: the transfer paths by name, each a builder of its issuer from an
+            :class:`~triton_offload.issuers.base.IssuerContext` (one per lane); None:
+            :data:`triton_offload.issuers.factory.PATHS`. ``auto`` chooses among those that can run here.
+        tracker: the :class:`~triton_offload.jobs.JobTracker` of :data:`LANES` to run the jobs on (tests pass one
+            over a stand-in for ``torch.cuda``); None: one on the caches' device.
 
     Raises:
-        ValueError: a bad argument, ``"dma"`` where the driver has no ``cuMemcpyBatchAsync``, or ``"auto"`` on CPU
-            without a calibration.
+        ValueError: a bad argument, a path that cannot run here asked for by name (``"dma"`` where the driver has no
+            ``cuMemcpyBatchAsync``), or ``"auto"`` on CPU without a calibration.
     """
 
     def __init__(
@@ -86,6 +90,8 @@ class TransferEngine:
         calibration: Calibration | None = None,
         integrity: str = _integrity.OFF,
         checksums: torch.Tensor | None = None,
+        issuers: Mapping[str, Callable[[IssuerContext], Issuer]] | None = None,
+        tracker: JobTracker | None = None,
     ):
         self.kv = kv
         self.host_buffer = host_buffer
@@ -101,13 +107,22 @@ class TransferEngine:
         self.num_ctas = None if num_ctas is None else int_in_range(num_ctas, "num_ctas", 1)
         self.launch_shape = check_launch_shape(launch_shape)
         self.cuda = kv.device.type == "cuda"
-        self.path = transfer_path(path if path is not None else AUTO if self.cuda else KERNEL)
+        builders = dict(PATHS if issuers is None else issuers)
+        self.path = transfer_path(
+            path if path is not None else AUTO if self.cuda else KERNEL, choices=(AUTO, *builders)
+        )
         self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
         # Test and profiling hook: trace(step) is called at each step of a submission (bench/micro/call_cost.py).
         self.trace = None
-        self._launcher = self._kernel_launcher(fast_launch)
-        dma = self._copy_engines() if self.path != KERNEL else None
-        self.calibration = self._calibration(calibration, dma) if self.path == AUTO else None
+        # The kernel's launcher for both directions, its tables and shapes built now, on the caller's stream and
+        # synchronously, rather than by the first job on whichever side stream it runs (the other stream would read
+        # them unordered); launching directly where a canary proves it (the verdicts in ``launch_paths``). The kernel
+        # launches of every path (the copy engines' checks too) and the calibration pass the same programs.
+        kernel = kernel_launcher(kv, host_buffer, self.blocks_per_host_block, checksums=self.checksums,
+                                 num_ctas=self.num_ctas, launch_shape=self.launch_shape,
+                                 fast_launch=fast_launch)  # fmt: skip
+        self._launcher, self._kernel_ctas, self.launch_paths = kernel
+        logger.info("triton-offload engine: %s", describe_launch_paths(self.launch_paths))
         # Chosen once here: a store lane, a load lane and an expedited-load lane, so loads (on the critical path of a
         # request waiting for its prefix) never queue behind a long store, and a load the step waits for (expedited)
         # never queues behind earlier asynchronous loads.
@@ -120,8 +135,12 @@ class TransferEngine:
         # overwrite the block while the store reads it, and the host block would hold a mix of two requests' KV,
         # loaded later as a hit. Guarded here too, cheaply: a load into a block a pending store of this engine reads
         # waits for that store on the device (_stores_reading, tests/unit/test_engine_lanes.py).
-        self._tracker = JobTracker(kv.device, LANES, name="the transfer engine")
-        self._issuers = {lane: self._lane_issuers(lane, dma) for lane in LANES}
+        self._tracker = JobTracker(kv.device, LANES, name="the transfer engine") if tracker is None else tracker
+        # Paths that cannot run here (auto goes on without them), with why.
+        self._unavailable: dict[str, str] = {}
+        paths = tuple(builders) if self.path == AUTO else (self.path,)
+        self._issuers = {lane: self._lane_issuers(lane, paths, builders) for lane in LANES}
+        self.calibration = self._calibration(calibration, builders) if self.path == AUTO else None
         # Per GPU block, the sequence number of the last store that reads it (0: none); the pending stores by number;
         # the highest number reported complete (a lane completes in order, so every lower one is complete too).
         self._store_reads = np.zeros(kv.num_blocks, dtype=np.int64)
@@ -133,48 +152,40 @@ class TransferEngine:
         self._path_totals: dict[tuple[Direction, str], list] = {}
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _kernel_launcher(self, fast_launch: bool | None) -> CopyLauncher:
-        """The kernel's launcher for both directions, launching directly where a canary proves it (the verdicts go to
-        ``launch_paths``). Its segment tables and launch shapes are built now, on the caller's stream and
-        synchronously, rather than by the first job on whichever side stream it runs: the other stream would read
-        them unordered."""
-        launcher = CopyLauncher(self.kv, self.host_buffer, self.blocks_per_host_block, checksums=self.checksums)
-        # The programs every kernel launch of this engine passes (num_ctas under the launch shape), resolved once for
-        # the live issuers, the direct launches and the calibration alike.
-        self._kernel_ctas = launcher.ctas(self.num_ctas, self.launch_shape)
-        if fast_launch is None:
-            fast_launch = fast_launch_default()
-        if fast_launch:
-            self.launch_paths = enable_fast_launch(launcher, self._kernel_ctas)
-        else:
-            self.launch_paths = {d: "turned off" for d in launcher.directions}
-        logger.info(
-            "triton-offload engine: store launches %s, load launches %s",
-            *(("direct" if v == DIRECT else f"through Triton's dispatch ({v})") for v in self.launch_paths.values()),
-        )
-        return launcher
+    def _lane_issuers(self, lane, paths, builders) -> dict[str, Issuer]:
+        """The issuers of one lane's jobs, in the builders' order (the kernel first: it wins ties). Id slots are
+        allocated on the lane's stream: if a job fails and its slot is dropped, the caching allocator hands that
+        memory out again only in that stream's order, after the queued copy."""
+        stager = IdStager(self.kv.device, self._tracker.streams[lane]) if self.cuda else None
+        ctx = IssuerContext(self.kv, self.host_buffer, self.blocks_per_host_block, self._launcher, stager,
+                            self._kernel_ctas)  # fmt: skip
+        out: dict[str, Issuer] = {}
+        for path in paths:
+            if path in self._unavailable:
+                continue
+            try:
+                out[path] = builders[path](ctx)
+            except PathUnavailable as e:
+                if self.path != AUTO:
+                    raise ValueError(f"transfer path {path!r} cannot run here: {e}") from e
+                logger.warning("triton-offload engine: no %r path (%s): 'auto' goes on without it", path, e)
+                self._unavailable[path] = f"no {path!r} path: {e}"
+        if not out:
+            raise ValueError(f"no transfer path can run here: {'; '.join(self._unavailable.values())}")
+        return out
 
-    def _copy_engines(self) -> DmaIssuer | None:
-        """The copy-engine path, or None (with ``path="auto"``: every call takes the kernel) when the driver cannot."""
-        try:
-            return DmaIssuer(self.kv, self.host_buffer, self.blocks_per_host_block)
-        except CudaError as e:
-            if self.path == DMA:
-                raise ValueError(f"transfer path 'dma' needs cuMemcpyBatchAsync (CUDA >= 12.8): {e}") from e
-            logger.warning("triton-offload engine: no copy-engine path (%s): 'auto' takes the kernel for every call", e)
-            self._no_dma = f"no copy-engine path: {e}"
-            return None
-
-    def _calibration(self, calibration: Calibration | None, dma: DmaIssuer | None) -> Calibration:
-        """The given calibration, or one measured now on canary blocks of this engine's layout (CUDA)."""
+    def _calibration(self, calibration: Calibration | None, builders) -> Calibration:
+        """The given calibration, or one measured now on canary blocks of this engine's layout (CUDA), of every path
+        that can run here."""
         if calibration is None:
             if not self.cuda:
                 raise ValueError(
-                    "transfer path 'auto' calibrates both paths on the GPU: on CPU choose 'kernel' or 'dma', or pass "
-                    "a calibration"
+                    "transfer path 'auto' calibrates the paths on the GPU: on CPU choose one by name, or pass a "
+                    "calibration"
                 )
-            issuers_for = path_issuers(self._launcher, self._kernel_ctas, dma=dma is not None)
-            note = None if dma is not None else self._no_dma
+            paths = [p for p in builders if p not in self._unavailable]
+            issuers_for = canary_issuers(self._launcher, self._kernel_ctas, paths, builders)
+            note = "; ".join(self._unavailable.values()) or None
             calibration = calibrate(self.kv, self.blocks_per_host_block, issuers_for, note)
         logger.info(
             "triton-offload engine: transfer path auto, calibrated in %.3f s: %s",
@@ -182,22 +193,6 @@ class TransferEngine:
             calibration.describe(),
         )
         return calibration
-
-    def _lane_issuers(self, lane, dma: DmaIssuer | None) -> dict[str, Issuer]:
-        """The issuers of one lane's jobs, the kernel first (it wins ties). Id slots are allocated on the lane's
-        stream: if a job fails and its slot is dropped, the caching allocator hands that memory out again only in
-        that stream's order, after the queued copy."""
-        stager = IdStager(self.kv.device, self._tracker.streams[lane]) if self.cuda else None
-        issuers: dict[str, Issuer] = {}
-        kernel = KernelIssuer(self._launcher, stager, self._kernel_ctas)
-        if self.path != DMA:
-            issuers[KERNEL] = kernel
-        if dma is not None:
-            if self.checksums is not None:
-                # Per lane, with the lane's id slots: the copy-engine path's check is a kernel launch on its stream.
-                dma = DmaIssuer(self.kv, self.host_buffer, self.blocks_per_host_block, checker=kernel)
-            issuers[DMA] = dma
-        return issuers
 
     # -- submission ---------------------------------------------------------------------------------------------
     def submit_store(
@@ -326,8 +321,8 @@ class TransferEngine:
         predicted cheapest (the predictions go into the job's result)."""
         if self.calibration is None:
             return self.path, None
-        descriptors = {path: issuer.descriptors(plan) for path, issuer in issuers.items()}
-        predicted = self.calibration.predict(plan.direction, plan.num_bytes, descriptors)
+        copies = {path: issuer.copies(plan) for path, issuer in issuers.items()}
+        predicted = self.calibration.predict(plan.direction, plan.num_bytes, copies)
         return cheapest(predicted), predicted
 
     # -- completion ---------------------------------------------------------------------------------------------

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from triton_offload.kernel_issuer import CopyLauncher
 from triton_offload.kernels import copy_blocks, reference
 from triton_offload.kernels._triton_compat import DirectRunner
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlanner
+
+if TYPE_CHECKING:  # the launcher's package builds issuers with this module's direct launch
+    from triton_offload.issuers.launcher import CopyLauncher
 
 __all__ = ["FAST_LAUNCH_ENV", "fast_launch_default", "enable_fast_launch", "prove_direct", "canary_spec", "DIRECT"]
 

@@ -1,8 +1,8 @@
 """Tracks asynchronous transfer jobs: a side stream per *lane*, each job fenced after the compute stream and timed
 between pooled events, completion polled FIFO per lane without blocking, ``wait`` on chosen jobs, and a shutdown that
-drains every job before re-raising the first error. Any :class:`~triton_offload.issuer.Issuer` can be tracked; lanes
-are names (the engine's: stores, loads, and expedited loads). A job may also be ordered after chosen earlier jobs of
-other lanes (``after``). Without CUDA a job runs synchronously at submission. Not thread-safe: one worker thread
+drains every job before re-raising the first error. Any :class:`~triton_offload.issuers.base.Issuer` can be tracked;
+lanes are names (the engine's: stores, loads, and expedited loads). A job may also be ordered after chosen earlier jobs
+of other lanes (``after``). Without CUDA a job runs synchronously at submission. Not thread-safe: one worker thread
 submits and polls.
 """
 
@@ -18,7 +18,7 @@ from numbers import Integral
 import torch
 
 from triton_offload._checks import KERNEL
-from triton_offload.issuer import Issuer
+from triton_offload.issuers.base import Issuer
 from triton_offload.plan import Direction
 
 __all__ = ["JobResult", "JobTracker"]
@@ -37,7 +37,7 @@ class JobResult:
             None where no choice was made.
         check: for a load with the integrity checks, what they found (positions in the job's GPU ids of the blocks
             whose checksum did not match, and of those stored without one: ``failed`` and ``absent`` of a
-            :class:`~triton_offload.kernel_issuer.LoadCheck`); None otherwise. A failed check is not a failed job:
+            :class:`~triton_offload.issuers.base.LoadCheck`); None otherwise. A failed check is not a failed job:
             the job moved its bytes, the caller decides what the failed blocks mean.
     """
 
@@ -71,12 +71,6 @@ class _Job:
             self.job_id, ok, self.direction, self.num_bytes, seconds, None if ok else repr(error), self.path,
             self.predicted, check,
         )  # fmt: skip
-
-
-def _outcome(issuer: Issuer, keep):
-    """What the completed work's integrity check found, for an issuer that checks (``outcome``); None otherwise."""
-    outcome = getattr(issuer, "outcome", None)
-    return None if outcome is None else outcome(keep)
 
 
 class JobTracker:
@@ -161,7 +155,7 @@ class JobTracker:
         t0 = time.perf_counter()
         try:
             keep = issuer.issue(plan, None, trace)
-            check = _outcome(issuer, keep)
+            check = issuer.outcome(keep)
             issuer.release(keep)
             job.finish(time.perf_counter() - t0, check=check)
         except Exception as e:  # reported as a failed job; shutdown re-raises the first
@@ -221,7 +215,7 @@ class JobTracker:
                 job.end.synchronize()
             elif not job.end.query():
                 return False
-            job.finish(job.start.elapsed_time(job.end) / 1e3, check=_outcome(job.issuer, job.keep))
+            job.finish(job.start.elapsed_time(job.end) / 1e3, check=job.issuer.outcome(job.keep))
             self._release(job)
         except Exception as e:  # a CUDA error surfaces here: fail the job instead of hanging
             self._fail(job, e)

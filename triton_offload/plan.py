@@ -1,6 +1,6 @@
 """What a transfer is, checked once: its :class:`Direction` and a :class:`TransferPlan` of per-group ids, skips and
 sizes, built and validated by :class:`TransferPlanner` before anything moves, so a bad call raises and writes nothing.
-Issuers (:mod:`triton_offload.issuer`) take plans as they are; the kernel packs its own id buffer from them.
+Issuers (:mod:`triton_offload.issuers.base`) take plans as they are; the kernel packs its own id buffer from them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Public gather/scatter API: each call is validated completely (:mod:`triton_offload.plan`), then moved by one kernel
-launch for all blocks and layers (:mod:`triton_offload.kernel_issuer`), so a bad call raises and writes nothing. What
+launch for all blocks and layers (:mod:`triton_offload.issuers.kernel`), so a bad call raises and writes nothing. What
 does not change between calls (planners, pinned id slots) is kept per spec and dropped with it.
 """
 
@@ -13,8 +13,8 @@ import torch
 
 from triton_offload._checks import int_in_range
 from triton_offload._checks import launch_shape as check_launch_shape
-from triton_offload.fast_launch import enable_fast_launch, fast_launch_default
-from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
+from triton_offload.issuers.base import IssuerContext
+from triton_offload.issuers.factory import build_kernel, kernel_launcher
 from triton_offload.kernels.copy_blocks import LaunchTuning
 from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
 from triton_offload.plan import BlockIds, Direction, TransferPlan, TransferPlanner, check_host_buffer
@@ -108,17 +108,21 @@ def transfer_blocks(
     plan = planner.plan(gpu_block_ids, host_block_ids, direction=direction, skip=skip, group_sizes=group_sizes)
     if plan.n_blocks == 0:
         return
-    if spec.device.type != "cuda":
-        KernelIssuer(CopyLauncher(spec, host_buffer, f, direction, tunings), None, num_ctas, launch_shape).issue(plan)
-        return
+    cuda = spec.device.type == "cuda"
     # On the caches' device, whichever is current: Triton launches on the current device's stream, and the slot's
     # guard must follow the launch on the stream that runs it. (Switched only when needed: it costs per call.)
-    index = spec.device.index
-    with torch.cuda.device(index) if torch.cuda.current_device() != index else _ON_ITS_DEVICE:
-        launcher = CopyLauncher(spec, host_buffer, f, direction, tunings)
-        issuer = KernelIssuer(launcher, _public_state(spec).stager, num_ctas, launch_shape)
-        if fast_launch_default():
-            enable_fast_launch(launcher, issuer.num_ctas)  # proven once per compiled variant, then a lookup
+    on_device = (
+        torch.cuda.device(spec.device.index) if cuda and torch.cuda.current_device() != spec.device.index else None
+    )
+    with on_device or _ON_ITS_DEVICE:
+        # The direct launch is proven once per compiled variant, then a lookup (CUDA only).
+        kernel = kernel_launcher(spec, host_buffer, f, direction=direction, tunings=tunings, num_ctas=num_ctas,
+                                 launch_shape=launch_shape)  # fmt: skip
+        issuer = build_kernel(IssuerContext(spec, host_buffer, f, kernel.launcher, _public_state(spec).stager,
+                                            kernel.num_ctas))  # fmt: skip
+        if not cuda:
+            issuer.issue(plan)
+            return
         # The ids are packed straight into a pinned staging slot, so their upload is truly asynchronous (a copy from
         # pageable memory may synchronise with the stream) and no pinned memory is allocated per call.
         slot = issuer.issue(plan)

@@ -1,8 +1,8 @@
 """The copy-engine baselines over the library's uncoalesced descriptors (one per run and block, as a caller that
 never merges builds them: :meth:`TransferCase.copy_plan`, ``DmaPlanner(coalesce=False)``), issued from compiled code
 over arrays built in ``prepare``, as a C++ caller would: ``memcpy_batch`` is one ``cuMemcpyBatchAsync`` through
-ctypes (in the serving loop the library's own :class:`~triton_offload.dma.DmaIssuer` with ``coalesce=False``, its
-descriptors built per call), ``memcpy_per_block`` one ``cudaMemcpyAsync`` per descriptor from a C++ loop built at
+ctypes (in the serving loop the library's own :class:`~triton_offload.issuers.dma.DmaIssuer` with ``coalesce=False``,
+its descriptors built per call), ``memcpy_per_block`` one ``cudaMemcpyAsync`` per descriptor from a C++ loop built at
 benchmark time. Without CUDA their calls are replayed on host memory (a memmove stand-in for the driver, or a
 memmove of the same copy plan), so the CPU check still verifies the bytes their descriptors address.
 """
@@ -18,7 +18,7 @@ from bench.common.case import OffloadTarget, Prepared, TransferCase, Unavailable
 from bench.common.env import Env
 from bench.common.results import PYTHON_ISSUED
 from triton_offload.cuda_driver import FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer, CudaError
-from triton_offload.dma import DmaIssuer
+from triton_offload.issuers.dma import DmaIssuer
 
 __all__ = ["issue_each", "prepare_per_block", "batch_issuer", "batch_impl", "prepare_batch", "batch_engine"]
 

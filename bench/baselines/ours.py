@@ -15,9 +15,9 @@ from bench.common.env import Env
 from triton_offload import integrity
 from triton_offload._checks import AUTO, DMA
 from triton_offload.engine import TransferEngine
-from triton_offload.fast_launch import enable_fast_launch, fast_launch_default
 from triton_offload.host_cache import checksum_table
-from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
+from triton_offload.issuers import CopyLauncher, IssuerContext
+from triton_offload.issuers.factory import build_kernel, kernel_launcher
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 from triton_offload.plan import Direction, TransferPlanner
 from triton_offload.staging import IdStager
@@ -84,11 +84,12 @@ def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None 
     block it flags fails the method's byte check."""
     direction = Direction.STORE if case.store else Direction.LOAD
     table = checksum_table(case.host.shape[0], case.f, pin=env.cuda)
-    launcher = CopyLauncher(case.spec, case.host, case.f, direction, checksums=table)
-    ctas = _ctas(num_ctas)
-    if env.cuda and fast_launch_default():
-        enable_fast_launch(launcher, ctas)  # the direct launch, as the public call makes it (proven on a canary)
-    issuer = KernelIssuer(launcher, IdStager(case.device) if env.cuda else None, ctas)
+    # The direct launch where a canary proves it, as the public call makes it.
+    kernel = kernel_launcher(
+        case.spec, case.host, case.f, direction=direction, checksums=table, num_ctas=_ctas(num_ctas)
+    )
+    stager = IdStager(case.device) if env.cuda else None
+    issuer = build_kernel(IssuerContext(case.spec, case.host, case.f, kernel.launcher, stager, kernel.num_ctas))
     planner = TransferPlanner(case.spec, case.host.shape[0], case.f)
     g, h, skip = case.gpu_ids, case.host_ids, case.skip
 
@@ -125,7 +126,7 @@ def prepare_auto(case: TransferCase, env: Env, num_ctas: int | None = None) -> P
     memmove, and is byte-checked like every method."""
     if not env.cuda:
         engine = TransferEngine(case.spec, case.host, blocks_per_host_block=case.f, path=DMA)
-        impl = "copy-engine path (triton_offload.dma) replayed with memmove: no CUDA to calibrate on"
+        impl = "copy-engine path (triton_offload.issuers.dma) replayed with memmove: no CUDA to calibrate on"
         return EngineCalls(engine, case, impl).prepared
     by_f = env.held.setdefault(case.spec, {}).setdefault("auto", {})
     calibration = by_f.get(case.f)

@@ -1,5 +1,5 @@
 """Adapters over the library's seams, so a baseline is an issuer and nothing more: :class:`TrackedEngine` gives an
-:class:`~triton_offload.issuer.Issuer` TransferEngine's worker API with the library's planner and job tracker
+:class:`~triton_offload.issuers.base.Issuer` TransferEngine's worker API with the library's planner and job tracker
 (:mod:`triton_offload.jobs`: a side stream per direction fenced after the compute stream, FIFO completion, wait,
 drain), which the serving loop drives; :class:`EngineCalls` makes one call of a :class:`TransferEngine` a transfer
 benchmark's ``run()``, timed by the engine's own job events.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bench.common.case import OffloadTarget, Prepared, TransferCase
 from triton_offload.engine import TransferEngine
-from triton_offload.issuer import Issuer
+from triton_offload.issuers.base import Issuer
 from triton_offload.jobs import JobResult, JobTracker
 from triton_offload.plan import Direction, TransferPlanner
 
@@ -19,7 +19,8 @@ __all__ = ["TrackedEngine", "EngineCalls"]
 class TrackedEngine:
     """``issuer`` behind TransferEngine's worker API (``submit_store`` / ``submit_load`` with GPU and host block ids,
     one GPU block per host block; ``get_finished``, ``wait``, ``shutdown``): each call planned by the library's
-    planner and tracked by its job tracker, as the engine's own are; the job results name the method.
+    planner and tracked by its job tracker, as the engine's own are; the job results name the issuer's transfer
+    path (``"dma"`` for the copy-engine baselines).
 
     Args:
         target: the caches and host buffer.
@@ -56,7 +57,7 @@ class TrackedEngine:
         plan = self._planner.plan(gpu_block_ids, host_block_ids, direction=direction)
         self._issued.add(f"{self.label} {direction}")
         job_plan = plan if plan.n_blocks else None
-        self._tracker.submit(job_id, direction, plan.num_bytes, self.issuer, job_plan, path=self.name)
+        self._tracker.submit(job_id, direction, plan.num_bytes, self.issuer, job_plan)
 
     def get_finished(self) -> list[JobResult]:
         return self._tracker.get_finished()

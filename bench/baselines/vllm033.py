@@ -1,7 +1,7 @@
 """``vllm033``: vLLM 0.33's data path, written here from a description of its native offloading worker (no vLLM code
-is copied), once for both benchmarks (:class:`Vllm033`, an :class:`~triton_offload.issuer.Issuer`). Its descriptors
-are the library's, one per run and block (``DmaPlanner(coalesce=False)``), as vLLM builds them. Stores are one
-``cuMemcpyBatchAsync`` that reads its source in stream order (the compute may still write it), no flags; loads read
+is copied), once for both benchmarks (:class:`Vllm033`, an :class:`~triton_offload.issuers.base.Issuer`). Its
+descriptors are the library's, one per run and block (``DmaPlanner(coalesce=False)``), as vLLM builds them. Stores are
+one ``cuMemcpyBatchAsync`` that reads its source in stream order (the compute may still write it), no flags; loads read
 theirs in any order (``srcAccessOrder = ANY``: host memory no GPU stream writes meanwhile), as vLLM's
 ``swap_blocks_batch`` is called (``transfer_async``: ``is_src_access_order_any = not gpu_to_cpu``).
 
@@ -31,7 +31,7 @@ from bench.common.case import OffloadTarget, Prepared, TransferCase
 from bench.common.env import Env
 from bench.common.grid import VLLM033_MAX_PAGE_BYTES as MAX_PAGE_BYTES  # every descriptor strictly smaller
 from triton_offload.cuda_driver import FLAG_DEFAULT, MemcpyBatchCall, batch_attributes
-from triton_offload.dma import DmaPlanner
+from triton_offload.issuers.dma import DmaPlanner
 from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
 from triton_offload.plan import Direction, TransferPlan
 
@@ -133,7 +133,7 @@ class SmCopy:
 
 
 class Vllm033:
-    """vLLM 0.33's policy as an :class:`~triton_offload.issuer.Issuer` between one spec and one host buffer.
+    """vLLM 0.33's policy as an :class:`~triton_offload.issuers.base.Issuer` between one spec and one host buffer.
 
     Args:
         spec, host_buffer, blocks_per_host_block: the caches, the packed host buffer and f.
@@ -143,7 +143,7 @@ class Vllm033:
         paths: what it issued so far ("SM copy load", "cuMemcpyBatchAsync store", ...).
     """
 
-    path = "vllm033"
+    path = "dma"  # the copy engines (and, for some loads, vLLM's SM copy: ``paths`` says which)
     on_cpu = "batches run by a memmove stand-in, the SM copy by the interpreter"
 
     def __init__(self, spec, host_buffer: torch.Tensor, blocks_per_host_block: int, env: Env):
@@ -160,7 +160,7 @@ class Vllm033:
             self._batch = batch_issuer(self.device, self.env, FLAG_DEFAULT)
         return self._batch
 
-    def descriptors(self, plan: TransferPlan) -> int:
+    def copies(self, plan: TransferPlan) -> int:
         return self.planner.count(plan)
 
     def op(self, plan: TransferPlan, stream: int):
@@ -191,6 +191,10 @@ class Vllm033:
             op = self.op(plan, stream.cuda_stream)
             op()
         return op
+
+    def outcome(self, keep) -> None:
+        """No integrity checks."""
+        return None
 
     def release(self, keep, after=None) -> None:
         """Nothing to hand back: the arrays go with the op."""

@@ -537,16 +537,16 @@ def prepare(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepar
 
 
 class NativeIssuer:
-    """vLLM's worker as an :class:`~triton_offload.issuer.Issuer`: a plan becomes vLLM's transfer specs, as its
+    """vLLM's worker as an :class:`~triton_offload.issuers.base.Issuer`: a plan becomes vLLM's transfer specs, as its
     scheduler builds them, submitted to its worker on the issuing stream (vLLM's own stream waits for it, and it for
     vLLM's: :meth:`NativeWorker.run`)."""
 
-    path = "vllm_native"
+    path = "dma"  # vLLM's swap_blocks_batch: the copy engines
 
     def __init__(self, worker: NativeWorker):
         self.worker = worker
 
-    def descriptors(self, plan: TransferPlan) -> int:
+    def copies(self, plan: TransferPlan) -> int:
         return plan.n_blocks * len(self.worker.page_bytes)
 
     def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None) -> int:
@@ -554,6 +554,10 @@ class NativeIssuer:
         specs = self.worker.transfer_specs(gpu_ids, host_ids, skip)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             return self.worker.run(plan.direction is Direction.STORE, specs)
+
+    def outcome(self, keep) -> None:
+        """No integrity checks."""
+        return None
 
     def release(self, keep, after=None) -> None:
         """Nothing to hand back: vLLM recycles its buffers at its next poll."""

@@ -6,9 +6,9 @@ and returns a :class:`Prepared` whose ``run()`` issues one transfer asynchronous
 
 Every method moves the same bytes: GPU block ``gpu_ids[i]`` of every layer to packed position ``skip + i`` of the
 host buffer (host block ``host_ids[p // f]``, sub-block ``p % f``), or back. The case is planned and its copies are
-described by the library (:class:`~triton_offload.plan.TransferPlanner`, :class:`~triton_offload.dma.DmaPlanner`):
-a block moves as a few contiguous *runs*, one per layer where the layer's K and V of a block are adjacent
-(block_first, mla), one per K and per V where they are not (kv_first).
+described by the library (:class:`~triton_offload.plan.TransferPlanner`,
+:class:`~triton_offload.issuers.dma.DmaPlanner`): a block moves as a few contiguous *runs*, one per layer where the
+layer's K and V of a block are adjacent (block_first, mla), one per K and per V where they are not (kv_first).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 import triton_offload as to
 from bench.common.env import Env
-from triton_offload.dma import DmaPlanner, group_runs
 from triton_offload.host_cache import HostCache
+from triton_offload.issuers.dma import DmaPlanner, group_runs
 from triton_offload.plan import Direction, TransferPlan, TransferPlanner
 
 __all__ = ["Run", "byte_runs", "TransferCase", "Prepared", "Unavailable", "memmove_replay", "OffloadTarget"]
@@ -31,8 +31,8 @@ __all__ = ["Run", "byte_runs", "TransferCase", "Prepared", "Unavailable", "memmo
 
 @dataclass(frozen=True)
 class Run:
-    """One run of the library's descriptor planner (:func:`triton_offload.dma.group_runs`: a block's contiguous bytes
-    in one layer) as the checks and the torch baselines see it.
+    """One run of the library's descriptor planner (:func:`triton_offload.issuers.dma.group_runs`: a block's contiguous
+    bytes in one layer) as the checks and the torch baselines see it.
 
     Attributes:
         layer: the layer it belongs to.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from triton_offload.dma import DmaPlanner
+from triton_offload.issuers.dma import DmaPlanner
 
 
 def short_uncoalesced_copies(monkeypatch, nbytes: int, direction: str | None = None) -> None:

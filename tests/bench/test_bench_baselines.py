@@ -51,7 +51,7 @@ def test_auto_is_the_engines_jobs_and_a_failed_job_raises(group, monkeypatch):
     prepared.run()
     times = prepared.device_ms(2)  # the check's call and this one
     assert len(times) == 2 and all(t > 0 for t in times)
-    from triton_offload.dma import DmaIssuer
+    from triton_offload.issuers.dma import DmaIssuer
 
     def broken(self, plan, stream=None, trace=None):
         raise RuntimeError("the copy engines refused")

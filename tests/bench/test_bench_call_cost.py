@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from bench.micro import call_cost
-from triton_offload import engine, fast_launch
-from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload import fast_launch
+from triton_offload.issuers import factory
+from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import copy_blocks
 from triton_offload.plan import Direction
 
@@ -123,10 +124,10 @@ def runners(works: bool):
 
 
 def with_runners(monkeypatch, make) -> None:
-    """The engine and the benchmark prove the direct launch with ``make``'s runners (on CPU there is no compiled
-    variant to launch directly)."""
+    """The engine (its kernel launcher, from the issuer factory) and the benchmark prove the direct launch with
+    ``make``'s runners (on CPU there is no compiled variant to launch directly)."""
     proving = functools.partial(fast_launch.enable_fast_launch, make_runner=make)
-    monkeypatch.setattr(engine, "enable_fast_launch", proving)
+    monkeypatch.setattr(factory, "enable_fast_launch", proving)
     monkeypatch.setattr(call_cost, "enable_fast_launch", proving)
 
 

@@ -74,7 +74,7 @@ def test_a_method_moving_wrong_bytes_fails_the_run(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     failed = {(f["method"], f["direction"]) for f in data["failures"]}
     # Every method issuing the library's uncoalesced descriptors; auto (the engine's copy-engine path, which asks for
-    # coalescing: triton_offload/dma.py, tests/unit/test_dma.py) still passes.
+    # coalescing: triton_offload/issuers/dma.py, tests/unit/test_dma.py) still passes.
     assert failed == {(m, d) for m in (CUDA_ONLY - {"auto"}) | {VLLM033} for d in ("store", "load")}
     assert all("differ" in f["note"] for f in data["failures"])
     # The methods whose bytes are right still pass, and still nothing is measured.

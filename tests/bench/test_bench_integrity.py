@@ -18,7 +18,7 @@ from bench.transfer import cli as transfer
 from bench.transfer import summary
 from bench.transfer.session import method_specs
 from triton_offload.engine import LOAD
-from triton_offload.kernel_issuer import LoadCheck
+from triton_offload.issuers.base import LoadCheck
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
 

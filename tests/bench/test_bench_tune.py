@@ -14,7 +14,7 @@ from bench.common import case, timing, workloads
 from bench.common.env import Env
 from bench.micro import tune
 from bench.transfer import session
-from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.plan import Direction
 
 

@@ -1,8 +1,9 @@
 """A small stand-in for CUDA streams and events, for the transfer engine's orderings on CPU: streams queue their work
 and run it only when the test (or a ``synchronize``) runs them, honouring event records and waits, so the lanes run
-in whatever order their events allow, as on a device. ``deferred(engine)`` puts an engine on it: its tracker's CUDA
-calls go to the simulator and its issuers' work (the kernel, through Triton's interpreter) runs when their stream
-does."""
+in whatever order their events allow, as on a device. ``sim_engine(...)`` builds a TransferEngine on it through the
+engine's own seams (``tracker=``, ``issuers=``): its tracker's CUDA calls go to the simulator and its issuers' work
+(the kernel, through Triton's interpreter) runs when their stream does. ``SimEngine`` is the same as a class, for a
+worker's ``engine_class``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import types
 
 import torch
 
-from triton_offload.engine import LANES
+from triton_offload.engine import LANES, TransferEngine
+from triton_offload.issuers.factory import PATHS
 from triton_offload.jobs import JobTracker
 
 
@@ -98,23 +100,37 @@ class Deferred:
     def __init__(self, real):
         self.real, self.path = real, real.path
 
-    def descriptors(self, plan):
-        return self.real.descriptors(plan)
+    def copies(self, plan):
+        return self.real.copies(plan)
 
     def issue(self, plan, stream=None, trace=None):
         stream.ops.append(("work", lambda: self.real.issue(plan)))
+
+    def outcome(self, keep):
+        return None
 
     def release(self, keep, after=None):
         pass
 
 
-def deferred(engine) -> SimCuda:
-    """Puts a CPU ``engine`` on a simulated device (its pending results are dropped): returns the simulator."""
-    sim = SimCuda()
-    engine._tracker = JobTracker(torch.device("cuda", 0), LANES, name="the transfer engine", cuda=sim)
-    for lane in LANES:
-        engine._issuers[lane] = {k: Deferred(v) for k, v in engine._issuers[lane].items()}
-    return sim
+def deferred_paths(builders=PATHS) -> dict:
+    """``builders`` (the engine's paths) whose issuers run their work when their stream does."""
+    return {path: (lambda ctx, build=build: Deferred(build(ctx))) for path, build in builders.items()}
+
+
+def sim_engine(*args, sim: SimCuda | None = None, **kwargs) -> TransferEngine:
+    """A CPU TransferEngine (its arguments) whose jobs run on the simulator ``sim`` (a new one by default; the
+    engine's ``sim``)."""
+    return SimEngine(*args, sim=sim, **kwargs)
+
+
+class SimEngine(TransferEngine):
+    """A TransferEngine on a stream simulator (``engine.sim``), built through the engine's seams."""
+
+    def __init__(self, *args, sim: SimCuda | None = None, **kwargs):
+        self.sim = sim or SimCuda()
+        tracker = JobTracker(torch.device("cuda", 0), LANES, name="the transfer engine", cuda=self.sim)
+        super().__init__(*args, tracker=tracker, issuers=deferred_paths(), **kwargs)
 
 
 def lane_stream(engine, lane):

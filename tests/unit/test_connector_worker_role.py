@@ -182,12 +182,15 @@ def test_a_sync_load_completes_while_an_earlier_async_load_is_held_back():
     forward pass: it must not wait behind an asynchronous load submitted earlier. On a simulated device whose load
     lane is held back (tests/unit/sim_cuda.py), the sync load completes and is waited for; the async one completes once
     released, and only then is its request reported as received."""
-    from sim_cuda import deferred, lane_stream
+    from sim_cuda import SimEngine, lane_stream
 
+    from triton_offload.connector.worker import TritonOffloadingWorker
     from triton_offload.engine import LOAD
 
     kv = VllmKV("llama", KVCacheLayout.LBHNC, "cpu")
-    mgr, role = _worker_role(kv)
+    with pytest.MonkeyPatch.context() as m:  # the worker's engines on the stream simulator, through its engine hook
+        m.setattr(TritonOffloadingWorker, "engine_class", SimEngine)
+        mgr, role = _worker_role(kv)
     rc = ctx()
     keys = [key(c) for c in range(2)]
     out = mgr.prepare_store(keys, rc)
@@ -202,7 +205,7 @@ def test_a_sync_load_completes_while_an_earlier_async_load_is_held_back():
     before = kv.raw.clone()
 
     engine = role.worker.engine
-    sim = deferred(engine)
+    sim = engine.sim
     sim.held.add(lane_stream(engine, LOAD).name)  # the asynchronous load is slow
     slow = TransferJob("r2", mgr.prepare_load(keys[:1], rc), GPULoadStoreSpec([20, 21], [2], [0]), sync=False)
     role.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={1: slow}, store_jobs={}))

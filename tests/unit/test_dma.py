@@ -1,6 +1,6 @@
-"""The copy-engine path (triton_offload/dma.py): descriptors built from the spec's segments, coalesced where blocks
-are adjacent on both sides, never across host blocks; on CPU replayed by a memmove stand-in for the driver, so the
-bytes they address are checked like the kernel's. And the engine's ``path`` choice (``kernel`` / ``dma`` /
+"""The copy-engine path (triton_offload/issuers/dma.py): descriptors built from the spec's segments, coalesced where
+blocks are adjacent on both sides, never across host blocks; on CPU replayed by a memmove stand-in for the driver, so
+the bytes they address are checked like the kernel's. And the engine's ``path`` choice (``kernel`` / ``dma`` /
 ``auto``)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.dma import DmaIssuer, DmaPlanner
 from triton_offload.engine import TransferEngine
+from triton_offload.issuers.dma import DmaIssuer, DmaPlanner
 from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.layouts import HostSlots
 from triton_offload.path_choice import Calibration, PathModel
@@ -70,7 +70,7 @@ def _round_trip(kind, f, skip, ids_kind, coalesce=True):
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, layout, g, want, h, **ref)
     assert torch.equal(host, want), "store"
-    assert call.count == copier.descriptors(plan)
+    assert call.count == copier.copies(plan)
     # A load into other blocks: only they change.
     dst = np.setdiff1d(np.arange(16), g)[:n]
     before = [c.clone() for c in caches]
@@ -129,7 +129,7 @@ def test_padded_pages_never_coalesce():
     """A padded page's blocks are not adjacent on the GPU: one copy per block and tensor, however contiguous the ids
     (groups of 3 blocks over tensors 0 and 1, and of 2 blocks over tensor 2)."""
     _, plan, copier, _ = _round_trip("slots-padded", 4, 0, "contiguous")
-    assert copier.descriptors(plan) == 3 * 2 + 2 * 1
+    assert copier.copies(plan) == 3 * 2 + 2 * 1
 
 
 @pytest.mark.parametrize("kind", ["slots", "groups", "block_first"])
@@ -138,9 +138,9 @@ def test_uncoalesced_descriptors_are_one_per_block_and_run(kind):
     same bytes moved (the round trip checks them against the reference)."""
     spec, plan, copier, _ = _round_trip(kind, 4, 0, "contiguous", coalesce=False)
     runs = [len(r) for r in copier.planner.groups]
-    assert copier.descriptors(plan) == sum(k * n for k, n in zip(plan.sizes, runs))
+    assert copier.copies(plan) == sum(k * n for k, n in zip(plan.sizes, runs))
     src, _, sizes = copier.planner.descriptors(plan)
-    assert src.size == copier.descriptors(plan) and int(sizes.sum()) == plan.num_bytes
+    assert src.size == copier.copies(plan) and int(sizes.sum()) == plan.num_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,6 +222,6 @@ def test_engine_auto_reports_what_each_path_was_predicted_to_cost(make_host_cach
 def test_engine_path_is_checked(make_host_cache):
     with pytest.raises(ValueError, match=r"path = 'fast' must be one of 'auto', 'kernel', 'dma'"):
         _engine(make_host_cache, path="fast")
-    with pytest.raises(ValueError, match=r"'auto' calibrates both paths on the GPU"):
+    with pytest.raises(ValueError, match=r"'auto' calibrates the paths on the GPU"):
         _engine(make_host_cache, path="auto")
     assert _engine(make_host_cache)[3].path == "kernel"  # the CPU default

@@ -10,7 +10,7 @@ import torch
 
 import triton_offload as to
 from triton_offload.engine import JobResult, TransferEngine
-from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import copy_blocks
 
 from kv_factory import SENTINEL, assert_loaded_exactly, make_caches, snapshot

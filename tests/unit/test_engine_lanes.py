@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sim_cuda import deferred, lane_stream
+from sim_cuda import SimEngine, lane_stream
 from test_jobs import FakeCuda
 
 from triton_offload.engine import EXPEDITED, LANES, LOAD, STORE, TransferEngine
@@ -23,16 +23,21 @@ from triton_offload.jobs import JobTracker
 from kv_factory import make_caches
 
 
-def _engine(make_host_cache, cuda=None):
-    """A CPU engine (kernel path) whose tracker runs on a CUDA stand-in: jobs stay pending until the test says."""
+def _engine(make_host_cache, cuda=None, simulated=False):
+    """A CPU engine (kernel path) whose tracker runs on a CUDA stand-in (the engine's ``tracker=``): jobs stay
+    pending until the test says. ``simulated``: on the stream simulator instead, its issuers' work deferred until
+    their stream runs (tests/unit/sim_cuda.py); the engine's ``sim``."""
     caches = make_caches("canonical", 2, 16, dict(page_bytes=32), torch.int8, seed=1)
     from triton_offload.layouts import KVCacheSpec
 
     spec = KVCacheSpec(caches, "canonical")
     host = make_host_cache(spec.host_block_bytes(1), num_blocks=8, pin=False)
-    eng = TransferEngine(spec, host.buffer, path="kernel", fast_launch=False)
+    if simulated:
+        eng = SimEngine(spec, host.buffer, path="kernel", fast_launch=False)
+        return eng, eng.sim, caches, host.buffer
     cuda = cuda or FakeCuda()
-    eng._tracker = JobTracker(torch.device("cuda", 0), LANES, name="the transfer engine", cuda=cuda)
+    tracker = JobTracker(torch.device("cuda", 0), LANES, name="the transfer engine", cuda=cuda)
+    eng = TransferEngine(spec, host.buffer, path="kernel", fast_launch=False, tracker=tracker)
     return eng, cuda, caches, host.buffer
 
 
@@ -44,8 +49,7 @@ def test_an_expedited_load_completes_while_an_earlier_load_is_held_back(make_hos
     """vLLM 0.33 waits only for its synchronous (expedited) loads before the forward pass. On the load lane, one
     would complete only after every earlier asynchronous load (one stream, in order); on its own lane it completes,
     and is waited for, while they are held back."""
-    eng, _, caches, host = _engine(make_host_cache)
-    sim = deferred(eng)
+    eng, sim, caches, host = _engine(make_host_cache, simulated=True)
     host[:3] = torch.arange(3 * host.shape[1], dtype=torch.int64).view(3, -1).to(torch.uint8)
     sim.held.add(lane_stream(eng, LOAD).name)  # asynchronous loads are slow
     eng.submit_load(1, [3], [0])
@@ -102,8 +106,7 @@ def test_a_load_overtaking_a_pending_store_of_its_block_corrupts_the_stored_byte
     """Block 5 holds A; a store of block 5 into host row 0 is pending when a load of host row 1 (B) into block 5 is
     submitted, and the device runs the load lane first. Unguarded (the invariant broken: nothing orders the lanes),
     the store then reads B: host row 0 holds the wrong request's KV. Guarded, the load waits for the store."""
-    eng, _, caches, host = _engine(make_host_cache)
-    sim = deferred(eng)
+    eng, sim, caches, host = _engine(make_host_cache, simulated=True)
     if not guarded:
         eng._stores_reading = lambda ids: ()
     a = [c[5].clone() for c in caches]

@@ -16,7 +16,7 @@ import torch
 import triton_offload as to
 from triton_offload import fast_launch
 from triton_offload.engine import TransferEngine
-from triton_offload.kernel_issuer import CopyLauncher
+from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import gather_blocks_ref
 from triton_offload.plan import Direction

@@ -16,7 +16,7 @@ import triton_offload as to
 from triton_offload import integrity
 from triton_offload.engine import TransferEngine
 from triton_offload.host_cache import checksum_table
-from triton_offload.kernel_issuer import CopyLauncher, KernelIssuer
+from triton_offload.issuers import CopyLauncher, KernelIssuer
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import checksums_ref
 from triton_offload.layouts import HostSlots

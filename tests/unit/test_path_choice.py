@@ -13,9 +13,9 @@ import torch
 import triton_offload as to
 from triton_offload._checks import transfer_path
 from triton_offload.calibrate import calibration_transfers
-from triton_offload.dma import DmaIssuer
 from triton_offload.engine import TransferEngine
 from triton_offload.fast_launch import canary_spec
+from triton_offload.issuers.dma import DmaIssuer
 from triton_offload.kernels.reference import gather_blocks_ref
 from triton_offload.path_choice import Calibration, PathModel, fit
 from triton_offload.plan import Direction, TransferPlanner
@@ -127,7 +127,7 @@ def test_calibration_transfers_are_valid_and_move_every_group(groups, f):
         per_group = [n] if sizes is None else sizes
         for direction in Direction:
             plan = planner.plan(g, h, direction=direction, group_sizes=sizes)
-            assert plan.n_blocks == n and plan.n_host == h.size and dma.descriptors(plan) > 0
+            assert plan.n_blocks == n and plan.n_host == h.size and dma.copies(plan) > 0
             assert plan.num_bytes == sum(k * b for k, b in zip(per_group, canary.group_bytes))
     assert seen == [(2, False), (2, True), (n_max, False), (n_max, True)]
 

@@ -1,5 +1,5 @@
 """The id staging pool's bookkeeping (triton_offload/staging.py) and how the kernel issuer uses it
-(triton_offload/kernel_issuer.py: take a slot, pack the ids into it, give it back if packing raises), without CUDA:
+(triton_offload/issuers/kernel.py: take a slot, pack the ids into it, give it back if packing raises), without CUDA:
 slots stand in for pinned ones and a launcher records what it was handed."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload import kernel_issuer, staging
-from triton_offload.kernel_issuer import KernelIssuer
+from triton_offload import staging
+from triton_offload.issuers import kernel as kernel_issuer
+from triton_offload.issuers.kernel import KernelIssuer
 from triton_offload.kernels import copy_blocks
 from triton_offload.plan import Direction, TransferPlanner
 from triton_offload.staging import IdStager

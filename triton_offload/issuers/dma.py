@@ -108,7 +108,7 @@ class DmaPlanner:
         return rows, sub, starts
 
     def count(self, plan: TransferPlan) -> int:
-        """Descriptors :meth:`descriptors` would build for ``plan`` (cheap: no addresses are computed)."""
+        """How many descriptors :meth:`descriptors` would build for ``plan`` (cheap: no addresses are computed)."""
         total = 0
         for runs, (g, h, skip) in zip(self.groups, plan.groups()):
             if not g.size:
@@ -146,7 +146,7 @@ class DmaPlanner:
 
 class DmaIssuer:
     """Issues plans as one ``cuMemcpyBatchAsync`` each (CUDA), or replays their descriptors with memmove (CPU): the
-    :class:`~triton_offload.issuer.Issuer` of ``path="dma"``.
+    :class:`~triton_offload.issuers.base.Issuer` of ``path="dma"``.
 
     Every copy reads its source in stream order (``srcAccessOrder = STREAM``): a store's KV may still be being written
     by work queued before it, a load's host block by an earlier transfer; the batch prefers copy engines that overlap
@@ -172,7 +172,8 @@ class DmaIssuer:
         self.checker = checker
         self._batch = BatchIssuer(spec.device, FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
-    def descriptors(self, plan: TransferPlan) -> int:
+    def copies(self, plan: TransferPlan) -> int:
+        """The plan's descriptors (:meth:`DmaPlanner.count`)."""
         return self.planner.count(plan)
 
     def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None):

@@ -1,8 +1,7 @@
-"""The kernel path: :class:`CopyLauncher` derives, once per spec, what the copy kernel reads (launch shapes, segment
-tables, direct runners, kept in a cache private to this module) and launches a plan's ids; :class:`KernelIssuer`
-issues a plan by packing its ids into a pinned slot, uploading them and launching (the
-:class:`~triton_offload.issuer.Issuer` of ``path="kernel"``). With a checksum table, every launch also checksums the
-blocks it moves (docs/integrity.md); :class:`LoadCheck` is what a load's check found.
+"""The kernel's launcher: :class:`CopyLauncher` derives, once per spec, what the copy kernel reads (launch shapes,
+segment tables, direct runners, kept in a cache private to this module) and launches a plan's ids, through Triton's
+dispatch or a proven direct runner (:mod:`triton_offload.fast_launch`). With a checksum table every launch also
+checksums the blocks it moves (docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -10,21 +9,17 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from triton_offload import integrity
-from triton_offload._checks import KERNEL
-from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
-from triton_offload.staging import IdSlot, IdStager
 
-__all__ = ["CopyLauncher", "KernelIssuer", "LoadCheck", "check_checksum_table"]
+__all__ = ["CopyLauncher", "check_checksum_table"]
 
 
 class _SpecKernelState:
@@ -44,18 +39,6 @@ class _SpecKernelState:
 # Keyed by the spec, held weakly: the spec stays a plain description of the caches, and its kernel state goes with it.
 # Only CopyLauncher reads or writes it.
 _STATE: weakref.WeakKeyDictionary[KVCacheSpec, _SpecKernelState] = weakref.WeakKeyDictionary()
-
-
-class LoadCheck(NamedTuple):
-    """What the integrity check of one load found (docs/integrity.md).
-
-    Attributes:
-        failed: positions in the plan's GPU ids of the blocks whose bytes do not match their stored checksum.
-        absent: positions of the blocks whose host row holds no checksum (stored without the checks).
-    """
-
-    failed: np.ndarray
-    absent: np.ndarray
 
 
 def check_checksum_table(
@@ -293,131 +276,3 @@ class CopyLauncher:
             return
         programs, args = self.arguments(plan, ids, num_ctas, res=res, copy=copy)
         copy_blocks.launch(programs, args, self.config(plan.direction).num_warps, self.cuda)
-
-
-class _Checked(NamedTuple):
-    """What a launch with the integrity checks holds until it completes: its id slot (CUDA), where its results are
-    written, and what reading them needs."""
-
-    slot: IdSlot | None
-    res: np.ndarray
-    n_blocks: int
-    load: bool
-
-
-def load_check(keep) -> LoadCheck | None:
-    """What a completed launch's integrity check found, from what its issue returned: None for a store or a launch
-    without checks.
-
-    Raises:
-        RuntimeError: the launch completed without writing its results (no program finalised the checks).
-    """
-    if not isinstance(keep, _Checked) or not keep.load:
-        return None
-    res = keep.res
-    if res[0] < 0:
-        raise RuntimeError("the integrity check of a load completed without its results")
-    if res[0] == 0 and res[1] == 0:
-        return LoadCheck(_NONE, _NONE)
-    status = res[2 : 2 + keep.n_blocks]
-    return LoadCheck(np.flatnonzero(status == integrity.FAILED), np.flatnonzero(status == integrity.ABSENT))
-
-
-_NONE = np.zeros(0, dtype=np.int64)
-
-
-class KernelIssuer:
-    """Issues plans as one kernel launch each: the ids packed straight into a pinned slot (CUDA), uploaded
-    asynchronously on the issuing stream and read there by the kernel; on CPU packed into a fresh array and run
-    through the interpreter, synchronously.
-
-    A slot stays with the work that reads it: :meth:`issue` returns it, and :meth:`release` hands it back to the pool
-    once that work has completed (or with an event after it, which the next taker queries).
-
-    Args:
-        launcher: the launcher of the issued plans' directions.
-        stager: the pinned id slots (CUDA); None on CPU.
-        num_ctas: programs each launch may occupy; None for the kernel's default.
-        launch_shape: ``"fixed"`` (``num_ctas`` programs, or the default's) or ``"size-aware"`` (by the spec's page
-            runs, at most ``num_ctas``): :mod:`triton_offload.kernels.copy_blocks` explains both.
-    """
-
-    path = KERNEL
-
-    def __init__(
-        self,
-        launcher: CopyLauncher,
-        stager: IdStager | None,
-        num_ctas: int | None = None,
-        launch_shape: str = "fixed",
-    ):
-        self.launcher, self.stager = launcher, stager
-        self.launch_shape = check_launch_shape(launch_shape)
-        # Fixed per spec, so chosen once: a launch pays nothing for the shape.
-        self.num_ctas = launcher.ctas(num_ctas, self.launch_shape)
-
-    def descriptors(self, plan: TransferPlan) -> int:
-        """None: one launch, whatever the blocks."""
-        return 0
-
-    def issue(self, plan: TransferPlan, stream: torch.cuda.Stream | None = None, trace=None):
-        """Launches ``plan`` on ``stream`` (None: the current one) and returns the slot its ids were staged in (with
-        the integrity checks, with where its results go: :func:`load_check` reads them once it completed)."""
-        return self.issue_launch(plan, stream, trace)
-
-    def issue_launch(self, plan: TransferPlan, stream=None, trace=None, copy: bool = True):
-        """:meth:`issue`, or with ``copy`` False the checksum-only launch of the same plan (the copy-engine path's
-        check, :class:`~triton_offload.dma.DmaIssuer`)."""
-        checks = self.launcher.integrity
-        load = plan.direction is not Direction.STORE
-        if self.stager is None:
-            size = copy_blocks.packed_size(plan, checks)
-            buf = np.empty(size + (copy_blocks.result_size(plan) if checks else 0), dtype=np.int64)
-            copy_blocks.pack_ids(plan, buf)
-            if not checks:
-                self.launcher.launch(plan, torch.from_numpy(buf), self.num_ctas)
-                return None
-            copy_blocks.pack_integrity(plan, buf)
-            res = buf[size:]
-            res[0] = -1  # until the last program writes the results
-            self.launcher.launch(plan, torch.from_numpy(buf[:size]), self.num_ctas, torch.from_numpy(res), copy)
-            return _Checked(None, res, plan.n_blocks, load)
-        size = copy_blocks.packed_size(plan, checks)
-        slot = self.stager.take(size)
-        try:
-            copy_blocks.pack_ids(plan, slot.host_np)
-            if checks:
-                copy_blocks.pack_integrity(plan, slot.host_np)
-                res, res_np = slot.results()
-                res_np[0] = -1  # the slot's last reader has completed: nothing else writes it now
-        except BaseException:
-            self.stager.give_back(slot)  # nothing reads it yet
-            raise
-        if stream is None:
-            self._upload_and_launch(plan, slot, size, trace, res if checks else None, copy)
-        else:
-            with torch.cuda.stream(stream):
-                self._upload_and_launch(plan, slot, size, trace, res if checks else None, copy)
-        return _Checked(slot, res_np, plan.n_blocks, load) if checks else slot
-
-    def _upload_and_launch(self, plan: TransferPlan, slot: IdSlot, size: int, trace, res, copy) -> None:
-        # The slot is pinned, so this copy is truly asynchronous; it is not reused before its reader's guard.
-        ids = slot.upload(size)
-        if trace is not None:
-            trace("upload")
-        if res is None:
-            self.launcher.launch(plan, ids, self.num_ctas)
-        else:
-            self.launcher.launch(plan, ids, self.num_ctas, res, copy)
-        if trace is not None:
-            trace("launch")
-
-    def outcome(self, keep) -> LoadCheck | None:
-        """What the integrity check of the completed launch that returned ``keep`` found (:func:`load_check`)."""
-        return load_check(keep)
-
-    def release(self, keep, after: torch.cuda.Event | None = None) -> None:
-        """Hands the launch's slot back to the pool: at once if its launch has completed, else once ``after`` has."""
-        slot = keep.slot if isinstance(keep, _Checked) else keep
-        if slot is not None:
-            self.stager.give_back(slot, after)
