@@ -74,7 +74,7 @@ VLLM033_MAX_PAGE_BYTES = 28 * 1024
 # Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
 NATIVE_WARM_DEPTH = 16
 
-# bench.micro.call_cost's default --calls, run alone; the GPU run's stage passes fewer (tools/gpu/plan.py's
+# bench.micro.call_cost's default --calls, run alone; the GPU run's stage passes fewer (tools/gpu/stages.py's
 # CALL_COST_STAGE_CALLS), and its time model counts those.
 CALL_COST_CALLS = 400
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]

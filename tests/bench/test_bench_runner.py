@@ -17,7 +17,7 @@ import pytest
 
 from bench.common import grid, results, workloads
 from bench.transfer import cli as bench_transfer
-from tools.gpu import parts, plan
+from tools.gpu import parts, stages
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -136,7 +136,7 @@ def test_the_dry_run_prints_the_plan_anywhere_and_runs_nothing(tmp_path):
                           text=True, env=_env(tmp_path, bin_dir), timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split()[2] for line in proc.stdout.splitlines() if re.match(r"\[gpu-run\] +\d+ ", line)]
-    assert sorted(rows) == sorted(plan.STAGES) and rows[0] == "machine"
+    assert sorted(rows) == sorted(stages.STAGES) and rows[0] == "machine"
     assert "nothing was run: --dry-run" in proc.stdout and not out.exists()
     assert f"-m tools.gpu.run run {out} --dry-run" in (tmp_path / "calls.log").read_text()  # python3 planned
     end = float(re.search(r"expected end ~(\d+) s of 540 s", proc.stdout).group(1))

@@ -1,4 +1,4 @@
-"""`./dev gpu run`, the one command of a GPU lease (tools/gpu/: run.py, plan.py, summary.py), on CPU: stub
+"""`./dev gpu run`, the one command of a GPU lease (tools/gpu/: run.py, stages.py, summary.py), on CPU: stub
 stages under a fake clock and a fake process runner for the scheduling, the packing and the ledger; the summary's
 verdicts from made-up stage files; one real run of two small real stages; the pytest plugin that keeps finished
 tests when a run is killed. Nothing here runs on a GPU or measures anything."""
@@ -24,7 +24,7 @@ import pytest
 from bench.common import results
 from bench.serving import config as serving_config
 from bench.serving import report as serving_report
-from tools.gpu import parts, plan, run, summary
+from tools.gpu import parts, run, stages, summary
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAFE = re.compile(r"[A-Za-z0-9._-]+")
@@ -40,7 +40,7 @@ def m():
         pass
 
     mods = M()
-    mods.run, mods.plan, mods.summary, mods.results = run, plan, summary, results
+    mods.run, mods.stages, mods.summary, mods.results = run, stages, summary, results
     yield mods
 
 
@@ -79,7 +79,7 @@ class FakeProc:
 def stub_stages(m, kinds: dict[str, str]):
     """Stages that run "stub NAME JSON XML PNG" (the fake spawn reads them), machine first."""
     return {
-        name: m.plan.Stage(name, f"stub {name}", kind, (("stub", name, "{json}", "{xml}", "{plot}"),), ())
+        name: m.stages.Stage(name, f"stub {name}", kind, (("stub", name, "{json}", "{xml}", "{plot}"),), ())
         for name, kind in kinds.items()
     }
 
@@ -220,37 +220,37 @@ def test_outdir_must_start_empty(m, tmp_path):
 
 
 def _entry(m, outcome, fp=None, seconds=None, model_s=None):
-    return dict(dict.fromkeys(m.plan.ENTRY_KEYS), outcome=outcome, fingerprint=fp, seconds=seconds, model_s=model_s,
+    return dict(dict.fromkeys(m.stages.ENTRY_KEYS), outcome=outcome, fingerprint=fp, seconds=seconds, model_s=model_s,
                 date="2026-11-26", device="X")  # fmt: skip
 
 
 def test_the_ledger_queues_never_run_then_not_ok_then_changed_stages(m):
     names = ("machine", "ok1", "changed", "never", "failed", "ok2", "killed")
-    ledger = m.plan.new_ledger(dict.fromkeys(names))
+    ledger = m.stages.new_ledger(dict.fromkeys(names))
     given = {"machine": ("ok", "f0"), "ok1": ("ok", "f1"), "failed": ("failed", "f3"), "changed": ("ok", "old"),
              "ok2": ("ok", "f5"), "killed": ("killed", "f6")}  # fmt: skip
     ledger["stages"].update({n: _entry(m, *v) for n, v in given.items()})
     fps = {"machine": "f0", "ok1": "f1", "never": "f2", "failed": "f3", "changed": "f4", "ok2": "f5", "killed": "f6"}
-    planned = m.plan.order(ledger, fps, None, names)
+    planned = m.stages.order(ledger, fps, None, names)
     # A code change ranks after "never ran" and "not ok", whatever the priority says (issue 56).
     assert [n for n, _ in planned] == ["machine", "never", "failed", "killed", "changed", "ok1", "ok2"]
     why = dict(planned)
     assert why["never"] == "never ran" and why["changed"].startswith("code changed") and "failed" in why["failed"]
     # --stages: those, in the order given, machine first.
-    assert [n for n, _ in m.plan.order(ledger, fps, ["ok2", "never"], names)] == ["machine", "ok2", "never"]
+    assert [n for n, _ in m.stages.order(ledger, fps, ["ok2", "never"], names)] == ["machine", "ok2", "never"]
 
 
 def test_measured_durations_replace_the_model(m, tmp_path):
-    ledger = m.plan.new_ledger(dict.fromkeys(("machine", "a", "b")))
+    ledger = m.stages.new_ledger(dict.fromkeys(("machine", "a", "b")))
     ledger["stages"]["a"] = _entry(m, "ok", "x", seconds=30.0, model_s=100.0)
-    est_a = m.plan.estimate("a", ledger, 100.0)
+    est_a = m.stages.estimate("a", ledger, 100.0)
     assert est_a.seconds == 30.0 and est_a.source.startswith("measured")
     # b never ran: the model, scaled by what the ledger measured (30 / 100), not the seed's 0.5.
-    est_b = m.plan.estimate("b", ledger, 200.0)
+    est_b = m.stages.estimate("b", ledger, 200.0)
     assert est_b.seconds == pytest.approx(60.0) and "x 0.30" in est_b.source
     # A stage cut short last time is expected to take at least as long as it already ran.
     ledger["stages"]["b"] = _entry(m, "timed out", "x", seconds=150.0, model_s=200.0)
-    assert m.plan.estimate("b", ledger, 200.0).seconds == 150.0
+    assert m.stages.estimate("b", ledger, 200.0).seconds == 150.0
 
 
 def test_a_run_records_what_it_measured_and_the_next_plan_uses_it(m, tmp_path):
@@ -260,27 +260,27 @@ def test_a_run_records_what_it_measured_and_the_next_plan_uses_it(m, tmp_path):
     ledger = json.loads((h.out / "gpu-ledger.json").read_text())
     a = ledger["stages"]["a"]
     assert a["outcome"] == "ok" and 33 <= a["seconds"] <= 34 and a["model_s"] == 200 and a["device"] == "Fake GPU 80GB"
-    assert a["fingerprint"] == m.plan.fingerprint(stub_stages(m, kinds)["a"], tmp_path) and a["date"] == "2026-11-27"
-    est = m.plan.estimate("a", ledger, 200.0)
+    assert a["fingerprint"] == m.stages.fingerprint(stub_stages(m, kinds)["a"], tmp_path) and a["date"] == "2026-11-27"
+    est = m.stages.estimate("a", ledger, 200.0)
     assert est.seconds == a["seconds"] and est.source.startswith("measured")
 
 
 def test_merging_takes_the_newer_run_of_each_stage(m):
     names = dict.fromkeys(("machine", "a", "b"))
-    committed, returned = m.plan.new_ledger(names), m.plan.new_ledger(names)
+    committed, returned = m.stages.new_ledger(names), m.stages.new_ledger(names)
     committed["stages"]["a"] = dict(_entry(m, "ok", "x"), ran_at="2026-11-27T10:00:00+00:00", commit="c1")
     returned["stages"]["a"] = dict(_entry(m, "failed", "y"), ran_at="2026-11-27T09:00:00+00:00")  # older
     returned["stages"]["b"] = dict(_entry(m, "ok", "z"), ran_at="2026-11-27T11:00:00+00:00")
-    merged, taken = m.plan.merge_ledgers(committed, returned, lambda name, e: f"filled-{name}")
+    merged, taken = m.stages.merge_ledgers(committed, returned, lambda name, e: f"filled-{name}")
     assert taken == ["b"] and merged["stages"]["a"]["commit"] == "c1" and merged["stages"]["b"]["commit"] == "filled-b"
     assert committed["stages"]["b"]["outcome"] == "never ran"  # the input is not modified
 
 
 def test_the_committed_ledger_names_every_stage_and_reads_back(m):
-    ledger = json.loads(m.plan.LEDGER_PATH.read_text())
-    assert set(ledger["stages"]) == set(m.plan.STAGES)
-    assert all(set(e) == set(m.plan.ENTRY_KEYS) for e in ledger["stages"].values())
-    assert m.plan.load_ledger() == ledger
+    ledger = json.loads(m.stages.LEDGER_PATH.read_text())
+    assert set(ledger["stages"]) == set(m.stages.STAGES)
+    assert all(set(e) == set(m.stages.ENTRY_KEYS) for e in ledger["stages"].values())
+    assert m.stages.load_ledger() == ledger
 
 
 # -- fingerprints ----------------------------------------------------------------------------------------------------
@@ -296,23 +296,23 @@ def test_a_fingerprint_is_git_s_blob_hash_over_the_declared_files(m, tmp_path):
     (tmp_path / "bench" / "helper.py").write_text("def f():\n    import bench.deep\n")
     (tmp_path / "bench" / "deep.py").write_text("z = 3\n")
     (tmp_path / "bench" / "unrelated.py").write_text("q = 0\n")
-    stage = m.plan.Stage("s", "", "transfer", (("{py}", "-m", "bench.tool"),), ("lib", "imports:bench.tool"))
+    stage = m.stages.Stage("s", "", "transfer", (("{py}", "-m", "bench.tool"),), ("lib", "imports:bench.tool"))
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
-    fp = m.plan.fingerprint(stage, tmp_path)
-    assert m.plan.fingerprint(stage, copy) == fp  # contents alone, wherever they are
+    fp = m.stages.fingerprint(stage, tmp_path)
+    assert m.stages.fingerprint(stage, copy) == fp  # contents alone, wherever they are
     (copy / "bench" / "unrelated.py").write_text("q = 1\n")
-    assert m.plan.fingerprint(stage, copy) == fp  # not imported
+    assert m.stages.fingerprint(stage, copy) == fp  # not imported
     (copy / "bench" / "deep.py").write_text("z = 4\n")
-    assert m.plan.fingerprint(stage, copy) != fp  # imported inside a function of an imported module
+    assert m.stages.fingerprint(stage, copy) != fp  # imported inside a function of an imported module
     if shutil.which("git"):
         out = subprocess.run(["git", "hash-object", str(tmp_path / "lib" / "x.py")], capture_output=True, text=True)
-        assert m.plan.git_blob_hash(b"x = 1\n") == out.stdout.strip()
+        assert m.stages.git_blob_hash(b"x = 1\n") == out.stdout.strip()
 
 
 def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
-    quick = m.plan.STAGES["quick"]
-    files = {p.relative_to(ROOT).as_posix() for spec in quick.paths for p in m.plan._files(ROOT, spec)}
+    quick = m.stages.STAGES["quick"]
+    files = {p.relative_to(ROOT).as_posix() for spec in quick.paths for p in m.stages._files(ROOT, spec)}
     assert {"triton_offload/transfer.py", "kernels/copy_blocks.py", "bench/__init__.py", "bench/transfer/__main__.py",
             "bench/transfer/cli.py", "bench/baselines/__init__.py", "bench/common/grid.py"} <= files  # fmt: skip
     # Not the runner's own modules, nor the serving benchmark.
@@ -324,30 +324,30 @@ def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
 
 def test_the_stages_of_a_first_lease(m):
     # The call cost before serving: its figure is the one most likely to come back empty (issue 56).
-    assert m.plan.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "call-cost", "serving", "quick", "launch-shape",
+    assert m.stages.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "call-cost", "serving", "quick", "launch-shape",
                                         "serving-shape", "host-memory", "gpu-tests-slow")  # fmt: skip
-    core, vllm = m.plan.STAGES["gpu-tests"].steps
-    slow = m.plan.STAGES["gpu-tests-slow"].steps[0]
-    for t in m.plan.SLOW_TESTS:
+    core, vllm = m.stages.STAGES["gpu-tests"].steps
+    slow = m.stages.STAGES["gpu-tests-slow"].steps[0]
+    for t in m.stages.SLOW_TESTS:
         path, name = t.split("::")
         assert t in slow and path not in core + vllm
         funcs = {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
         assert name in funcs, f"{t} no longer exists: the stages would run or deselect nothing"
     # The library's GPU test files in the first process, vLLM's in the second, appended to the same XML.
-    assert core[-len(m.plan.GPU_TESTS_CORE) :] == m.plan.GPU_TESTS_CORE and "--live-junit-append" not in core
-    assert vllm[-len(m.plan.GPU_TESTS_VLLM) :] == m.plan.GPU_TESTS_VLLM and "--live-junit-append" in vllm
+    assert core[-len(m.stages.GPU_TESTS_CORE) :] == m.stages.GPU_TESTS_CORE and "--live-junit-append" not in core
+    assert vllm[-len(m.stages.GPU_TESTS_VLLM) :] == m.stages.GPU_TESTS_VLLM and "--live-junit-append" in vllm
     for step in (core, vllm):
         assert step[step.index("--timeout") + 1] == "45" and "--live-junit" in step and "-m" in step
-    assert m.plan.STAGES["gpu-tests"].keep_going
-    serving = m.plan.STAGES["serving"].steps[0]
-    assert serving[1:3] == ("-m", "bench.serving") and tuple(serving[3:5]) == m.plan.SERVING_DECISIVE
+    assert m.stages.STAGES["gpu-tests"].keep_going
+    serving = m.stages.STAGES["serving"].steps[0]
+    assert serving[1:3] == ("-m", "bench.serving") and tuple(serving[3:5]) == m.stages.SERVING_DECISIVE
 
 
 def test_every_test_stage_finds_its_plugins(m, tmp_path):
     """A pytest stage's command loads live_junit (from its PYTHONPATH) and pytest-timeout (--timeout): both must
     import in the stage's environment, or the stage fails before its first test."""
     runner = m.run.Runner(tmp_path / "out", ledger_path=tmp_path / "l.json", model=lambda n: 1.0)
-    stages = [s for s in m.plan.STAGES.values() if s.kind == "pytest"]
+    stages = [s for s in m.stages.STAGES.values() if s.kind == "pytest"]
     assert [s.name for s in stages] == ["gpu-tests", "gpu-tests-slow"]
     for stage in stages:
         for step in stage.steps:
@@ -358,8 +358,8 @@ def test_every_test_stage_finds_its_plugins(m, tmp_path):
 
 
 def test_every_stage_has_an_estimate_under_the_part_limit():
-    assert set(parts.part_names()) == set(plan.STAGES)
-    for name in plan.STAGES:
+    assert set(parts.part_names()) == set(stages.STAGES)
+    for name in stages.STAGES:
         assert 0 < parts.estimate_seconds(name) < parts.LIMIT_S, name
 
 
@@ -374,9 +374,9 @@ def test_the_stages_measure_the_integrity_checks_and_their_estimates_count_them(
     """Issue 41's cost is measured by the next lease: the quick transfer stage (triton_integrity beside triton), the
     serving stage (the decisive preset, then triton_integrity) and the call-cost stage (the engine's submits with the
     checks); each stage's estimate counts the runs the checks add, and still fits a part."""
-    serving = plan.STAGES["serving"].steps[0]
-    assert serving[3 : 3 + len(plan.SERVING_STAGE)] == plan.SERVING_STAGE and "--integrity" in plan.SERVING_STAGE
-    assert "--integrity" in plan.STAGES["call-cost"].steps[0]
+    serving = stages.STAGES["serving"].steps[0]
+    assert serving[3 : 3 + len(stages.SERVING_STAGE)] == stages.SERVING_STAGE and "--integrity" in stages.SERVING_STAGE
+    assert "--integrity" in stages.STAGES["call-cost"].steps[0]
     stage_plan = parts.serving_stage_plan()
     decisive = serving_config.PRESETS["decisive"]
     assert stage_plan.methods == (*decisive.methods, results.INTEGRITY_METHOD)
@@ -394,19 +394,19 @@ def test_the_stages_measure_the_integrity_checks_and_their_estimates_count_them(
 def test_the_call_cost_stage_fits_a_first_lease_and_its_estimate_counts_its_calls():
     """Issue 56: the call-cost stage runs fewer calls per row than the benchmark's default, and the time model counts
     the calls the stage's command passes (not the default)."""
-    (cmd,) = plan.STAGES["call-cost"].steps
+    (cmd,) = stages.STAGES["call-cost"].steps
     calls = int(cmd[cmd.index("--calls") + 1])
-    assert calls == plan.CALL_COST_STAGE_CALLS == 200 < parts.CALL_COST_CALLS
+    assert calls == stages.CALL_COST_STAGE_CALLS == 200 < parts.CALL_COST_CALLS
     integrity = "--integrity" in cmd
     assert parts.estimate_seconds(parts.CALL_COST_PART) == parts.STARTUP_S + parts._call_cost_s(integrity, calls)
     assert parts._call_cost_s(integrity, calls) < parts._call_cost_s(integrity, parts.CALL_COST_CALLS)
 
 
 def test_stage_names_and_aliases(m):
-    assert m.plan.resolve_stages("tests,quick") == ["gpu-tests", "gpu-tests-slow", "quick"]
-    assert m.plan.resolve_stages(None) is None
+    assert m.stages.resolve_stages("tests,quick") == ["gpu-tests", "gpu-tests-slow", "quick"]
+    assert m.stages.resolve_stages(None) is None
     with pytest.raises(ValueError, match="unknown stage 'quik'; stages: machine, gpu-tests"):
-        m.plan.resolve_stages("quik")
+        m.stages.resolve_stages("quik")
 
 
 # -- the summary's verdicts ------------------------------------------------------------------------------------------
@@ -646,7 +646,7 @@ def test_the_gpu_test_target(m, tmp_path, cases, complete, verdict):
 
 
 def test_the_summary_knows_the_test_stages(m):
-    assert m.summary.TEST_STAGES == tuple(n for n, s in m.plan.STAGES.items() if s.kind == "pytest")
+    assert m.summary.TEST_STAGES == tuple(n for n, s in m.stages.STAGES.items() if s.kind == "pytest")
 
 
 def test_a_malformed_stage_file_costs_only_its_target(m, tmp_path):
@@ -679,7 +679,7 @@ def test_merge_puts_a_returned_run_into_results_and_the_ledger(m, tmp_path):
     h = Harness(m, tmp_path, kinds, {"a": {"writes": a_writes}}, {"machine": 4, "a": 10})
     h.run()
     results, ledger = tmp_path / "results", tmp_path / "committed-ledger.json"
-    ledger.write_text(json.dumps(m.plan.new_ledger(m.plan.STAGES)))
+    ledger.write_text(json.dumps(m.stages.new_ledger(m.stages.STAGES)))
     # The stub stages are not the real ones: their entries merge, no commit is filled in.
     written = m.run.merge(h.out, results, ledger, out=open(os.devnull, "w"))
     stem = "fake-gpu-80gb-2026-11-27-0930"
@@ -724,10 +724,10 @@ def test_a_real_run_without_cuda_degrades_gracefully(m, tmp_path):
     pytest-timeout) into a temporary OUTDIR, in a few seconds."""
     (tmp_path / "test_tiny.py").write_text(TINY_TESTS)
     stages = {
-        "machine": m.plan.STAGES["machine"],
-        "tiny-tests": m.plan.Stage("tiny-tests", "tiny", "pytest",
-                                   (m.plan._pytest(str(tmp_path / "test_tiny.py"), timeout=60),), (),
-                                   m.plan.STAGES["gpu-tests"].env),
+        "machine": m.stages.STAGES["machine"],
+        "tiny-tests": m.stages.Stage("tiny-tests", "tiny", "pytest",
+                                   (m.stages._pytest(str(tmp_path / "test_tiny.py"), timeout=60),), (),
+                                   m.stages.STAGES["gpu-tests"].env),
     }  # fmt: skip
     out, log = tmp_path / "out", tmp_path / "runner.log"
     with open(log, "w") as f:
@@ -822,12 +822,12 @@ def test_the_gpu_test_files_are_every_file_with_a_gpu_test(m):
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
-    slow = {t.split("::")[0] for t in m.plan.SLOW_TESTS}
-    named = set(m.plan.GPU_TESTS_CORE) | set(m.plan.GPU_TESTS_VLLM)
+    slow = {t.split("::")[0] for t in m.stages.SLOW_TESTS}
+    named = set(m.stages.GPU_TESTS_CORE) | set(m.stages.GPU_TESTS_VLLM)
     assert collected - slow <= named, f"GPU tests in files the gpu-tests stage does not name: {collected - named}"
     assert slow <= collected and all((ROOT / f).is_file() for f in named)
     # The library's files import no vLLM code: a broken vLLM import cannot cost them.
-    for f in m.plan.GPU_TESTS_CORE:
+    for f in m.stages.GPU_TESTS_CORE:
         src = (ROOT / f).read_text()
         vllm_import = r"^\s*(import vllm|from vllm|import vllm_|from vllm_|import tiering_factory)"
         assert not re.search(vllm_import, src, re.M), f
@@ -837,9 +837,9 @@ def test_a_failed_step_does_not_stop_the_next_and_the_outcome_names_it(m, tmp_pa
     """A stage of two steps with keep_going (gpu-tests): the first fails, the second still runs; the stage is failed
     and says which step; without keep_going the second never starts."""
     for keep_going, started in ((True, ["machine", "core", "vllm"]), (False, ["machine", "core"])):
-        stages = {"machine": m.plan.Stage("machine", "", "machine", (("stub", "machine", "{json}", "{xml}", "{plot}"),),
-                                          ()),
-                  "t": m.plan.Stage("t", "", "pytest", (("stub", "core", "{json}", "{xml}", "{plot}"),
+        stub = ("stub", "machine", "{json}", "{xml}", "{plot}")
+        stages = {"machine": m.stages.Stage("machine", "", "machine", (stub,), ()),
+                  "t": m.stages.Stage("t", "", "pytest", (("stub", "core", "{json}", "{xml}", "{plot}"),
                                                         ("stub", "vllm", "{json}", "{xml}", "{plot}")), (),
                                     step_names=("the library's GPU tests", "vLLM's GPU tests"),
                                     keep_going=keep_going)}  # fmt: skip
@@ -865,13 +865,13 @@ def test_a_vllm_collection_error_keeps_the_library_s_test_results(m, tmp_path):
     (tmp_path / "test_core.py").write_text("def test_kernel(): pass\ndef test_engine(): pass\n")
     (tmp_path / "test_vllm_mod.py").write_text("raise AttributeError('vllm on torch 2.11: no attribute X')\n")
     (tmp_path / "test_vllm_ok.py").write_text("def test_native(): pass\n")
-    two = m.plan.Stage("gpu-tests", "two steps", "pytest",
-                       (m.plan._pytest(str(tmp_path / "test_core.py"), timeout=60),
-                        m.plan._pytest(str(tmp_path / "test_vllm_mod.py"), str(tmp_path / "test_vllm_ok.py"),
+    two = m.stages.Stage("gpu-tests", "two steps", "pytest",
+                       (m.stages._pytest(str(tmp_path / "test_core.py"), timeout=60),
+                        m.stages._pytest(str(tmp_path / "test_vllm_mod.py"), str(tmp_path / "test_vllm_ok.py"),
                                        timeout=60, append=True)),
-                       (), m.plan.STAGES["gpu-tests"].env, m.plan.STAGES["gpu-tests"].step_names,
+                       (), m.stages.STAGES["gpu-tests"].env, m.stages.STAGES["gpu-tests"].step_names,
                        keep_going=True)  # fmt: skip
-    stages = {"machine": m.plan.STAGES["machine"], "gpu-tests": two}
+    stages = {"machine": m.stages.STAGES["machine"], "gpu-tests": two}
     out = tmp_path / "out"
     with open(tmp_path / "runner.log", "w") as f:
         runner = m.run.Runner(out, budget_s=200, work=tmp_path / "work", ledger_path=tmp_path / "ledger.json",
@@ -923,7 +923,7 @@ def test_merge_refuses_a_run_that_saw_no_gpu(m, tmp_path):
 
 def test_two_leases_on_one_day_merge_side_by_side(m, tmp_path):
     results, ledger = tmp_path / "results", tmp_path / "committed-ledger.json"
-    ledger.write_text(json.dumps(m.plan.new_ledger(m.plan.STAGES)))
+    ledger.write_text(json.dumps(m.stages.new_ledger(m.stages.STAGES)))
     written = []
     for i, hour in enumerate((9, 14)):
 

@@ -7,7 +7,7 @@ each finish in under 8 minutes on an H100, and the benchmark options of the tran
 The parts in :data:`PARTS` (bench/common/grid.py) are ``python -m bench.transfer`` with the part's options; the
 others are the machine facts, the GPU tests (``gpu-tests``: ``pytest -m gpu`` but the two benchmark-subprocess
 tests, which ``gpu-tests-slow`` runs), ``python -m bench.serving`` (``serving``: its decisive preset;
-``serving-full``: the default run) and ``python -m bench.micro.call_cost``. tools/gpu/plan.py says what each runs;
+``serving-full``: the default run) and ``python -m bench.micro.call_cost``. tools/gpu/stages.py says what each runs;
 this module only estimates.
 
 The estimate is a model, not a measurement (the first H100 run, 2026-11-22, took about half of it: docs/gpu-run.md;
@@ -63,7 +63,7 @@ from bench.serving.config import (
     ring_sizes,
     with_integrity,
 )
-from tools.gpu.plan import CALL_COST_STAGE, CALL_COST_STAGE_CALLS, SERVING_STAGE, STAGES
+from tools.gpu.stages import CALL_COST_STAGE, CALL_COST_STAGE_CALLS, SERVING_STAGE, STAGES
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS, size_aware_ctas
 
 __all__ = [
@@ -90,7 +90,7 @@ SLOW_TEST_PART = "gpu-tests-slow"  # those two: tests/bench/test_bench_gpu.py's 
 SERVING_PART = "serving"  # bench.serving's decisive preset (issue 39); the parts in PARTS run bench.transfer
 SERVING_FULL_PART = "serving-full"  # bench.serving's default run: three workloads x every method, duplex
 SERVING_SHAPE_PART = "serving-shape"  # bench.serving's launch-shape preset: the kernel's two launch shapes
-HOST_MEMORY_PART = "host-memory"  # bench.micro.host_cache with tools/gpu/plan.py's HOST_MEMORY_ARGS
+HOST_MEMORY_PART = "host-memory"  # bench.micro.host_cache with tools/gpu/stages.py's HOST_MEMORY_ARGS
 CALL_COST_PART = "call-cost"  # bench.micro.call_cost: host time per call, direct launch vs Triton's dispatch
 # bench.micro.call_cost's rows that each issue --calls transfers (the stage's CALL_COST_STAGE_CALLS) of 1024 blocks x
 # 80 layers of 8 KiB pages: the public calls and engine submits, each with the direct launch and with Triton's
@@ -279,7 +279,7 @@ def _call_cost_s(integrity: bool, calls: int = CALL_COST_CALLS) -> float:
 
 
 def serving_stage_plan() -> RunPlan:
-    """What the runner's ``serving`` stage runs (tools/gpu/plan.py's SERVING_STAGE): the decisive preset, with
+    """What the runner's ``serving`` stage runs (tools/gpu/stages.py's SERVING_STAGE): the decisive preset, with
     triton_integrity after its methods when the stage asks for ``--integrity``."""
     plan = PRESETS[SERVING_STAGE[SERVING_STAGE.index("--preset") + 1]]
     return with_integrity(plan) if "--integrity" in SERVING_STAGE else plan
@@ -289,7 +289,7 @@ def _host_memory_s() -> float:
     """bench.micro.host_cache with HOST_MEMORY_ARGS: per size, placement and page size a first touch and a
     registration per thread count (pinning-bound, counted at PIN_BPS each), then the near/far copies (4 GiB pinned
     per node, repeats + 1 each way)."""
-    from tools.gpu.plan import HOST_MEMORY_OPTIONS as values  # stdlib only
+    from tools.gpu.stages import HOST_MEMORY_OPTIONS as values  # stdlib only
 
     sizes = sum(float(v) for v in values["--sizes-gib"]) * 2**30
     combos = len(values["--placements"]) * len(values["--huge-pages"])
@@ -354,8 +354,8 @@ def estimate_seconds(part: str) -> float:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["list"]:
-        # What each part runs, in the runner's default priority (tools/gpu/plan.py, stdlib only).
-        from tools.gpu.plan import DEFAULT_ORDER, STAGES
+        # What each part runs, in the runner's default priority (tools/gpu/stages.py, stdlib only).
+        from tools.gpu.stages import DEFAULT_ORDER, STAGES
 
         for name in DEFAULT_ORDER:
             print(f"{name:<15} ~{estimate_seconds(name) / 60:.1f} min  {STAGES[name].what}")

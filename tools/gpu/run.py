@@ -5,7 +5,7 @@
     python -m tools.gpu.run check OUTDIR [...]     # the options and OUTDIR, before ./dev installs anything
     python -m tools.gpu.run merge OUTDIR           # here: a returned run into bench/results/ and the ledger
 
-The stages (tools/gpu/plan.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
+The stages (tools/gpu/stages.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
 ``./dev gpu`` began): each has an estimate (its measured seconds from the ledger, else tools/gpu/parts.py's model
 scaled by what the ledger measured) and a hard timeout; a stage whose estimate does not fit what is left is skipped
 and named as skipped, never started and killed. Each stage's commands run in their own process group, killed at the
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 from bench.common.results import result_stem, write_json
-from tools.gpu.plan import (
+from tools.gpu.stages import (
     DEFAULT_ORDER,
     LEDGER_PATH,
     ROOT,
@@ -194,7 +194,7 @@ class Runner:
         self.out = out or sys.stdout
         self.ledger = load_ledger(ledger_path, stages)
         self.fingerprints = {name: fingerprint(stage, root) for name, stage in stages.items()}
-        self.plan = order(self.ledger, self.fingerprints, chosen, default)
+        self.queue = order(self.ledger, self.fingerprints, chosen, default)
         self.records: dict[str, dict] = {}
         self.device = "unknown-device"
         self.commit = _commit(root)
@@ -223,7 +223,7 @@ class Runner:
         t = inst_s
         self._say(f"{'#':>2} {'stage':<15} {'model':>6} {'expect':>7} {'timeout':>7} {'starts':>7}  plan, why there, "
                   "estimate from")  # fmt: skip
-        for i, (name, why_first) in enumerate(self.plan, 1):
+        for i, (name, why_first) in enumerate(self.queue, 1):
             try:
                 model_s = self.model_s(name)
             except Exception as exc:
@@ -264,11 +264,11 @@ class Runner:
             self._say(f"GPU run: budget {self.budget_s:.0f} s, {spent:.0f} s spent before this process (install); "
                       f"commit {self.commit or 'unknown (no git here)'}; "
                       f"vLLM bundle: {os.environ.get('TRITON_OFFLOAD_VLLM_BUNDLE') or 'none'}")  # fmt: skip
-            self._say("order: " + ", ".join(f"{n} ({why})" for n, why in self.plan))
+            self._say("order: " + ", ".join(f"{n} ({why})" for n, why in self.queue))
             if os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE_ERROR"):
                 self._say(f"vLLM bundle failed to unpack, going on without it: "
                           f"{os.environ['TRITON_OFFLOAD_VLLM_BUNDLE_ERROR']}")  # fmt: skip
-            for name, _ in self.plan:
+            for name, _ in self.queue:
                 self._stage(name)
                 self._pack()
             self.finished = True
@@ -410,7 +410,7 @@ class Runner:
 
     def summary(self) -> dict:
         stages = []
-        for name, why in self.plan:
+        for name, why in self.queue:
             pending = {"stage": name, "kind": self.stages[name].kind, "outcome": "not started",
                        "why": "interrupted" if self.interrupted else "not reached yet"}  # fmt: skip
             rec = self.records.get(name) or pending
@@ -462,7 +462,7 @@ class Runner:
         """summary.json, the tarball, the ledger and the first PNGs into OUTDIR, each written whole then renamed."""
         stem = self.stem
         (self.work / RUN_LOG).write_text("\n".join(self._log_lines) + "\n")
-        pngs = [self.work / f"{n}.png" for n, _ in self.plan if (self.work / f"{n}.png").is_file()]
+        pngs = [self.work / f"{n}.png" for n, _ in self.queue if (self.work / f"{n}.png").is_file()]
         shown = pngs[:MAX_PNGS]
         wanted = {SUMMARY, LEDGER_OUT, _safe(f"{stem}-gpu-run.tar.gz"), *(_safe(f"{stem}-{p.name}") for p in shown)}
         tar_tmp = self.outdir / f"{stem}-gpu-run.tar.gz.tmp"

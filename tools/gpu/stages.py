@@ -299,7 +299,7 @@ def new_ledger(stages: dict[str, Stage] = STAGES) -> dict:
     """A ledger in which every stage never ran."""
     return {
         "about": "per stage of ./dev gpu run, its last run: written by tools/gpu/run.py on the GPU machine and merged "
-        "here by ./dev gpu merge; see tools/gpu/plan.py",
+        "here by ./dev gpu merge; see tools/gpu/stages.py",
         "model_factor_seed": dict(SEED_FACTOR),
         "install": {"seconds": None, "ran_at": None, "device": None},
         "stages": {name: dict(dict.fromkeys(ENTRY_KEYS), outcome=NEVER) for name in stages},

@@ -40,7 +40,7 @@ VLLM_BASELINES = ("vllm033", "vllm_native")
 # A GPU test skipped for one of these did not run where it should have: vLLM's code missing (the bundle), or no
 # CUDA device (tests/conftest.py's skip). Other skips (say, a test that needs two GPUs) are listed, not counted.
 SKIPS_THAT_MISS = ("vllm", "cuda device")
-# Together the whole `pytest -m gpu` (tools/gpu/plan.py): the target passes only when both ran to the end.
+# Together the whole `pytest -m gpu` (tools/gpu/stages.py): the target passes only when both ran to the end.
 TEST_STAGES = ("gpu-tests", "gpu-tests-slow")
 
 

@@ -5,7 +5,7 @@ pytest's own ``--junitxml`` writes only at the end of the session. Here the suit
 ``false`` until the session ends; with ``--live-junit-append`` the tests of an earlier session in that file (an
 earlier step of the same stage) are kept ahead of this one's. Each test case carries its outcome (a ``failure``,
 ``error`` or ``skipped`` child with the message, none when it passed) and its seconds (setup, call and teardown).
-This folder is put on ``PYTHONPATH`` by tools/gpu/plan.py's test stages only: it holds nothing else, so no module
+This folder is put on ``PYTHONPATH`` by tools/gpu/stages.py's test stages only: it holds nothing else, so no module
 name can shadow another.
 """
 
