@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from bench.common import results
+from bench.common import results, targets
 from bench.serving import config as serving_config
 from bench.serving import report as serving_report
 from tools.gpu import parts, run, stages, summary
@@ -40,7 +40,7 @@ def m():
         pass
 
     mods = M()
-    mods.run, mods.stages, mods.summary, mods.results = run, stages, summary, results
+    mods.run, mods.stages, mods.summary, mods.results, mods.targets = run, stages, summary, results, targets
     yield mods
 
 
@@ -427,7 +427,7 @@ def _transfer(results, frac_4: float, auto_ms: float, native_ms: float) -> dict:
     case = dict(workload="small-page", layout="kv_first", direction="load", page_bytes=2048, num_layers=32,
                 blocks=128, blocks_per_host_block=4, skip=1, total_bytes=1 << 23, device="x",
                 status="pass")  # fmt: skip
-    medians = {("peak", None): 1.0, ("triton", 4): 1 / frac_4, ("triton", 16): 1.0, ("memcpy_batch", None): 2.0,
+    medians = {("peak", None): 1.0, ("triton", 4): 1 / frac_4, ("triton", 16): 1.0, ("memcpy_batch", None): 6.0,
                ("auto", None): auto_ms, ("vllm033", None): 3.0, ("vllm_native", None): native_ms}  # fmt: skip
     rows = [results.new_row(**case, method=meth, num_ctas=c, median_ms=ms, gbps=8.388608 / ms)
             for (meth, c), ms in medians.items()]  # fmt: skip
@@ -457,8 +457,8 @@ def _targets(m, tmp_path, docs: dict[str, tuple[str, object]]) -> dict[str, dict
             (tmp_path / f"{name}.json").write_text(json.dumps(doc))
             files = {"json": tmp_path / f"{name}.json"}
         stages.append({"stage": name, "kind": kind, "outcome": "ok", "files": files})
-    # Keyed by the target's first word ("every", "call", "transfers", "auto", "ours", "serving").
-    return {t["target"].split(" ")[0].rstrip(":"): t for t in m.summary.evaluate(stages)}
+    # Keyed by the target's key (bench/common/targets.py's for the transfer targets).
+    return {t["key"]: t for t in m.summary.evaluate(stages)}
 
 
 def test_verdicts_come_from_the_stage_files(m, tmp_path):
@@ -473,18 +473,18 @@ def test_verdicts_come_from_the_stage_files(m, tmp_path):
         "quick": ("transfer", _transfer(m.results, frac_4=0.80, auto_ms=2.5, native_ms=0.5)),
         "serving": ("serving", {"mode": "gpu", "targets": serving_targets}),
     })  # fmt: skip
-    assert t["every"]["verdict"] == "pass" and t["every"]["worst"] == 0
-    cc = t["call"]
+    assert t["gpu-tests"]["verdict"] == "pass" and t["gpu-tests"]["worst"] == 0
+    cc = t["call-cost"]
     assert cc["verdict"] == "miss" and cc["worst"] == 45.0 and cc["where"] == "scatter_blocks, direct launch", cc
-    frac = t["transfers"]
+    frac = t["peak"]
     assert (
         frac["verdict"] == "miss"
         and frac["worst"] == pytest.approx(0.8)
         and "small-page/kv_first 2048B" in frac["where"]
     )
-    auto = t["auto"]  # 2.5 ms against the kernel's 1.25 and memcpy_batch's 2.0: 2x the faster
+    auto = t["auto"]  # 2.5 ms against the kernel's 1.25 and memcpy_batch's 6.0: 2x the faster
     assert auto["verdict"] == "miss" and auto["worst"] == pytest.approx(2.0) and "dma: memcpy_batch" in auto["where"]
-    vs = t["ours"]  # vllm_native at 0.5 ms beats both ours
+    vs = t["vs-vllm"]  # vllm_native at 0.5 ms beats both ours
     assert vs["verdict"] == "miss" and vs["worst"] == pytest.approx(0.2) and vs["where"].endswith("auto vs vllm_native")
     serving = t["serving"]
     assert serving["target"] == "serving (serving): step within 2%"
@@ -523,9 +523,14 @@ def test_verdicts_pass_when_the_files_say_so(m, tmp_path):
         "quick": ("transfer", _transfer(m.results, frac_4=0.95, auto_ms=1 / 0.95, native_ms=3.0)),
     })  # fmt: skip
     verdicts = {k: v["verdict"] for k, v in t.items()}
-    assert verdicts == {"every": "pass", "call": "pass", "transfers": "pass", "auto": "pass", "ours": "pass",
-                        "size-aware": "not measured", "launch": "not measured", "serving": "not measured",
-                        "bandwidth": "not measured", "host": "not measured"}  # fmt: skip
+    unmeasured = ("shape-gain", "shape-loss", "vs-per-block", "integrity-cost", "cpu-cost", "gemm", "serving",
+                  "integrity-host")  # fmt: skip
+    assert verdicts == {
+        **dict.fromkeys(
+            ("gpu-tests", "call-cost", "peak-best", "peak", "vs-batch-small", "vs-batch", "vs-vllm", "auto"), "pass"
+        ),
+        **dict.fromkeys(unmeasured, "not measured"),
+    }
 
 
 @pytest.mark.parametrize(
@@ -540,7 +545,7 @@ def test_the_size_aware_launch_shape_decision(m, tmp_path, frac_4, sized, gain, 
     doc["rows"].append(row)
     m.results.fill_relative(doc["rows"])
     t = _targets(m, tmp_path, {"launch-shape": ("launch-shape", doc)})
-    assert (t["size-aware"]["verdict"], t["launch"]["verdict"]) == (gain, loss), (t["size-aware"], t["launch"])
+    assert (t["shape-gain"]["verdict"], t["shape-loss"]["verdict"]) == (gain, loss), (t["shape-gain"], t["shape-loss"])
     (fig,) = m.summary.launch_shape(doc["rows"], 4)
     assert fig["fraction_size_aware"] == pytest.approx(sized)
 
@@ -561,11 +566,56 @@ def test_the_integrity_checks_cost_targets(m, tmp_path, cost_pct, extra_us, verd
         us = cc["sections"]["engine submits"][f"{call}, direct launch"]["median_us"] + extra_us
         cc["sections"]["engine submits"][f"{call}, direct launch, integrity verify"] = {"median_us": us}
     t = _targets(m, tmp_path, {"quick": ("transfer", quick), "call-cost": ("call-cost", cc)})
-    bandwidth, host = t["bandwidth"], t["host"]
+    bandwidth, host = t["integrity-cost"], t["integrity-host"]
     assert bandwidth["verdict"] == verdict and bandwidth["worst"] == pytest.approx(cost_pct, abs=0.01), bandwidth
     assert "8192B" in bandwidth["where"] and bandwidth["from"] == ["quick"]  # the 2 KiB case is not the goal's
     assert host["verdict"] == verdict and host["worst"] == pytest.approx(extra_us), host
     assert host["where"].startswith("call-cost: engine.submit_")
+
+
+_KEYS = ("peak-best", "peak", "shape-gain", "shape-loss", "vs-batch-small", "vs-batch", "vs-per-block", "vs-vllm",
+         "auto", "integrity-cost", "cpu-cost", "gemm")  # fmt: skip
+_MISSES = ("peak-best", "peak", "shape-gain", "vs-batch-small", "vs-vllm", "auto", "integrity-cost", "gemm")
+VERDICTS_OF_BOTH = {0.95: {**dict.fromkeys(_KEYS, "PASS"), "shape-gain": "n/a"},
+                    0.8: {k: "FAIL" if k in _MISSES else "PASS" for k in _KEYS}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "frac_4, auto_ms, native_ms, cost_pct, gemm_pct",
+    [(0.95, 1 / 0.95, 3.0, 1.0, 2.0), (0.8, 2.5, 0.5, 3.0, 9.0)],
+    ids=["all-pass", "misses"],
+)
+def test_both_summaries_give_the_same_verdicts_from_the_same_rows(m, tmp_path, frac_4, auto_ms, native_ms, cost_pct,
+                                                                  gemm_pct):  # fmt: skip
+    """The transfer targets are defined once (bench/common/targets.py): the transfer benchmark's own summary over a
+    run's rows and extras, and the GPU run's over the JSON that run wrote, give every target the same text, verdict
+    and worst case."""
+    from bench.transfer import summary as bench_summary
+    from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+
+    doc = _transfer(m.results, frac_4=frac_4, auto_ms=auto_ms, native_ms=native_ms)
+    assert doc["default_num_ctas"] == DEFAULT_NUM_CTAS
+    kernel = next(r for r in doc["rows"] if r["method"] == "triton" and r["num_ctas"] == 4)
+    peak = next(r for r in doc["rows"] if r["method"] == "peak")
+    sized, off = frac_4 + 0.01, 1 - cost_pct / 100
+    doc["rows"] += [
+        dict(peak, method="memcpy_per_block", impl=f"{m.results.PYTHON_ISSUED}: test", median_ms=30.0, gbps=0.28),
+        dict(peak, method="triton_size_aware", median_ms=1 / sized, gbps=8.388608 * sized),
+        *(dict(r, page_bytes=8192) for r in doc["rows"]),
+        dict(kernel, page_bytes=8192, method="triton_integrity", num_ctas=None, gbps=kernel["gbps"] * off),
+    ]
+    m.results.fill_relative(doc["rows"])
+    overhead = {k: {"median_us": us} for k, us in (("gather", 20.0), ("scatter", 30.0))}
+    inter = {"rows": [{"method": "triton", "num_ctas": 4, "direction": d, "slowdown_pct": gemm_pct}
+                      for d in ("store", "load")]}  # fmt: skip
+    bench = bench_summary.evaluate_targets(doc["rows"], overhead, inter)
+    gpu = _targets(m, tmp_path, {"quick": ("transfer", dict(doc, cpu_overhead=overhead, interference=inter))})
+    assert [t["key"] for t in bench] == [t.key for t in m.targets.TARGETS]
+    for t in bench:
+        same = (t["target"], m.summary.VERDICTS[t["result"]], t["worst"])
+        assert (gpu[t["key"]]["target"], gpu[t["key"]]["verdict"], gpu[t["key"]]["worst"]) == same, t
+    verdicts = {t["key"]: t["result"] for t in bench}
+    assert verdicts == VERDICTS_OF_BOTH[frac_4], verdicts
 
 
 def test_the_call_cost_target_says_where_the_direct_launch_was_refused(m, tmp_path):
@@ -579,7 +629,7 @@ def test_the_call_cost_target_says_where_the_direct_launch_was_refused(m, tmp_pa
     refused = "direct refused: the direct launch of the load wrote other bytes than Triton's launch on the canary"
     cc["sections"]["public calls"]["scatter_blocks, direct launch"]["launch"] = refused
     cc.update(complete=True, left=[])
-    cc_target = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]
+    cc_target = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call-cost"]
     assert cc_target["verdict"] == "miss" and cc_target["worst"] == 45.0
     assert cc_target["where"] == f"scatter_blocks, direct launch (launch: {refused})", cc_target
     assert "the direct launch was not used in 1: scatter_blocks" in cc_target["detail"]
@@ -596,11 +646,11 @@ def test_a_call_cost_run_cut_short_is_not_measured_and_says_why(m, tmp_path):
     del cc["sections"]["engine submits"]
     left = ["engine submits, direct launch", "engine submits, Triton's dispatch"]
     cc.update(complete=False, left=left, error=None)
-    t = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]
+    t = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call-cost"]
     assert t["verdict"] == "not measured", t
     assert "only 2 of the 4 calls measured" in t["detail"] and ", ".join(left) in t["detail"], t
     cc["sections"]["public calls"]["gather_blocks, direct launch"]["median_us"] = 50.0
-    assert _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]["verdict"] == "miss"
+    assert _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call-cost"]["verdict"] == "miss"
     fig = m.summary.stage_figures("call-cost", {"json": tmp_path / "call-cost.json"})
     assert fig["complete"] is False and fig["left"] == left
 
@@ -614,11 +664,11 @@ def test_the_integrity_host_cost_compares_only_like_launches(m, tmp_path):
         subs[f"{call}, direct launch"]["launch"] = "direct"
         us = subs[f"{call}, direct launch"]["median_us"] + 0.5
         subs[f"{call}, direct launch, integrity verify"] = {"median_us": us, "launch": on}
-    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["host"]
+    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["integrity-host"]
     assert host["verdict"] == "pass" and host["where"] == "call-cost: engine.submit_store", host
     assert "not compared where the two launched differently: call-cost: engine.submit_load" in host["detail"]
     subs["engine.submit_store, direct launch, integrity verify"]["launch"] = "direct refused: RuntimeError: x"
-    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["host"]
+    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["integrity-host"]
     assert host["verdict"] == "not measured" and "launched differently" in host["detail"], host
 
 
@@ -638,9 +688,9 @@ def test_the_integrity_host_cost_compares_only_like_launches(m, tmp_path):
 def test_the_gpu_test_target(m, tmp_path, cases, complete, verdict):
     slow = ("pytest", ({"tests/bench/test_bench_gpu.py::t": None},))
     t = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete)), "gpu-tests-slow": slow})
-    assert t["every"]["verdict"] == verdict, t["every"]
+    assert t["gpu-tests"]["verdict"] == verdict, t["gpu-tests"]
     # Without the slow tests' stage, the whole suite was not run: at best not measured.
-    alone = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete))})["every"]
+    alone = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete))})["gpu-tests"]
     assert alone["verdict"] == ("miss" if verdict == "miss" else "not measured")
     assert "gpu-tests-slow: not in this run" in alone["detail"]
 
@@ -652,7 +702,7 @@ def test_the_summary_knows_the_test_stages(m):
 def test_a_malformed_stage_file_costs_only_its_target(m, tmp_path):
     t = _targets(m, tmp_path, {"quick": ("transfer", {"mode": "gpu", "rows": [{"method": "x"}]})})
     assert t["transfers"]["verdict"] == "not measured" and "could not be computed" in t["transfers"]["detail"]
-    assert t["call"]["verdict"] == "not measured"
+    assert t["call-cost"]["verdict"] == "not measured"
 
 
 def test_the_launch_shape_figure(m):
