@@ -6,14 +6,13 @@
     python -m tools.gpu.run merge OUTDIR           # here: a returned run into bench/results/ and the ledger
 
 The stages (tools/gpu/stages.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
-``./dev gpu`` began): each has an estimate (its measured seconds from the ledger, else tools/gpu/parts.py's model
-scaled by what the ledger measured) and a hard timeout; a stage whose estimate does not fit what is left is skipped
-and named as skipped, never started and killed. Each stage's commands run in their own process group, killed at the
-stage's timeout, their output tee'd into the stage's log. After every stage, and on SIGTERM/SIGINT, everything is
-packed into OUTDIR as at most 7 files: ``summary.json`` (every stage's outcome, seconds and key figures, every
-target's worst case and verdict: tools/gpu/summary.py, from the stages' files), ``<device>-<date>-gpu-run.tar.gz``
-(every log, JSON and JUnit XML), ``gpu-ledger.json`` (the ledger with this run's stages) and up to 4 PNGs. Stdlib only
-at import: it starts before the project is installed (the model, which imports torch, is read when planning).
+``./dev gpu`` began): each has an estimate (its measured seconds from the ledger, else its own) and a hard timeout; a
+stage whose estimate does not fit what is left is skipped and named as skipped, never started and killed. Each stage's
+commands run in their own process group, killed at the stage's timeout, their output tee'd into the stage's log. After
+every stage, and on SIGTERM/SIGINT, everything is packed into OUTDIR as at most 7 files: ``summary.json`` (every stage's
+outcome, seconds and key figures, every target's worst case and verdict: tools/gpu/summary.py, from the stages' files),
+``<device>-<date>-gpu-run.tar.gz`` (every log, JSON and JUnit XML), ``gpu-ledger.json`` (the ledger with this run's
+stages) and up to 4 PNGs. Stdlib only: it starts before the project is installed.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from collections.abc import Callable
 from bench.common.results import result_stem, write_json
 from tools.gpu.stages import (
     DEFAULT_ORDER,
+    INSTALL_S,
     LEDGER_PATH,
     ROOT,
     STAGES,
@@ -46,7 +46,6 @@ from tools.gpu.stages import (
     fingerprint,
     load_ledger,
     merge_ledgers,
-    model_factor,
     order,
     record_run,
     resolve_stages,
@@ -127,18 +126,6 @@ class Process:
         self._close()
 
 
-def _model_seconds(name: str) -> float:
-    from tools.gpu.parts import estimate_seconds  # imports torch (bench/common/workloads.py): only when planning
-
-    return estimate_seconds(name)
-
-
-def _install_model_seconds() -> float:
-    from tools.gpu.parts import INSTALL_S
-
-    return INSTALL_S
-
-
 def _commit(root: pathlib.Path) -> str | None:
     """HEAD, with ``+changes`` when the tree differs from it; None without git (the GPU machine's copy)."""
     try:
@@ -160,7 +147,7 @@ def _safe(name: str) -> str:
 
 class Runner:
     """Plans and runs the stages. ``clock``/``sleep``, ``spawn`` (argv, log, env, cwd, echo -> an object with
-    ``poll()`` and ``kill()``), ``model`` (stage -> modelled seconds) and ``stages`` are injectable for tests."""
+    ``poll()`` and ``kill()``) and ``stages`` are injectable for tests."""
 
     def __init__(
         self,
@@ -173,8 +160,6 @@ class Runner:
         ledger_path: pathlib.Path = LEDGER_PATH,
         stages: dict[str, Stage] = STAGES,
         default: tuple[str, ...] = DEFAULT_ORDER,
-        model: Callable[[str], float] = _model_seconds,
-        install_model_s: Callable[[], float] = _install_model_seconds,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         spawn=Process,
@@ -184,7 +169,7 @@ class Runner:
         out=None,
     ):
         self.outdir, self.budget_s, self.spent_s = pathlib.Path(outdir), budget_s, spent_s
-        self.stages, self.model, self.install_model_s = stages, model, install_model_s
+        self.stages = stages
         self.clock, self.sleep, self.spawn, self.python, self.root = clock, sleep, spawn, python, root
         # The lease's start (UTC) names its files, so two leases on one day and device merge side by side.
         self.started_at = started_at or datetime.datetime.now(datetime.timezone.utc)
@@ -203,41 +188,23 @@ class Runner:
         self._current: dict | None = None
         self._written: set[str] = set()
         self._log_lines: list[str] = []
-        self._models: dict[str, float] = {}
-
-    # -- planning -------------------------------------------------------------------------------------------------
-
-    def model_s(self, name: str) -> float:
-        if name not in self._models:
-            self._models[name] = self.model(name)
-        return self._models[name]
 
     def dry_run(self) -> int:
-        """Prints the plan: the order, why, each estimate and timeout, and what would be skipped if every stage took
-        its estimate."""
+        """Prints the order, why, each estimate and timeout, and what would be skipped if every stage took its
+        estimate."""
         inst = self.ledger["install"].get("seconds")
-        inst_s, inst_src = (inst, "measured") if inst else (self.install_model_s(), "model")
-        factor, why = model_factor(self.ledger)
-        self._say(f"plan: budget {self.budget_s:.0f} s; install ~{inst_s:.0f} s ({inst_src}); model factor "
-                  f"{factor:.2f} ({why}); {PACK_RESERVE_S:.0f} s kept for packing")  # fmt: skip
-        t = inst_s
-        self._say(f"{'#':>2} {'stage':<15} {'model':>6} {'expect':>7} {'timeout':>7} {'starts':>7}  plan, why there, "
-                  "estimate from")  # fmt: skip
+        t = inst or INSTALL_S
+        self._say(f"budget {self.budget_s:.0f} s; install ~{t:.0f} s ({'measured' if inst else 'estimate'}); "
+                  f"{PACK_RESERVE_S:.0f} s kept for packing")  # fmt: skip
+        self._say(f"{'#':>2} {'stage':<15} {'expect':>7} {'timeout':>7} {'starts':>7}  runs?; why there; estimate from")
         for i, (name, why_first) in enumerate(self.queue, 1):
-            try:
-                model_s = self.model_s(name)
-            except Exception as exc:
-                self._say(f"{i:>2} {name:<15} SKIPPED: the time model failed: {exc!r}")
-                continue
-            est = estimate(name, self.ledger, model_s)
+            est = estimate(self.stages[name], self.ledger)
             left = self.budget_s - PACK_RESERVE_S - t
+            runs, starts = f"SKIPPED (~{est.seconds:.0f} s > {max(0, left):.0f} s left)", "-"
             if est.seconds <= left:
-                plan, starts = "runs", f"{t:.0f}s"
-                t += est.seconds
-            else:
-                plan, starts = f"SKIPPED (~{est.seconds:.0f} s > {max(0, left):.0f} s left)", "-"
-            self._say(f"{i:>2} {name:<15} {model_s:>5.0f}s {est.seconds:>6.0f}s {est.timeout_s:>6.0f}s {starts:>7}  "
-                      f"{plan}; {why_first}; {est.source}")  # fmt: skip
+                runs, starts, t = "runs", f"{t:.0f}s", t + est.seconds
+            self._say(f"{i:>2} {name:<15} {est.seconds:>6.0f}s {est.timeout_s:>6.0f}s {starts:>7}  {runs}; "
+                      f"{why_first}; {est.source}")  # fmt: skip
         self._say(f"expected end ~{t:.0f} s of {self.budget_s:.0f} s (nothing was run: --dry-run)")
         return 0
 
@@ -306,15 +273,7 @@ class Runner:
 
     def _stage(self, name: str) -> None:
         stage = self.stages[name]
-        try:
-            model_s = self.model_s(name)
-        except Exception as exc:  # a broken time model costs its stage, not the lease's files
-            self.records[name] = {"stage": name, "kind": stage.kind, "outcome": "skipped",
-                                  "why": f"the time model failed: {exc!r}"[:300],
-                                  "fingerprint": self.fingerprints[name]}  # fmt: skip
-            self._say(f"[{name}] skipped: the time model failed: {exc!r}")
-            return
-        est = estimate(name, self.ledger, model_s)
+        est = estimate(stage, self.ledger)
         left = self.deadline - self.clock() - PACK_RESERVE_S
         if est.seconds > left:
             self._record(
@@ -380,7 +339,7 @@ class Runner:
             self.device = doc.get("device") or ("no-gpu" if doc else "unknown-device")
             self.ledger["install"]["device"] = self.device
         record_run(self.ledger, name, outcome=outcome, device=self.device, date=self.today.isoformat(), ran_at=_now(),
-                   commit=self.commit, seconds=round(seconds, 1), model_s=round(est.model_s, 1),
+                   commit=self.commit, seconds=round(seconds, 1), estimate_s=round(est.seconds, 1),
                    fingerprint=self.fingerprints[name])  # fmt: skip
         self._say(f"[{name}] {outcome} in {seconds:.0f} s" + (f" ({'; '.join(failed)})" if failed else ""))
 
@@ -441,7 +400,6 @@ class Runner:
             "budget_s": self.budget_s,
             "install_s": None if self.spent_s is None else round(self.spent_s, 1),
             "elapsed_s": round(elapsed, 1),
-            "model_factor": model_factor(self.ledger)[0],
             "stages": stages,
             "targets": targets,
             "verdicts": verdicts,
