@@ -45,22 +45,11 @@ HOST_MEMORY_ARGS = ("--sizes-gib", "8", "32", "--threads", "1", "8", "--placemen
 # The GPU test files, named (collecting the whole tree cost 10-30 s and let a module that cannot be imported there fail
 # the stage): the library's, then, in a process of their own, those that import vLLM's code. tests/bench/test_gpu_run.py
 # checks that these and SLOW_TESTS are every file `pytest -m gpu` collects.
-GPU_TESTS_CORE = (
-    "tests/gpu/test_gpu_kernels.py",
-    "tests/gpu/test_gpu_engine.py",
-    "tests/unit/test_fast_launch.py",
-    "tests/unit/test_integrity.py",
-    "tests/unit/test_launch_shape.py",
-    "tests/unit/test_path_choice.py",
-    "tests/unit/test_host_cache.py",
-    "tests/unit/test_host_memory.py",
-)
-GPU_TESTS_VLLM = (
-    "tests/gpu/test_gpu_tiering.py",
-    "tests/unit/test_connector.py",
-    "tests/unit/test_connector_worker_role.py",
-    "tests/bench/test_bench_vllm_native.py",
-)
+GPU_TESTS_CORE = ("tests/gpu/test_gpu_kernels.py", "tests/gpu/test_gpu_engine.py", "tests/unit/test_fast_launch.py",
+                  "tests/unit/test_integrity.py", "tests/unit/test_launch_shape.py", "tests/unit/test_path_choice.py",
+                  "tests/unit/test_host_cache.py", "tests/unit/test_host_memory.py")  # fmt: skip
+GPU_TESTS_VLLM = ("tests/gpu/test_gpu_tiering.py", "tests/unit/test_connector.py",
+                  "tests/unit/test_connector_worker_role.py", "tests/bench/test_bench_vllm_native.py")  # fmt: skip
 TEST_TIMEOUT_S, SLOW_TEST_TIMEOUT_S = 45, 480  # per test, under pytest-timeout
 PYTEST_PLUGINS = "tools/gpu/pytest_plugins"  # live_junit.py: the JUnit XML rewritten after every test
 
@@ -79,22 +68,12 @@ MIN_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the GPU run.
-
-    Attributes:
-        name: its name (``--stages``, the ledger, file names).
-        what: one line: what it runs.
-        kind: how its files are read (tools/gpu/summary.py): ``machine``, ``pytest``, ``transfer``, ``launch-shape``,
-            ``serving``, ``call-cost`` or ``host-memory``.
-        steps: the commands, run one after another under the stage's one timeout; ``{py}`` is the runner's Python,
-            ``{json}``, ``{plot}``, ``{xml}`` the stage's files in the work folder.
-        estimate_s: its expected seconds on an H100 until the ledger has measured it.
-        paths: what its fingerprint covers, relative to the repository: files and folders (their ``.py`` files).
-        env: variables for its commands; ``{root}`` is the repository, a ``PYTHONPATH`` is prepended to the caller's.
-        step_names: what each step is, for the summary; default ``step 1``, ``step 2``, ...
-        keep_going: a step that fails does not stop the steps after it (the stage still ends ``failed``, naming the
-            step); a timeout always ends the stage.
-    """
+    """One stage: its ``name`` (``--stages``, the ledger, file names), ``what`` it runs, the ``kind`` of files it
+    writes (how tools/gpu/summary.py reads them), its ``steps`` (commands run one after another under its one timeout;
+    ``{py}`` is the runner's Python, ``{json}``, ``{plot}``, ``{xml}`` its files), ``estimate_s`` (its seconds on an
+    H100 until the ledger has measured it), the ``paths`` its fingerprint covers (files, and folders' ``.py`` files),
+    ``env`` for its commands (``{root}``: the repository; a ``PYTHONPATH`` goes before the caller's), ``step_names``
+    for the summary, and ``keep_going``: a failed step does not stop the next (the stage still fails, naming it)."""
 
     name: str
     what: str

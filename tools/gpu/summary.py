@@ -26,22 +26,20 @@ TEST_STAGES = ("gpu-tests", "gpu-tests-slow")
 
 
 def _load_json(path: pathlib.Path | None) -> dict | None:
-    if path is None or not path.is_file():
-        return None
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text()) if path else None
     except (OSError, ValueError):
         return None
 
 
 def junit_results(path: pathlib.Path | None) -> dict | None:
     """A JUnit XML file: ``complete`` (the session ended), and per outcome the test ids with their messages."""
-    if path is None or not path.is_file():
-        return None
     try:
-        suite = ET.parse(path).getroot()
-    except ET.ParseError:
-        return None  # the plugin replaces the file atomically: only a foreign file can be half-written
+        suite = ET.parse(path).getroot() if path else None
+    except (OSError, ET.ParseError):  # the plugin replaces it atomically: only a foreign file can be half-written
+        return None
+    if suite is None:
+        return None
     if suite.tag == "testsuites":
         suite = suite.find("testsuite")
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
@@ -101,12 +99,10 @@ def stage_figures(kind: str, files: dict[str, pathlib.Path]) -> dict:
         pci = (doc.get("pci") or [None])[0]
         link = pci and (f"{pci['current_link_speed']} x{pci['current_link_width']} (max {pci['max_link_speed']} "
                         f"x{pci['max_link_width']})")  # fmt: skip
-        return {"device": doc.get("device"), "cuda": doc.get("cuda"), "driver": doc.get("driver"),
-                "driver_cuda": doc.get("driver_cuda"), "torch": (doc.get("torch") or {}).get("version"),
-                "pcie": link,
-                "gpu_numa_node": doc.get("gpu_numa_node"), "numa_nodes": len(doc.get("numa_nodes") or {}),
-                "cpus": doc.get("cpus"), "mem_available_gib": (doc.get("memory") or {}).get("mem_available_gib"),
-                "notes": doc.get("notes")}  # fmt: skip
+        keys = ("device", "cuda", "driver", "driver_cuda", "gpu_numa_node", "cpus", "notes")
+        return {**{k: doc.get(k) for k in keys}, "torch": (doc.get("torch") or {}).get("version"), "pcie": link,
+                "numa_nodes": len(doc.get("numa_nodes") or {}),
+                "mem_available_gib": (doc.get("memory") or {}).get("mem_available_gib")}  # fmt: skip
     if kind == "host-memory":
         rows = [{k: r.get(k) for k in ("gib", "placement", "node", "pages_used", "touch_gibps", "error")}
                 | {"register_gibps": {g["threads"]: g["register_gibps"] for g in r.get("registration") or []}}
@@ -123,30 +119,19 @@ def stage_figures(kind: str, files: dict[str, pathlib.Path]) -> dict:
                 "left": doc.get("left"), "error": doc.get("error"),
                 "median_us": {name: st["median_us"] for name, st in rows.items()},
                 "launch": {name: st.get("launch") for name, st in rows.items()}}  # fmt: skip
-    out = {"complete": doc.get("complete"), "mode": doc.get("mode"), "device": doc.get("device"),
-           "rows": len(doc.get("rows") or []), "not_pass": _not_pass(doc), "fatal": doc.get("fatal"),
-           "own_targets": _counts(doc.get("targets") or [])}  # fmt: skip
+    rows, own = doc.get("rows") or [], {}
+    for t in doc.get("targets") or []:  # target_result's "result", or the serving benchmark's "verdict"
+        verdict = VERDICTS.get(t.get("result", t.get("verdict")), str(t.get("result", t.get("verdict"))))
+        own[verdict] = own.get(verdict, 0) + 1
+    out = {"complete": doc.get("complete"), "mode": doc.get("mode"), "device": doc.get("device"), "rows": len(rows),
+           "not_pass": sum((r.get("status") or r.get("byte_check")) not in ("pass", "n/a") for r in rows),
+           "fatal": doc.get("fatal"), "own_targets": own}  # fmt: skip
     if kind == "serving":  # per case (workload/shape) how it ended, and where the CUDA context died, if it did
         out["cases"] = {f"{c.get('workload')}/{c.get('shape')}": c.get("status") for c in doc.get("cases") or []}
         out["fatal_at"] = doc.get("fatal_at")
         out["failures"] = len(doc.get("failures") or [])
     if kind == "launch-shape":
         out["launch_shape"] = launch_shape(doc.get("rows") or [], doc.get("default_num_ctas"))
-    return out
-
-
-def _not_pass(doc: dict) -> int:
-    rows = doc.get("rows") or []
-    status = [r.get("status") or r.get("byte_check") for r in rows]
-    return sum(s not in ("pass", "n/a") for s in status)
-
-
-def _counts(targets: list[dict]) -> dict:
-    out: dict[str, int] = {}
-    for t in targets:
-        result = t.get("result", t.get("verdict"))  # target_result's key, or the serving benchmark's
-        verdict = VERDICTS.get(result, str(result))
-        out[verdict] = out.get(verdict, 0) + 1
     return out
 
 
