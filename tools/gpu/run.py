@@ -137,8 +137,8 @@ def _now() -> str:
 
 
 class Runner:
-    """Plans and runs the stages. ``clock``/``sleep``, ``spawn`` (argv, log, env, cwd, echo -> an object with
-    ``poll()`` and ``kill()``), ``stages`` and ``default`` (their priority) are injectable for tests."""
+    """Orders and runs the stages; ``clock``, ``sleep``, ``spawn`` (-> ``poll()``, ``kill()``) and ``stages`` are
+    injectable for tests."""
 
     def __init__(self, outdir: pathlib.Path, *, budget_s: float = DEFAULT_BUDGET_S, chosen: list[str] | None = None,
                  spent_s: float | None = None, work: pathlib.Path | None = None, ledger_path=LEDGER_PATH,
@@ -163,8 +163,7 @@ class Runner:
         self._log_lines: list[str] = []
 
     def dry_run(self) -> int:
-        """Prints the order, why, each estimate and timeout, and what would be skipped if every stage took its
-        estimate."""
+        """Prints the order, why, each estimate and timeout, and what would be skipped if each took its estimate."""
         inst = self.ledger["install"].get("seconds")
         t = inst or INSTALL_S
         self._say(f"budget {self.budget_s:.0f} s; install ~{t:.0f} s ({'measured' if inst else 'estimate'}); "

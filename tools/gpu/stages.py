@@ -1,15 +1,9 @@
-"""What the GPU run (``./dev gpu run``, tools/gpu/run.py) can run, and in which order: the stages, each with a coarse
-estimate and the fingerprint of the code it measures, and the ledger of what the last leases measured.
-
-    python -m tools.gpu.stages    # every stage with its estimate, in the default priority
-
-A **stage** is one or more commands under one hard timeout. Its **fingerprint** is a hash over the git blob hashes
-(computed from the files: the GPU machine's copy has no ``.git``) of the folders and files it declares. The
-**ledger** (bench/results/gpu-ledger.json, committed) keeps per stage the device, date, commit, outcome and seconds of
-its last run and the fingerprint it ran at; a run without ``--stages`` puts first the stages that never ran, then those
-that did not end ok, then those whose code changed since, so consecutive leases cover everything; a stage's measured
-seconds replace its estimate. Stdlib only, nothing from the project: it runs before the project is installed.
-"""
+"""What the GPU run (tools/gpu/run.py) can run, and in which order (``python -m tools.gpu.stages`` lists it): the
+stages, each one or more commands under one timeout with a coarse estimate, and the fingerprint of the code it
+measures (git blob hashes of the folders it declares, computed from the files: the GPU machine's copy has no
+``.git``); the ledger (bench/results/gpu-ledger.json) keeps each stage's last run, whose measured seconds replace its
+estimate. A run without ``--stages`` puts first the stages that never ran, then those that did not end ok, then those
+whose code changed, so consecutive leases cover everything. Stdlib only: it runs before the project is installed."""
 
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ import pathlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LEDGER_PATH = ROOT / "bench" / "results" / "gpu-ledger.json"
@@ -219,12 +214,9 @@ def load_ledger(path: pathlib.Path = LEDGER_PATH, stages=STAGES) -> dict:
     return ledger
 
 
-@dataclass(frozen=True)
-class Estimate:
-    """A stage's expected seconds (and where that comes from) and its hard timeout."""
-
-    seconds: float
-    source: str
+class Estimate(NamedTuple):
+    seconds: float  # expected
+    source: str  # where that comes from
     timeout_s: float
 
 
@@ -246,8 +238,7 @@ def estimate(stage: Stage, ledger: dict) -> Estimate:
 QUEUE = ("never ran", "not ok", "code changed", "ok at this code")
 
 
-def _why_first(entry: dict, current: str) -> tuple[int, str]:
-    """The stage's group in the queue (an index into :data:`QUEUE`) and why."""
+def _why_first(entry: dict, current: str) -> tuple[int, str]:  # an index into QUEUE, and why
     if entry["outcome"] == NEVER:
         return 0, NEVER
     if entry["outcome"] != OK:

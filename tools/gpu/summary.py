@@ -177,38 +177,51 @@ def _tests_target(stages: list[dict]) -> dict:
             "from": names}  # fmt: skip
 
 
-def _call_cost_target(stages: list[dict]) -> dict:
+def _call_cost_targets(stages: list[dict]) -> list[dict]:
+    """From the call-cost stage's JSON: the host time per call of both public calls and both engine submits, at the
+    default launch (the direct one; where its canary refused it, Triton's dispatch, counted as it is and named), and
+    the time the integrity checks add to an engine submit (issue 41), only where both submits launched alike."""
     name = f"call cost <= {CALL_COST_US:g} us median at {CALL_COST_SHAPE}, both public calls and both engine submits"
+    name_host = (f"host time the integrity checks add <= {INTEGRITY_MAX_HOST_US:g} us per engine submit at "
+                 f"{CALL_COST_SHAPE} (median, direct launch)")  # fmt: skip
     wanted = ("gather_blocks", "scatter_blocks", "engine.submit_store", "engine.submit_load")
     names = [s["stage"] for s in stages]
-    for s in stages:
-        doc = _load_json(s["files"].get("json"))
-        if doc is None or doc.get("shape") != CALL_COST_SHAPE:
-            continue
-        sections = doc.get("sections") or {}
-        rows = {**sections.get("public calls", {}), **sections.get("engine submits", {})}
-        # The default launch: the direct one (TRITON_OFFLOAD_FAST_LAUNCH unset). Where its canary refused it, the
-        # default is Triton's dispatch, and the row measured that: counted as it is, and the place says so.
-        values = [(rows[f"{c}, direct launch"]["median_us"], _asked_direct(f"{c}, direct launch", rows))
-                  for c in wanted if f"{c}, direct launch" in rows]  # fmt: skip
-        t = target_result(name, values, lambda v: v <= CALL_COST_US, worst_is_min=False)
-        if len(values) < len(wanted) and t["result"] != "FAIL":
-            why = f"only {len(values)} of the {len(wanted)} calls measured"
-            if doc.get("complete") is False:
-                why += f" (the run stopped before: {', '.join(doc.get('left') or [])}; {doc.get('error') or 'killed'})"
-            return _not_measured("call-cost", name, why, names)
+    docs = ((s["stage"], _load_json(s["files"].get("json")) or {}) for s in stages)
+    stage, doc = next(((n, d) for n, d in docs if d.get("shape") == CALL_COST_SHAPE), (None, None))
+    if doc is None:
+        why = f"no call-cost JSON at {CALL_COST_SHAPE} in this run"
+        return [_not_measured("call-cost", name, why, names), _not_measured("integrity-host", name_host, why, [])]
+    sections = doc.get("sections") or {}
+    rows = {**sections.get("public calls", {}), **sections.get("engine submits", {})}
+    values = []
+    for call in (f"{c}, direct launch" for c in wanted if f"{c}, direct launch" in rows):
+        used = rows[call].get("launch", "direct")  # files from before issue 56 do not say
+        values.append((rows[call]["median_us"], call if used == "direct" else f"{call} (launch: {used})"))
+    t = target_result(name, values, lambda v: v <= CALL_COST_US, worst_is_min=False)
+    if len(values) < len(wanted) and t["result"] != "FAIL":
+        why = f"only {len(values)} of the {len(wanted)} calls measured"
+        if doc.get("complete") is False:
+            why += f" (the run stopped before: {', '.join(doc.get('left') or [])}; {doc.get('error') or 'killed'})"
+        cost = _not_measured("call-cost", name, why, names)
+    else:
         refused = [where for _, where in values if "(launch: " in where]
-        if refused:
-            t["detail"] += f"; the direct launch was not used in {len(refused)}: {'; '.join(refused)}"
-        return _entry({**t, "key": "call-cost"}, names)
-    return _not_measured("call-cost", name, f"no call-cost JSON at {CALL_COST_SHAPE} in this run", names)
-
-
-def _asked_direct(name: str, rows: dict) -> str:
-    """A row that asked for the direct launch, by name; followed by what its launches went through where that was not
-    the direct launch (a refusal, and why)."""
-    used = rows[name].get("launch", "direct")  # files from before issue 56 do not say
-    return name if used == "direct" else f"{name} (launch: {used})"
+        t["detail"] += f"; the direct launch was not used in {len(refused)}: {'; '.join(refused)}" if refused else ""
+        cost = _entry({**t, "key": "call-cost"}, names)
+    extra, unlike = [], []
+    for call in ("engine.submit_store", "engine.submit_load"):
+        off, on = rows.get(f"{call}, direct launch"), rows.get(f"{call}, direct launch, integrity verify")
+        if off and on and off.get("launch") != on.get("launch"):
+            # One went direct and the other through Triton's dispatch: their difference is not the checks'.
+            unlike.append(f"{stage}: {call} ({off.get('launch')} vs {on.get('launch')})")
+        elif off and on:
+            extra.append((on["median_us"] - off["median_us"], f"{stage}: {call}"))
+    no_host = f"not compared where the two launched differently: {'; '.join(unlike)}" if unlike else (
+        "no call-cost JSON with --integrity in this run")  # fmt: skip
+    if not extra:
+        return [cost, _not_measured("integrity-host", name_host, no_host, [])]
+    host = target_result(name_host, extra, lambda v: v <= INTEGRITY_MAX_HOST_US, worst_is_min=False)
+    host["detail"] += f"; {no_host}" if unlike else ""
+    return [cost, _entry({**host, "key": "integrity-host"}, [stage])]
 
 
 def _transfer_targets(stages: list[dict]) -> list[dict]:
@@ -225,35 +238,6 @@ def _transfer_targets(stages: list[dict]) -> list[dict]:
         for key, v in found.items():
             values.setdefault(key, []).extend(v)
     return [_entry(t, names) for t in targets.evaluate(values)]
-
-
-def _integrity_host_target(stages: list[dict]) -> dict:
-    """The host time the integrity checks add to an engine submit (issue 41), from the call-cost stage run with
-    ``--integrity``: only where both submits launched alike."""
-    extra, names, unlike = [], [], []
-    for s in stages:
-        doc = _load_json(s["files"].get("json"))
-        if doc is None or doc.get("shape") != CALL_COST_SHAPE:
-            continue
-        rows = (doc.get("sections") or {}).get("engine submits", {})
-        for call in ("engine.submit_store", "engine.submit_load"):
-            off, on = rows.get(f"{call}, direct launch"), rows.get(f"{call}, direct launch, integrity verify")
-            if off and on and off.get("launch") != on.get("launch"):
-                # One went direct and the other through Triton's dispatch: their difference is not the checks'.
-                unlike.append(f"{s['stage']}: {call} ({off.get('launch')} vs {on.get('launch')})")
-            elif off and on:
-                extra.append((on["median_us"] - off["median_us"], f"{s['stage']}: {call}"))
-                names.append(s["stage"])
-    name = (f"host time the integrity checks add <= {INTEGRITY_MAX_HOST_US:g} us per engine submit at "
-            f"{CALL_COST_SHAPE} (median, direct launch)")  # fmt: skip
-    no_host = "no call-cost JSON with --integrity in this run"
-    if unlike:
-        no_host = f"not compared where the two launched differently: {'; '.join(unlike)}"
-    if not extra:
-        return _not_measured("integrity-host", name, no_host, [])
-    t = target_result(name, extra, lambda v: v <= INTEGRITY_MAX_HOST_US, worst_is_min=False)
-    t["detail"] += f"; {no_host}" if unlike else ""
-    return _entry({**t, "key": "integrity-host"}, sorted(set(names)))
 
 
 def _serving_targets(stages: list[dict]) -> list[dict]:
@@ -292,10 +276,9 @@ def evaluate(stages: list[dict]) -> list[dict]:
     of = lambda *kinds: [s for s in stages if s["kind"] in kinds]  # noqa: E731
     guarded = [
         ("gpu-tests", lambda: [_tests_target(of("pytest"))]),
-        ("call-cost", lambda: [_call_cost_target(of("call-cost"))]),
+        ("call-cost", lambda: _call_cost_targets(of("call-cost"))),
         ("transfers", lambda: _transfer_targets(of("transfer", "launch-shape"))),
         ("serving", lambda: _serving_targets(of("serving"))),
-        ("integrity-host", lambda: [_integrity_host_target(of("call-cost"))]),
     ]
     out = []
     for label, compute in guarded:
