@@ -1,5 +1,5 @@
 """The copy-engine baselines over the library's uncoalesced descriptors (one per run and block, as a caller that
-never merges builds them: :meth:`TransferCase.copy_plan`, ``DmaPlanner(coalesce=False)``), issued from compiled code
+never merges builds them: :meth:`TransferCase.descriptors`, ``DmaPlanner(coalesce=False)``), issued from compiled code
 over arrays built in ``prepare``, as a C++ caller would: ``memcpy_batch`` is one ``cuMemcpyBatchAsync`` through
 ctypes (in the serving loop the library's own :class:`~triton_offload.issuers.dma.DmaIssuer` with ``coalesce=False``,
 its descriptors built per call), ``memcpy_per_block`` one ``cudaMemcpyAsync`` per descriptor from a C++ loop built at
@@ -32,11 +32,11 @@ def _compiled_loop() -> tuple[object | None, str]:
         return None, str(exc)
 
 
-def issue_each(plan, env: Env, lib, why_not: str = "") -> tuple[object, str]:
-    """(run, impl) issuing one copy per descriptor of ``plan`` = (srcs, dsts, sizes) on the benchmark's stream: from
+def issue_each(descs, env: Env, lib, why_not: str = "") -> tuple[object, str]:
+    """(run, impl) issuing one copy per descriptor of ``descs`` = (srcs, dsts, sizes) on the benchmark's stream: from
     the compiled helper ``lib`` when there is one, else from a Python loop over the driver's cuMemcpyAsync, labelled
     handicapped."""
-    src, dst, sizes, stream = *plan, env.stream_handle
+    src, dst, sizes, stream = *descs, env.stream_handle
     if lib is not None:
         return CompiledCopyLoop(lib, src, dst, sizes, stream), "cudaMemcpyAsync per copy, loop in C++ (load_inline)"
     if env.driver is None:
@@ -57,10 +57,10 @@ def prepare_per_block(case: TransferCase, env: Env, num_ctas: int | None = None)
     """The original design: one cudaMemcpyAsync per block per run (per K and per V where they are apart), block by
     block."""
     # The library's descriptors are run-major, (runs, blocks): the original loop is block-major.
-    plan = tuple(a.reshape(-1, case.n).T.ravel() for a in case.copy_plan())
+    descs = tuple(a.reshape(-1, case.n).T.ravel() for a in case.descriptors())
     if not env.cuda:
-        return Prepared(memmove_replay(*plan), case.host_ids, "memmove replay of the copy plan (no CUDA)", True)
-    run, impl = issue_each(plan, env, *_compiled_loop())
+        return Prepared(memmove_replay(*descs), case.host_ids, "memmove replay of the copy plan (no CUDA)", True)
+    run, impl = issue_each(descs, env, *_compiled_loop())
     return Prepared(run, case.host_ids, impl)
 
 
@@ -86,7 +86,7 @@ def prepare_batch(case: TransferCase, env: Env, num_ctas: int | None = None) -> 
     """One cuMemcpyBatchAsync with every (src, dst, size) descriptor, srcAccessOrder=STREAM, preferring overlap with
     compute: the library's copy-engine path, uncoalesced, its call built once."""
     batch = batch_issuer(case.device, env, FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-    call = batch.call(*case.copy_plan(), case.store, env.stream_handle)
+    call = batch.call(*case.descriptors(), case.store, env.stream_handle)
     if not env.cuda:
         run = lambda batch=batch: call()  # noqa: E731 - the default argument keeps the stand-in's callback alive
         return Prepared(run, case.host_ids, batch_impl(env), True)

@@ -127,7 +127,7 @@ class TransferCase:
         planner = TransferPlanner(self.spec, self.host.shape[0], self.f)
         return planner.plan(self.gpu_ids, self.host_ids, direction=Direction(self.direction), skip=self.skip)
 
-    def copy_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src, dst, bytes) of every contiguous copy, as uint64 arrays: the library's descriptors, one per run and
         block, run-major (``DmaPlanner(coalesce=False)``), as vLLM's worker builds them."""
         return DmaPlanner(self.spec, self.host, self.f, coalesce=False).descriptors(self.plan())

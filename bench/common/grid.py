@@ -1,6 +1,6 @@
 """What the transfer benchmark measures, in one place: the sweep grid of a full run and of ``--quick``, what the
-extras measure on, how far ``vllm_native`` is warmed, the GPU run's transfer parts. Stdlib only: tools/gpu/parts.py
-sizes the GPU runner's parts from it before the project is installed, and :mod:`bench.transfer` runs from it."""
+extras measure on, how far ``vllm_native`` is warmed, the GPU run's transfer parts. Stdlib only: the GPU runner
+(tools/gpu/) reads it before the project is installed, and :mod:`bench.transfer` runs from it."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def grid(quick: bool) -> Grid:
 def host_rows(n: int, f: int, skip: int) -> int:
     """Rows of a case's host view: the ceil((skip + n) / f) a transfer addresses, +1 because torch_staged's
     consecutive host ids start at 1, +1 for an unaddressed row whose sentinel must survive. The sweep's buffers and
-    the runner's time model are both sized by it."""
+    the serving benchmark's are both sized by it."""
     return math.ceil((skip + n) / f) + 2
 
 
@@ -67,18 +67,18 @@ def host_rows(n: int, f: int, skip: int) -> int:
 EXTRAS_WORKLOAD, EXTRAS_LAYOUT, EXTRAS_BLOCKS = "llama3-70b-tp8", "kv_first", 1024
 EXTRAS_BASELINES = ("memcpy_batch", "vllm033", "vllm_native")
 
-# vLLM 0.33's load policy (bench/baselines/vllm033.py applies it; the GPU run's time model reads it here): a load takes
+# vLLM 0.33's load policy (bench/baselines/vllm033.py applies it): a load takes
 # its SM copy when every descriptor is smaller than this (and 8-byte aligned, and there are at least 16).
 VLLM033_MAX_PAGE_BYTES = 28 * 1024
 
 # Transfers of vllm_native kept in flight before timing (more than the timer keeps in flight behind its long calls).
 NATIVE_WARM_DEPTH = 16
 
-# bench.micro.call_cost's default --calls, run alone; the GPU run's stage passes fewer (tools/gpu/plan.py's
-# CALL_COST_STAGE_CALLS), and its time model counts those.
+# bench.micro.call_cost's default --calls, run alone; the GPU run's stage passes fewer (tools/gpu/stages.py's
+# CALL_COST_STAGE_CALLS).
 CALL_COST_CALLS = 400
 _NO_EXTRAS = ["--no-overhead", "--no-interference"]
-# The transfer benchmark's parts of the GPU run (``--part NAME``: these options first; tools/gpu/ runs and sizes them).
+# The transfer benchmark's parts of the GPU run (``--part NAME``: these options first; tools/gpu/ runs them).
 PARTS: dict[str, list[str]] = {
     # With the integrity checks' rows beside triton's (issue 41: their cost, until a lease has measured it).
     "quick": ["--quick", "--integrity"],

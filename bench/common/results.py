@@ -20,7 +20,6 @@ import pathlib
 import platform
 import re
 from collections import defaultdict
-from collections.abc import Callable
 
 __all__ = [
     "PYTHON_ISSUED",
@@ -28,9 +27,6 @@ __all__ = [
     "BASELINE_NAMES",
     "BASELINE_ORDER",
     "INTEGRITY_METHOD",
-    "INTEGRITY_MAX_COST_PCT",
-    "INTEGRITY_MIN_PAGE_BYTES",
-    "INTEGRITY_MAX_HOST_US",
     "integrity_pairs",
     "new_row",
     "keyed_row",
@@ -41,12 +37,6 @@ __all__ = [
     "slug",
     "result_stem",
     "write_json",
-    "target_result",
-    "SHAPE_GAIN_POINTS",
-    "SHAPE_LOSS_POINTS",
-    "SHAPE_PAGE_BYTES",
-    "SHAPE_SHORT_OF",
-    "compare_shapes",
 ]
 
 # How a row's impl starts when its baseline issued its copies from a Python loop (bench/baselines/copy_loop.py):
@@ -61,15 +51,6 @@ BASELINE_ORDER = ("triton_size_aware", "auto", *BASELINE_NAMES, "peak")
 # The kernel with the integrity checks (docs/integrity.md), at the default num_ctas: with --integrity a run measures it
 # beside triton at that num_ctas, case by case.
 INTEGRITY_METHOD = "triton_integrity"
-# The checks' goal (issue 41; reported, not asserted): at pages >= 8 KiB they cost <= 2 % of the kernel's bandwidth,
-# and <= 1 us of host time per call.
-INTEGRITY_MAX_COST_PCT = 2.0
-INTEGRITY_MIN_PAGE_BYTES = 8192
-INTEGRITY_MAX_HOST_US = 1.0
-# The size-aware launch shape's decision (issue 38, section 3; reported, not asserted): it must gain this many points
-# of the peak where the fixed shape falls short (below SHAPE_SHORT_OF of the peak) at these pages or smaller, and lose
-# at most this many anywhere.
-SHAPE_GAIN_POINTS, SHAPE_LOSS_POINTS, SHAPE_PAGE_BYTES, SHAPE_SHORT_OF = 5.0, 2.0, 8192, 0.9
 
 ROW_KEYS = (
     "device", "workload", "layout", "direction", "method", "num_ctas", "impl", "page_bytes", "num_layers", "blocks",
@@ -118,17 +99,6 @@ def fill_relative(rows: list[dict]) -> None:
                 base = case_rows.get((name, None))
                 if base and base["median_ms"]:
                     r[f"speedup_vs_{name}"] = round(base["median_ms"] / r["median_ms"], 3)
-
-
-def compare_shapes(fixed: dict | None, sized: dict | None, page_bytes: int) -> tuple[float, bool] | None:
-    """One case's size-aware launch shape against the fixed one (rows of the same run): its gain in points of the
-    peak, and whether the gain target reads the case (pages <= SHAPE_PAGE_BYTES where the fixed shape is below
-    SHAPE_SHORT_OF of the peak); None where either row lacks a fraction of the peak. Every case counts for the loss
-    target."""
-    a, b = (r and r.get("fraction_of_peak") for r in (fixed, sized))
-    if not a or not b:
-        return None
-    return 100 * (b - a), page_bytes <= SHAPE_PAGE_BYTES and a < SHAPE_SHORT_OF
 
 
 def integrity_pairs(rows: list[dict], default_ctas: int) -> list[dict]:
@@ -219,22 +189,3 @@ def write_json(path: str | os.PathLike, doc: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     os.replace(tmp, path)
-
-
-def target_result(
-    name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True
-) -> dict:
-    """One target's entry: PASS when ``ok`` holds for every (value, where) case, else FAIL; n/a without cases. The
-    worst case (the smallest value, or the largest when not ``worst_is_min``) is ``worst`` at ``where``, and the
-    detail says it with how many cases miss. Here, torch-free, so the GPU runner's summary computes targets with it."""
-    if not values:
-        return {"target": name, "result": "n/a", "detail": "not measured in this run", "worst": None, "where": None}
-    worst = min(values) if worst_is_min else max(values)
-    failed = [v for v in values if not ok(v[0])]
-    return {
-        "target": name,
-        "result": "FAIL" if failed else "PASS",
-        "detail": f"worst {worst[0]:.3g} at {worst[1]}; {len(failed)} of {len(values)} cases miss",
-        "worst": worst[0],
-        "where": worst[1],
-    }

@@ -1,6 +1,6 @@
 """The serving benchmark's loop shapes, load modes, run plans (the default run and the named presets) and sizing
-rules, in one place. Stdlib only: tools/gpu/parts.py sizes the GPU runner's serving stages from it before the project is
-installed, and :mod:`bench.serving` runs from it."""
+rules, and the step-time estimate that sized the shapes, in one place. Stdlib only: the GPU runner reads it before the
+project is installed, and :mod:`bench.serving` runs from it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ __all__ = [
     "CPU_PLAN",
     "PRESETS",
     "with_integrity",
+    "h100_step_seconds",
     "SERVING_WORKLOADS",
     "DEFAULT_METHODS",
     "DUPLEX_METHODS",
@@ -97,12 +98,28 @@ class LoopShape:
                              f"{block_size} tokens per step: there would be nothing to store")  # fmt: skip
 
 
+# An H100's rates, for the shapes' step estimate: bf16 products at 400 TFLOP/s (about half the dense peak), weight and
+# KV reads at 2.5 TB/s (peak 3.35), 10 us per kernel launch from Python, six kernels a layer (the four products and
+# two KV writes) and the attention read where there is one.
+H100_MATMUL_FLOPS, H100_MEM_BPS, LAUNCH_S, KERNELS_PER_LAYER = 400e12, 2.5e12, 10e-6, 6
+
+
+def h100_step_seconds(w, shape: LoopShape) -> float:
+    """One step of ``shape`` on workload ``w`` (bench/common/workloads.py) on an H100, by the rates above: its products'
+    FLOPs, its weight and KV reads, or its launches, whichever takes longest."""
+    m = w.model
+    weights = 2 * w.num_layers * sum(k * n for k, n in m.matmuls().values())
+    kv_read = 2 * 2 * shape.decode * shape.context * m.kv_width * w.num_layers  # K and V, bf16
+    kernels = KERNELS_PER_LAYER + (1 if shape.context else 0)
+    return max(shape.tokens * m.flops_per_token() * w.num_layers / H100_MATMUL_FLOPS,
+               (weights + kv_read) / H100_MEM_BPS, w.num_layers * kernels * LAUNCH_S)  # fmt: skip
+
+
 # prefill-heavy: a 2048-token prefill chunk (vLLM's default max_num_batched_tokens for chunked prefill) beside 64
 # decodes, a request with a 4096-token cached prefix every 4th step: dense GEMMs, 45-90 ms on an H100.
 # decode-heavy: 256 decodes, each reading 512 tokens of KV per layer (a bandwidth-bound read, as attention does), a
-# request with an 8192-token cached prefix every 4th step: weight and KV reads, about 10 ms on an H100 (the time
-# model in tools/gpu/parts.py: 12.5 ms for Llama-3-8B), and loads of 1 GiB for Llama-3-8B (7x the link demand of
-# prefill-heavy).
+# request with an 8192-token cached prefix every 4th step: weight and KV reads, about 10 ms on an H100
+# (h100_step_seconds: 12.5 ms for Llama-3-8B), and loads of 1 GiB for Llama-3-8B (7x the link demand of prefill-heavy).
 GPU_SHAPES = {
     "prefill-heavy": LoopShape("prefill-heavy", 2048, 64, 0, 4096, 4, 20, 3),
     "decode-heavy": LoopShape("decode-heavy", 0, 256, 512, 8192, 4, 40, 4),
@@ -180,13 +197,13 @@ FULL_PLAN = RunPlan(_cross(SERVING_WORKLOADS, SHAPE_NAMES), GPU_SHAPES, DEFAULT_
 # The CPU check: the same at tiny shapes, one round (nothing is timed, so there is no drift to measure).
 CPU_PLAN = dataclasses.replace(FULL_PLAN, shapes=CPU_SHAPES, rounds=1, duplex=False)
 
-# The decisive configuration for the GPU run (<= 3 min on an H100 by tools/gpu/parts.py's model, start-up included; a
-# test checks it): ours (kernel and auto) against vLLM 0.33's data path, its own worker and no offload, at the default
-# CTAs, both load modes; Llama-3-8B in both shapes (64 KiB pages: the binding case of the store interference, vllm033
-# on the copy engines both ways) and Llama-3-70B at TP 8 decode-heavy (8 KiB pages: vllm033's loads take its SM copy,
-# here against a busy GPU). Fewer steps per run than the full run; two rounds bracket every method with none. The
-# decisive case, Llama-3-70B at TP 8 decode-heavy, runs first, so a lease cut short (or a CUDA context lost) still has
-# it.
+# The decisive configuration for the GPU run (<= 3 min on an H100 by the time model that sized it, start-up included;
+# the GPU run's ledger keeps what a lease measures): ours (kernel and auto) against vLLM 0.33's data path, its own
+# worker and no offload, at the default CTAs, both load modes; Llama-3-8B in both shapes (64 KiB pages: the binding case
+# of the store interference, vllm033 on the copy engines both ways) and Llama-3-70B at TP 8 decode-heavy (8 KiB pages:
+# vllm033's loads take its SM copy, here against a busy GPU). Fewer steps per run than the full run; two rounds bracket
+# every method with none. The decisive case, Llama-3-70B at TP 8 decode-heavy, runs first, so a lease cut short (or a
+# CUDA context lost) still has it.
 PRESETS = {
     "decisive": RunPlan(
         (("llama3-70b-tp8", "decode-heavy"), ("llama3-8b", "decode-heavy"), ("llama3-8b", "prefill-heavy")),

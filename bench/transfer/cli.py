@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="a short run: 128 blocks, f=4/skip=1, one layout per model")
-    p.add_argument("--part", choices=sorted(PARTS), help="a part of the GPU run (tools/gpu/parts.py): preset options")
+    p.add_argument("--part", choices=sorted(PARTS), help="a part of the GPU run (tools/gpu/stages.py): preset options")
     p.add_argument("--json", metavar="PATH", help="write every row, the extras and the targets as JSON (rewritten "
                    "after every workload/layout group, so a killed run keeps what it measured)")  # fmt: skip
     p.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s vs page size per method, with the peak")

@@ -3,28 +3,19 @@ n/a)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from bench.common import targets
 from bench.common.report import print_table
-from bench.common.results import (
-    BASELINE_NAMES,
+from bench.common.results import BASELINE_NAMES, INTEGRITY_METHOD, PYTHON_ISSUED, by_case
+from bench.common.targets import (
     INTEGRITY_MAX_COST_PCT,
     INTEGRITY_MAX_HOST_US,
-    INTEGRITY_METHOD,
     INTEGRITY_MIN_PAGE_BYTES,
-    PYTHON_ISSUED,
     SHAPE_GAIN_POINTS,
-    SHAPE_LOSS_POINTS,
-    SHAPE_PAGE_BYTES,
     SHAPE_SHORT_OF,
-    by_case,
-    compare_shapes,
-    integrity_pairs,
-    target_result,
 )
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
 
-__all__ = ["print_results", "print_integrity", "print_extras", "print_targets", "evaluate_targets", "target_result"]
+__all__ = ["print_results", "print_integrity", "print_extras", "print_targets", "evaluate_targets"]
 
 _SHORT = {
     "memcpy_batch": "batch",
@@ -161,93 +152,10 @@ def _per_call(row: dict | None) -> str:
 
 
 def evaluate_targets(rows: list[dict], overhead: dict | None, inter: dict | None) -> list[dict]:
-    """The project's performance targets (listed in docs/benchmarks.md, "Output"), each PASS/FAIL (or n/a when not
-    measured), with the worst case as the detail."""
-    targets = []
-
-    def add(name: str, values: list[tuple[float, str]], ok: Callable[[float], bool], worst_is_min: bool = True):
-        targets.append(target_result(name, values, ok, worst_is_min))
-
-    frac, vs_batch_small, vs_batch_all, vs_block, vs_vllm, auto = [], [], [], [], [], []
-    frac_default, shape_gain, shape_any = [], [], []
-    for (w, layout, page, n, f, skip, direction), by in by_case(rows).items():
-        where = f"{w}/{layout} {page}B n={n} f/skip={f}/{skip} {direction}"
-        best = [r["fraction_of_peak"] for (m, c), r in by.items() if m == "triton" and c <= 8 and r["fraction_of_peak"]]
-        if n in (128, 1024) and page >= 2048 and best:
-            frac.append((max(best), where))
-        tri = by.get(("triton", DEFAULT_NUM_CTAS))
-        sized = by.get(("triton_size_aware", None))
-        if n in (128, 1024) and page >= 2048 and tri and tri["fraction_of_peak"]:
-            frac_default.append((tri["fraction_of_peak"], where))
-        if shape := compare_shapes(tri, sized, page):
-            shape_any.append((shape[0], where))
-            if shape[1]:
-                shape_gain.append((shape[0], where))
-        best_of = [r["median_ms"] for r in (tri, by.get(("memcpy_batch", None))) if r and r["median_ms"]]
-        mine = by.get(("auto", None))
-        if best_of and mine and mine["median_ms"]:
-            # auto's time over the better of the two paths it chooses between (1.03 = 3 % slower)
-            auto.append((mine["median_ms"] / min(best_of), where))
-        if not tri:
-            continue
-        if tri["speedup_vs_memcpy_batch"] is not None:
-            vs_batch_all.append((tri["speedup_vs_memcpy_batch"], where))
-            if page <= 16384:
-                vs_batch_small.append((tri["speedup_vs_memcpy_batch"], where))
-        if tri["speedup_vs_memcpy_per_block"] is not None and page <= 16384:
-            vs_block.append((tri["speedup_vs_memcpy_per_block"], _mark(by.get(("memcpy_per_block", None)), where)))
-        if tri["speedup_vs_vllm033"] is not None:
-            vs_vllm.append((tri["speedup_vs_vllm033"], where))
-    add("triton >= 90% of peak, both directions, pages >= 2 KiB, 128/1024 blocks, <= 8 CTAs", frac, lambda v: v >= 0.9)
-    add(
-        f"triton at the default settings (num_ctas={DEFAULT_NUM_CTAS}) >= 90% of peak, pages >= 2 KiB, 128/1024 blocks",
-        frac_default,
-        lambda v: v >= 0.9,
-    )
-    add(
-        f"size-aware shape gains >= {SHAPE_GAIN_POINTS:g} points where triton@{DEFAULT_NUM_CTAS} is below "
-        f"{SHAPE_SHORT_OF:.0%} of peak, "
-        f"pages <= {SHAPE_PAGE_BYTES // 1024} KiB",
-        shape_gain,
-        lambda v: v >= SHAPE_GAIN_POINTS,
-    )
-    add(
-        f"size-aware launch shape loses <= {SHAPE_LOSS_POINTS:g} points of peak in any case",
-        shape_any,
-        lambda v: v >= -SHAPE_LOSS_POINTS,
-    )
-    add(f"triton@{DEFAULT_NUM_CTAS} >= 5x memcpy_batch at pages <= 16 KiB", vs_batch_small, lambda v: v >= 5.0)
-    add(f"triton@{DEFAULT_NUM_CTAS} >= 1.0x memcpy_batch at every page size", vs_batch_all, lambda v: v >= 1.0)
-    add(f"triton@{DEFAULT_NUM_CTAS} >= 10x memcpy_per_block at pages <= 16 KiB", vs_block, lambda v: v >= 10.0)
-    add(f"triton@{DEFAULT_NUM_CTAS} never slower than vllm033 (>= 1.0x in every case)", vs_vllm, lambda v: v >= 1.0)
-    add(
-        f"auto never slower than the better of triton@{DEFAULT_NUM_CTAS} and memcpy_batch by more than 3% (time ratio)",
-        auto,
-        lambda v: v <= 1.03,
-        worst_is_min=False,
-    )
-    if any(r["method"] == INTEGRITY_METHOD for r in rows):  # a run with --integrity
-        cost = []
-        for p in integrity_pairs(rows, DEFAULT_NUM_CTAS):
-            if p["page_bytes"] >= INTEGRITY_MIN_PAGE_BYTES:
-                where = (f"{p['workload']}/{p['layout']} {p['page_bytes']}B n={p['blocks']} "
-                         f"f/skip={p['blocks_per_host_block']}/{p['skip']} {p['direction']}")  # fmt: skip
-                cost.append((p["cost_pct"], where))
-        add(
-            f"integrity checks cost <= {INTEGRITY_MAX_COST_PCT:g} % of triton@{DEFAULT_NUM_CTAS}'s bandwidth at pages "
-            f">= {INTEGRITY_MIN_PAGE_BYTES // 1024} KiB",
-            cost,
-            lambda v: v <= INTEGRITY_MAX_COST_PCT,
-            worst_is_min=False,
-        )
-    cpu = [(overhead[k]["median_us"], k) for k in ("gather", "scatter")] if overhead else []
-    add("CPU cost per call <= 50 us at 1024 blocks x 80 layers", cpu, lambda v: v <= 50.0, worst_is_min=False)
-    slow = []
-    for r in (inter or {}).get("rows", []):
-        if r["method"] == "triton" and r["num_ctas"] == DEFAULT_NUM_CTAS and "slowdown_pct" in r:
-            slow.append((r["slowdown_pct"], r["direction"]))
-    add(f"GEMM slowdown at num_ctas={DEFAULT_NUM_CTAS} <= 5%", slow, lambda v: v <= 5.0, worst_is_min=False)
-    return targets
+    """The transfer targets (bench/common/targets.py, listed in docs/benchmarks.md, "Output") over this run's rows and
+    extras, each PASS/FAIL (or n/a when not measured) with the worst case as the detail; the integrity checks' only in
+    a run that measured them (``--integrity``)."""
+    return targets.evaluate(targets.case_values(rows, DEFAULT_NUM_CTAS, overhead, inter), measured_only=True)
 
 
 def print_extras(overhead: dict | None, inter: dict | None, setup: str) -> None:

@@ -57,8 +57,8 @@ def test_tables_and_the_vllm033_target(capsys, vllm_ms, verdict):
     assert "x vllm033" in out and "Per call: device ms / host us" in out and "1.250 / 12" in out
     assert "\u2020" in out  # the Python-issued per-block baseline is marked as handicapped
     targets = {t["target"]: t for t in summary.evaluate_targets(rows, None, None)}
-    vllm = targets[f"triton@{DEFAULT} never slower than vllm033 (>= 1.0x in every case)"]
-    assert vllm["result"] == verdict, vllm
+    (vllm,) = (t for t in targets.values() if t["key"] == "vs-vllm")
+    assert vllm["result"] == verdict and vllm["where"].endswith(f"triton@{DEFAULT} vs vllm033"), vllm
     per_block = next(t for name, t in targets.items() if "memcpy_per_block" in name)
     assert "\u2020" in per_block["detail"]
 

@@ -1,7 +1,7 @@
 """`./dev gpu run OUTDIR` (and `./dev gpu PART OUTDIR`, one stage of it), the GPU machine's one command: without CUDA
 it refuses in one line before installing anything (unless --dry-run, which prints the plan anywhere); with CUDA it
-installs once, then hands over to tools/gpu/run.py (tests/bench/test_gpu_run.py); every part is sized by
-tools/gpu/parts.py's time model to finish in under 8 minutes on an H100."""
+installs once, then hands over to tools/gpu/run.py (tests/bench/test_gpu_run.py); every stage's estimate fits a
+lease."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from bench.common import grid, results, workloads
 from bench.transfer import cli as bench_transfer
-from tools.gpu import parts, plan
+from tools.gpu import stages
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -126,17 +126,15 @@ def test_with_cuda_a_bad_option_is_refused_before_installing(tmp_path):
 
 
 def test_the_dry_run_prints_the_plan_anywhere_and_runs_nothing(tmp_path):
-    """No CUDA here: --dry-run still plans (from the committed ledger and the time model), installs and runs nothing."""
+    """No CUDA here, and a python3 without torch: --dry-run still plans (from the committed ledger and the stages'
+    estimates), installs and runs nothing."""
     out = tmp_path / "out"
-    bin_dir = tmp_path / "bin"  # python3: this interpreter (torch, no CUDA), whatever the machine's python3 is
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls.log"}\nexec {sys.executable} "$@"\n')
-    (bin_dir / "python3").chmod(0o755)
+    bin_dir = _fake_python3(tmp_path)
     proc = subprocess.run(["bash", str(ROOT / "dev"), "gpu", "run", str(out), "--dry-run"], capture_output=True,
                           text=True, env=_env(tmp_path, bin_dir), timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split()[2] for line in proc.stdout.splitlines() if re.match(r"\[gpu-run\] +\d+ ", line)]
-    assert sorted(rows) == sorted(plan.STAGES) and rows[0] == "machine"
+    assert sorted(rows) == sorted(stages.STAGES) and rows[0] == "machine"
     assert "nothing was run: --dry-run" in proc.stdout and not out.exists()
     assert f"-m tools.gpu.run run {out} --dry-run" in (tmp_path / "calls.log").read_text()  # python3 planned
     end = float(re.search(r"expected end ~(\d+) s of 540 s", proc.stdout).group(1))
@@ -148,37 +146,26 @@ def test_the_runner_wants_an_outdir():
     assert proc.returncode == 2 and "usage: ./dev gpu run OUTDIR" in proc.stderr
 
 
-def test_every_part_is_estimated_under_8_minutes():
-    estimates = {name: parts.estimate_seconds(name) for name in parts.part_names()}
-    assert all(0 < s < parts.LIMIT_S for s in estimates.values()), estimates
-    assert all(60 < s for name, s in estimates.items() if name != parts.MACHINE_PART), estimates
-    # Together the full-* parts are the whole sweep: every workload once, and the extras once.
-    swept = [a[a.index("--workloads") + 1] for n, a in parts.PARTS.items() if n.startswith("full-")]
+def test_every_stage_fits_a_lease_alone_and_the_full_parts_sweep_everything():
+    """Each stage's estimate (until a lease measures it) fits the default budget after the install and the machine
+    stage; together the full-* parts are the whole sweep: every workload once, and the extras once."""
+    room = 540 - stages.INSTALL_S - stages.STAGES["machine"].estimate_s - 10
+    assert all(0 < s.estimate_s <= room for s in stages.STAGES.values()), room
+    swept = [a[a.index("--workloads") + 1] for n, a in grid.PARTS.items() if n.startswith("full-")]
     assert sorted(swept) == sorted(workloads.WORKLOADS)
-    assert [n for n, a in parts.PARTS.items() if "--no-overhead" not in a and "--quick" not in a] == ["extras"]
+    assert [n for n, a in grid.PARTS.items() if "--no-overhead" not in a and "--quick" not in a] == ["extras"]
+    # Every transfer part is a stage that runs it.
+    for name in grid.PARTS:
+        assert stages.STAGES[name].steps == (("{py}", "-m", "bench.transfer", "--part", name, "--json", "{json}",
+                                              "--plot", "{plot}"),)  # fmt: skip
 
 
-def test_the_launch_shape_part_is_estimated_from_its_own_grid():
-    """Its options (two workloads, 128/1024 blocks, 4 CTA counts) are what the model counts: more than the 70B part
-    alone at those sizes, less than the two full parts together."""
-    est = parts.estimate_seconds("launch-shape")
-    assert (
-        parts.estimate_seconds("full-70b")
-        < est
-        < parts.estimate_seconds("full-70b") + parts.estimate_seconds("full-small")
-    )
-
-
-def test_the_parts_cli(capsys):
-    assert parts.main(["args", "full-mla"]) == 0
-    assert capsys.readouterr().out.split() == parts.PARTS["full-mla"]
-    assert parts.main(["args", "gpu-tests"]) == 2
-    assert "full-small" in capsys.readouterr().err
-    assert parts.main(["list"]) == 0
+def test_the_stages_cli(capsys):
+    assert stages.main() == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert set(listed) == set(parts.part_names())
+    assert list(listed) == list(stages.DEFAULT_ORDER)
     assert "python -m bench.serving --preset decisive" in listed["serving"] and "pytest -m gpu" in listed["gpu-tests"]
-    assert "python -m bench.micro.call_cost" in listed["call-cost"]
+    assert "python -m bench.micro.call_cost" in listed["call-cost"] and "~2.0 min" in listed["gpu-tests"]
 
 
 def test_result_names_are_device_date_part():
@@ -187,17 +174,9 @@ def test_result_names_are_device_date_part():
 
 
 def test_each_part_expands_to_valid_benchmark_options():
-    args = {name: vars(bench_transfer.parse_args(["--part", name, "--json", "x.json"])) for name in parts.PARTS}
+    args = {name: vars(bench_transfer.parse_args(["--part", name, "--json", "x.json"])) for name in grid.PARTS}
     assert args["quick"]["quick"] and args["quick"]["budget_ms"] == 30.0
     assert args["full-70b"]["workloads"] == ["llama3-70b-tp8"] and args["full-70b"]["no_interference"]
     assert args["full-70b"]["budget_ms"] == 100.0 and not args["full-70b"]["quick"]
     assert args["extras"]["no_sweep"] and not args["extras"]["no_overhead"]
     assert all(a["json"] == "x.json" for a in args.values())
-
-
-def test_the_time_model_counts_the_default_num_ctas():
-    """The sweep always adds the kernel's default num_ctas; tools/gpu/parts.py (which cannot import the kernel) counts
-    the Triton points from the grids, so the default must be in both for its estimates to hold."""
-    from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
-
-    assert DEFAULT_NUM_CTAS in grid.FULL.num_ctas and DEFAULT_NUM_CTAS in grid.QUICK.num_ctas

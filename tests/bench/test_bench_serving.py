@@ -331,7 +331,7 @@ def test_every_default_method_is_registered_and_points_expand():
     labels = ["none", "triton@4", "triton@2", "triton@8", "triton_size_aware", "auto", "vllm033", "vllm_native",
               "memcpy_batch"]  # fmt: skip
     assert [p.label for p in points] == labels
-    # tools/gpu/parts.py (which cannot import the methods) counts the runs from the plan alike: every point once per
+    # The plan counts the runs alike (RunPlan.runs_per_mode, without importing the methods): every point once per
     # round, and none once more; and the duplex points from the same list of methods.
     plan = config.FULL_PLAN
     assert plan.runs_per_mode() == len(serving.schedule(points, plan.rounds)) == plan.rounds * len(points) + 1

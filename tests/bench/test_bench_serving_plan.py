@@ -1,10 +1,9 @@
 """What the serving benchmark runs: its shapes, load modes, rounds and presets (bench/serving_config.py), the
-command line that picks them, the time model that sizes them for the GPU run (bench/parts.py), and the baseline's
+command line that picks them, the step estimate that sized the shapes, and the baseline's
 load attributes (vLLM 0.33 reads a load's source in any order)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import subprocess
@@ -21,32 +20,8 @@ from bench.common.env import Env
 from bench.serving import cli as serving
 from bench.serving import config, methods
 from bench.serving import model as serving_model
-from tools.gpu import parts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def test_the_decisive_preset_fits_three_minutes_on_an_h100_by_the_model():
-    """The GPU run's serving stage runs `bench/serving.py --preset decisive`: by parts.py's model (the one that sized
-    every part, about twice what the first H100 run took) it fits 3 minutes, start-up included; the full run fits a
-    part (8 minutes)."""
-    seconds = parts.serving_preset_seconds("decisive")
-    assert parts.STARTUP_S < seconds <= 180, seconds
-    # The runner's `serving` stage is the preset, with triton_integrity after it (issue 41); `serving-full` the
-    # default run.
-    assert parts.estimate_seconds(parts.SERVING_PART) == parts.STARTUP_S + parts.serving_plan_seconds(
-        config.with_integrity(config.PRESETS["decisive"])
-    )
-    assert parts.estimate_seconds(parts.SERVING_FULL_PART) == parts.STARTUP_S + parts.serving_plan_seconds(
-        config.FULL_PLAN
-    )
-    assert parts.estimate_seconds(parts.SERVING_FULL_PART) < parts.LIMIT_S
-    with pytest.raises(ValueError, match=r"unknown serving preset 'fast'; presets: \['decisive', 'launch-shape'\]"):
-        parts.serving_preset_seconds("fast")
-    # The model grows with what the plan runs: one round less, or one load mode less, is cheaper.
-    preset = config.PRESETS["decisive"]
-    assert parts.serving_plan_seconds(dataclasses.replace(preset, rounds=1)) < seconds - parts.STARTUP_S
-    assert parts.serving_plan_seconds(dataclasses.replace(preset, load_modes=("async",))) < seconds - 60
 
 
 def test_the_decisive_preset_is_what_the_issue_asks():
@@ -68,17 +43,17 @@ def test_the_decisive_preset_runs_the_decisive_case_first():
 
 
 def test_the_decode_heavy_shape_is_a_decode_step_with_heavier_loads():
-    """5-15 ms on an H100 by the time model (its reads of the weights and the batch's KV bound it), and its prefix
+    """5-15 ms on an H100 by the step estimate (its reads of the weights and the batch's KV bound it), and its prefix
     loads ask far more of the link than the prefill-heavy shape's."""
     w = workloads.WORKLOADS["llama3-8b"]
     decode, prefill = config.GPU_SHAPES["decode-heavy"], config.GPU_SHAPES["prefill-heavy"]
-    step = parts._serving_step_s(w, decode)
+    step = config.h100_step_seconds(w, decode)
     assert 5e-3 <= step <= 15e-3 and decode.prefill == 0 and decode.context > 0
-    assert parts._serving_step_s(w, prefill) > 40e-3
+    assert config.h100_step_seconds(w, prefill) > 40e-3
     block = w.num_layers * w.page_bytes
 
     def demand(shape):  # load bytes per second of steps
-        return shape.prefix_tokens // w.block_size * block / (shape.load_every * parts._serving_step_s(w, shape))
+        return shape.prefix_tokens // w.block_size * block / (shape.load_every * config.h100_step_seconds(w, shape))
 
     assert demand(decode) > 5 * demand(prefill)
 

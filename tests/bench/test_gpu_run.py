@@ -1,4 +1,4 @@
-"""`./dev gpu run`, the one command of a GPU lease (tools/gpu/: run.py, plan.py, summary.py), on CPU: stub
+"""`./dev gpu run`, the one command of a GPU lease (tools/gpu/: run.py, stages.py, summary.py), on CPU: stub
 stages under a fake clock and a fake process runner for the scheduling, the packing and the ledger; the summary's
 verdicts from made-up stage files; one real run of two small real stages; the pytest plugin that keeps finished
 tests when a run is killed. Nothing here runs on a GPU or measures anything."""
@@ -21,10 +21,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from bench.common import results
-from bench.serving import config as serving_config
+from bench.common import grid, results, targets
 from bench.serving import report as serving_report
-from tools.gpu import parts, plan, run, summary
+from tools.gpu import run, stages, summary
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAFE = re.compile(r"[A-Za-z0-9._-]+")
@@ -40,7 +39,7 @@ def m():
         pass
 
     mods = M()
-    mods.run, mods.plan, mods.summary, mods.results = run, plan, summary, results
+    mods.run, mods.stages, mods.summary, mods.results, mods.targets = run, stages, summary, results, targets
     yield mods
 
 
@@ -76,12 +75,13 @@ class FakeProc:
         self.killed = True
 
 
-def stub_stages(m, kinds: dict[str, str]):
-    """Stages that run "stub NAME JSON XML PNG" (the fake spawn reads them), machine first."""
+def stub_stages(m, kinds: dict[str, str], estimates: dict[str, float]):
+    """Stages that run "stub NAME JSON XML PNG" (the fake spawn reads them), machine first, with these estimates."""
     return {
-        name: m.plan.Stage(name, f"stub {name}", kind, (("stub", name, "{json}", "{xml}", "{plot}"),), ())
+        name: m.stages.Stage(name, f"stub {name}", kind, (("stub", name, "{json}", "{xml}", "{plot}"),),
+                             estimates.get(name, 5.0))
         for name, kind in kinds.items()
-    }
+    }  # fmt: skip
 
 
 def machine_json(files):
@@ -91,7 +91,7 @@ def machine_json(files):
 
 
 class Harness:
-    def __init__(self, m, tmp_path, kinds, behaviours, models, budget=300.0, chosen=None, ledger=None, spent=0.0):
+    def __init__(self, m, tmp_path, kinds, behaviours, estimates, budget=300.0, chosen=None, ledger=None, spent=0.0):
         self.clock, self.procs, self.started = FakeClock(), {}, []
         ledger_path = tmp_path / "ledger.json"
         if ledger is not None:
@@ -109,9 +109,8 @@ class Harness:
 
         self.runner = m.run.Runner(
             self.out, budget_s=budget, chosen=chosen, spent_s=spent, work=self.work, ledger_path=ledger_path,
-            stages=stub_stages(m, kinds), default=tuple(kinds), model=models.__getitem__, install_model_s=lambda: 0.0,
-            clock=self.clock, sleep=self.clock.sleep, spawn=spawn, root=tmp_path, started_at=START,
-            out=open(os.devnull, "w"),
+            stages=stub_stages(m, kinds, estimates), default=tuple(kinds), clock=self.clock, sleep=self.clock.sleep,
+            spawn=spawn, root=tmp_path, started_at=START, out=open(os.devnull, "w"),
         )  # fmt: skip
 
     def run(self) -> int:
@@ -133,10 +132,10 @@ KINDS = {"machine": "machine", "a": "transfer", "b": "transfer", "c": "transfer"
 
 
 def test_a_stage_that_does_not_fit_is_skipped_never_started(m, tmp_path):
-    """Budget 300 s (10 kept for packing), factor 0.5 (the seed): machine ~2 s, a ~100 s, b ~200 s does not fit in
-    the ~188 s left after a, c ~50 s still does."""
+    """Budget 300 s (10 kept for packing): machine ~2 s, a ~100 s, b ~200 s does not fit in the ~188 s left after a,
+    c ~50 s still does."""
     h = Harness(m, tmp_path, KINDS, {"a": {"seconds": 100}, "c": {"seconds": 50}},
-                {"machine": 4, "a": 200, "b": 400, "c": 100})  # fmt: skip
+                {"machine": 2, "a": 100, "b": 200, "c": 50})  # fmt: skip
     assert h.run() == 0
     assert h.started == ["machine", "a", "c"]
     b = h.stage("b")
@@ -147,7 +146,7 @@ def test_a_stage_that_does_not_fit_is_skipped_never_started(m, tmp_path):
 
 def test_the_install_counts_against_the_budget(m, tmp_path):
     """200 of the 300 s went to the install: a (~100 s) no longer fits, b (~50 s) does, then c (~50 s) does not."""
-    h = Harness(m, tmp_path, KINDS, {"b": {"seconds": 50}}, {"machine": 4, "a": 200, "b": 100, "c": 100}, spent=200.0)
+    h = Harness(m, tmp_path, KINDS, {"b": {"seconds": 50}}, {"machine": 2, "a": 100, "b": 50, "c": 50}, spent=200.0)
     h.run()
     assert h.started == ["machine", "b"]
     assert [h.stage(n)["outcome"] for n in ("a", "c")] == ["skipped", "skipped"] and h.summary()["install_s"] == 200.0
@@ -158,11 +157,11 @@ def test_a_timed_out_stage_is_killed_and_the_results_before_it_stay(m, tmp_path)
         pathlib.Path(files["json"]).write_text(json.dumps({"mode": "gpu", "rows": [], "complete": True}))
 
     h = Harness(m, tmp_path, KINDS, {"a": {"seconds": 10, "writes": a_writes}, "b": {"seconds": 10_000}},
-                {"machine": 4, "a": 40, "b": 100, "c": 20})  # fmt: skip
+                {"machine": 2, "a": 20, "b": 50, "c": 10})  # fmt: skip
     assert h.run() == 1  # a stage did not end ok
     assert h.procs["b"].killed and not h.procs["a"].killed
     b = h.stage("b")
-    # b's timeout: twice its estimate (2 x 50 s), at least its model (100 s) and a minute.
+    # b's timeout: twice its estimate (2 x 50 s), at least a minute.
     assert b["outcome"] == "timed out" and 100 <= b["seconds"] <= 101, b
     assert h.stage("a")["outcome"] == "ok" and h.stage("a")["figures"]["complete"] is True
     assert "fake-gpu-80gb-2026-11-27-0930-a.json" in h.tar_names()
@@ -181,7 +180,7 @@ def test_a_sigterm_mid_stage_still_packs_everything(m, tmp_path):
 
     before = signal.getsignal(signal.SIGTERM)
     h = Harness(m, tmp_path, KINDS, {"a": {"seconds": 5, "writes": a_writes}, "b": {"seconds": 50, "during": term}},
-                {"machine": 4, "a": 10, "b": 100, "c": 10})  # fmt: skip
+                {"machine": 2, "a": 5, "b": 50, "c": 5})  # fmt: skip
     assert h.run() == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before  # the runner's handler is gone again
     assert h.procs["b"].killed and h.started == ["machine", "a", "b"]
@@ -199,7 +198,7 @@ def test_the_returned_files_are_at_most_seven_and_safely_named(m, tmp_path):
     def png(files):
         pathlib.Path(files["plot"]).write_bytes(b"\x89PNG fake")
 
-    h = Harness(m, tmp_path, kinds, {f"p{i}": {"writes": png} for i in range(6)}, dict.fromkeys(kinds, 10))
+    h = Harness(m, tmp_path, kinds, {f"p{i}": {"writes": png} for i in range(6)}, dict.fromkeys(kinds, 5))
     h.run()
     files = sorted(p.name for p in h.out.iterdir())
     assert len(files) == 7 and all(SAFE.fullmatch(f) for f in files), files
@@ -209,7 +208,7 @@ def test_the_returned_files_are_at_most_seven_and_safely_named(m, tmp_path):
 
 
 def test_outdir_must_start_empty(m, tmp_path):
-    h = Harness(m, tmp_path, KINDS, {}, dict.fromkeys(KINDS, 10))
+    h = Harness(m, tmp_path, KINDS, {}, dict.fromkeys(KINDS, 5))
     h.out.mkdir()
     (h.out / "old.json").write_text("{}")
     with pytest.raises(SystemExit, match="must be empty"):
@@ -219,104 +218,114 @@ def test_outdir_must_start_empty(m, tmp_path):
 # -- the ledger ------------------------------------------------------------------------------------------------------
 
 
-def _entry(m, outcome, fp=None, seconds=None, model_s=None):
-    return dict(dict.fromkeys(m.plan.ENTRY_KEYS), outcome=outcome, fingerprint=fp, seconds=seconds, model_s=model_s,
+def _entry(m, outcome, fp=None, seconds=None):
+    return dict(dict.fromkeys(m.stages.ENTRY_KEYS), outcome=outcome, fingerprint=fp, seconds=seconds,
                 date="2026-11-26", device="X")  # fmt: skip
 
 
 def test_the_ledger_queues_never_run_then_not_ok_then_changed_stages(m):
     names = ("machine", "ok1", "changed", "never", "failed", "ok2", "killed")
-    ledger = m.plan.new_ledger(dict.fromkeys(names))
+    ledger = m.stages.new_ledger(dict.fromkeys(names))
     given = {"machine": ("ok", "f0"), "ok1": ("ok", "f1"), "failed": ("failed", "f3"), "changed": ("ok", "old"),
              "ok2": ("ok", "f5"), "killed": ("killed", "f6")}  # fmt: skip
     ledger["stages"].update({n: _entry(m, *v) for n, v in given.items()})
     fps = {"machine": "f0", "ok1": "f1", "never": "f2", "failed": "f3", "changed": "f4", "ok2": "f5", "killed": "f6"}
-    planned = m.plan.order(ledger, fps, None, names)
+    planned = m.stages.order(ledger, fps, None, names)
     # A code change ranks after "never ran" and "not ok", whatever the priority says (issue 56).
     assert [n for n, _ in planned] == ["machine", "never", "failed", "killed", "changed", "ok1", "ok2"]
     why = dict(planned)
     assert why["never"] == "never ran" and why["changed"].startswith("code changed") and "failed" in why["failed"]
     # --stages: those, in the order given, machine first.
-    assert [n for n, _ in m.plan.order(ledger, fps, ["ok2", "never"], names)] == ["machine", "ok2", "never"]
+    assert [n for n, _ in m.stages.order(ledger, fps, ["ok2", "never"], names)] == ["machine", "ok2", "never"]
 
 
-def test_measured_durations_replace_the_model(m, tmp_path):
-    ledger = m.plan.new_ledger(dict.fromkeys(("machine", "a", "b")))
-    ledger["stages"]["a"] = _entry(m, "ok", "x", seconds=30.0, model_s=100.0)
-    est_a = m.plan.estimate("a", ledger, 100.0)
-    assert est_a.seconds == 30.0 and est_a.source.startswith("measured")
-    # b never ran: the model, scaled by what the ledger measured (30 / 100), not the seed's 0.5.
-    est_b = m.plan.estimate("b", ledger, 200.0)
-    assert est_b.seconds == pytest.approx(60.0) and "x 0.30" in est_b.source
+def test_measured_durations_replace_the_estimate(m):
+    a, b = (m.stages.Stage(n, "", "transfer", (), 100.0) for n in "ab")
+    ledger = m.stages.new_ledger(dict.fromkeys(("machine", "a", "b")))
+    ledger["stages"]["a"] = _entry(m, "ok", "x", seconds=30.0)
+    est_a = m.stages.estimate(a, ledger)
+    assert (est_a.seconds, est_a.timeout_s) == (30.0, 60.0) and est_a.source.startswith("measured")
+    est_b = m.stages.estimate(b, ledger)  # never ran: its own estimate, and twice that as its timeout
+    assert (est_b.seconds, est_b.timeout_s) == (100.0, 200.0) and est_b.source.startswith("estimate")
     # A stage cut short last time is expected to take at least as long as it already ran.
-    ledger["stages"]["b"] = _entry(m, "timed out", "x", seconds=150.0, model_s=200.0)
-    assert m.plan.estimate("b", ledger, 200.0).seconds == 150.0
+    ledger["stages"]["b"] = _entry(m, "timed out", "x", seconds=150.0)
+    assert m.stages.estimate(b, ledger).seconds == 150.0
 
 
 def test_a_run_records_what_it_measured_and_the_next_plan_uses_it(m, tmp_path):
     kinds = {"machine": "machine", "a": "transfer"}
-    h = Harness(m, tmp_path, kinds, {"a": {"seconds": 33}}, {"machine": 4, "a": 200})
+    h = Harness(m, tmp_path, kinds, {"a": {"seconds": 33}}, {"machine": 2, "a": 100})
     h.run()
     ledger = json.loads((h.out / "gpu-ledger.json").read_text())
     a = ledger["stages"]["a"]
-    assert a["outcome"] == "ok" and 33 <= a["seconds"] <= 34 and a["model_s"] == 200 and a["device"] == "Fake GPU 80GB"
-    assert a["fingerprint"] == m.plan.fingerprint(stub_stages(m, kinds)["a"], tmp_path) and a["date"] == "2026-11-27"
-    est = m.plan.estimate("a", ledger, 200.0)
+    assert (
+        a["outcome"] == "ok" and 33 <= a["seconds"] <= 34 and a["estimate_s"] == 100 and a["device"] == "Fake GPU 80GB"
+    )
+    stage = stub_stages(m, kinds, {"a": 100})["a"]
+    assert a["fingerprint"] == m.stages.fingerprint(stage, tmp_path) and a["date"] == "2026-11-27"
+    est = m.stages.estimate(stage, ledger)
     assert est.seconds == a["seconds"] and est.source.startswith("measured")
 
 
 def test_merging_takes_the_newer_run_of_each_stage(m):
     names = dict.fromkeys(("machine", "a", "b"))
-    committed, returned = m.plan.new_ledger(names), m.plan.new_ledger(names)
+    committed, returned = m.stages.new_ledger(names), m.stages.new_ledger(names)
     committed["stages"]["a"] = dict(_entry(m, "ok", "x"), ran_at="2026-11-27T10:00:00+00:00", commit="c1")
     returned["stages"]["a"] = dict(_entry(m, "failed", "y"), ran_at="2026-11-27T09:00:00+00:00")  # older
     returned["stages"]["b"] = dict(_entry(m, "ok", "z"), ran_at="2026-11-27T11:00:00+00:00")
-    merged, taken = m.plan.merge_ledgers(committed, returned, lambda name, e: f"filled-{name}")
+    merged, taken = m.stages.merge_ledgers(committed, returned, lambda name, e: f"filled-{name}")
     assert taken == ["b"] and merged["stages"]["a"]["commit"] == "c1" and merged["stages"]["b"]["commit"] == "filled-b"
     assert committed["stages"]["b"]["outcome"] == "never ran"  # the input is not modified
 
 
 def test_the_committed_ledger_names_every_stage_and_reads_back(m):
-    ledger = json.loads(m.plan.LEDGER_PATH.read_text())
-    assert set(ledger["stages"]) == set(m.plan.STAGES)
-    assert all(set(e) == set(m.plan.ENTRY_KEYS) for e in ledger["stages"].values())
-    assert m.plan.load_ledger() == ledger
+    ledger = json.loads(m.stages.LEDGER_PATH.read_text())
+    assert set(ledger["stages"]) == set(m.stages.STAGES)
+    assert all(set(e) == set(m.stages.ENTRY_KEYS) for e in ledger["stages"].values())
+    assert m.stages.load_ledger() == ledger
 
 
 # -- fingerprints ----------------------------------------------------------------------------------------------------
 
 
 def test_a_fingerprint_is_git_s_blob_hash_over_the_declared_files(m, tmp_path):
-    (tmp_path / "bench" / "tool").mkdir(parents=True)
-    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "sub").mkdir(parents=True)
     (tmp_path / "lib" / "x.py").write_text("x = 1\n")
-    (tmp_path / "bench" / "__init__.py").write_text("")
-    (tmp_path / "bench" / "tool" / "__init__.py").write_text("")
-    (tmp_path / "bench" / "tool" / "__main__.py").write_text("from bench import helper\nfrom results import y\n")
-    (tmp_path / "bench" / "helper.py").write_text("def f():\n    import bench.deep\n")
-    (tmp_path / "bench" / "deep.py").write_text("z = 3\n")
-    (tmp_path / "bench" / "unrelated.py").write_text("q = 0\n")
-    stage = m.plan.Stage("s", "", "transfer", (("{py}", "-m", "bench.tool"),), ("lib", "imports:bench.tool"))
+    (tmp_path / "lib" / "sub" / "y.py").write_text("y = 2\n")
+    (tmp_path / "lib" / "notes.txt").write_text("not code\n")
+    (tmp_path / "tool.py").write_text("t = 0\n")
+    (tmp_path / "unrelated.py").write_text("q = 0\n")
+    stage = m.stages.Stage("s", "", "transfer", (("{py}", "-m", "tool"),), 1.0, ("lib", "tool.py"))
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
-    fp = m.plan.fingerprint(stage, tmp_path)
-    assert m.plan.fingerprint(stage, copy) == fp  # contents alone, wherever they are
-    (copy / "bench" / "unrelated.py").write_text("q = 1\n")
-    assert m.plan.fingerprint(stage, copy) == fp  # not imported
-    (copy / "bench" / "deep.py").write_text("z = 4\n")
-    assert m.plan.fingerprint(stage, copy) != fp  # imported inside a function of an imported module
+    fp = m.stages.fingerprint(stage, tmp_path)
+    assert m.stages.fingerprint(stage, copy) == fp  # contents alone, wherever they are
+    for unseen in ("unrelated.py", "lib/notes.txt"):
+        (copy / unseen).write_text("changed\n")
+        assert m.stages.fingerprint(stage, copy) == fp, unseen  # not declared, or not a .py file
+    (copy / "lib" / "sub" / "y.py").write_text("y = 3\n")
+    assert m.stages.fingerprint(stage, copy) != fp  # in a declared folder, at any depth
     if shutil.which("git"):
         out = subprocess.run(["git", "hash-object", str(tmp_path / "lib" / "x.py")], capture_output=True, text=True)
-        assert m.plan.git_blob_hash(b"x = 1\n") == out.stdout.strip()
+        assert m.stages.git_blob_hash(b"x = 1\n") == out.stdout.strip()
 
 
-def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
-    quick = m.plan.STAGES["quick"]
-    files = {p.relative_to(ROOT).as_posix() for spec in quick.paths for p in m.plan._files(ROOT, spec)}
-    assert {"triton_offload/transfer.py", "kernels/copy_blocks.py", "bench/__init__.py", "bench/transfer/__main__.py",
-            "bench/transfer/cli.py", "bench/baselines/__init__.py", "bench/common/grid.py"} <= files  # fmt: skip
-    # Not the runner's own modules, nor the serving benchmark.
-    assert not any(f.startswith(("tools/", "bench/serving/")) for f in files)
+def test_every_benchmark_stage_fingerprints_the_bench_packages_it_imports(m):
+    """A stage's fingerprint covers whole folders: the library, and each bench package its command's files import
+    (read here from their import lines, at any depth), so a change to what a stage runs is never missed."""
+    for stage in m.stages.STAGES.values():
+        covered = {p.relative_to(ROOT).as_posix() for p in m.stages.stage_files(stage)}
+        bench = {f for f in covered if f.startswith("bench/")}
+        if stage.kind == "pytest" or not bench:
+            continue
+        found = (re.findall(r"^\s*(?:from|import) bench\.(\w+)", (ROOT / f).read_text(), re.M) for f in bench)
+        imported = {f"bench/{pkg}/__init__.py" for pkgs in found for pkg in pkgs}
+        assert imported <= covered, (stage.name, imported - covered)
+        if stage.name != "machine":
+            assert {"triton_offload/engine.py", "kernels/copy_blocks.py"} <= covered, stage.name
+    assert not any(f.parts[-2] == "serving" for f in m.stages.stage_files(m.stages.STAGES["quick"]))
+    machine = {p.relative_to(ROOT).as_posix() for p in m.stages.stage_files(m.stages.STAGES["machine"])}
+    assert machine == {"tools/gpu/machine.py", "bench/common/results.py"}
 
 
 # -- the stages ------------------------------------------------------------------------------------------------------
@@ -324,30 +333,30 @@ def test_the_transfer_stages_fingerprint_the_library_and_their_script(m):
 
 def test_the_stages_of_a_first_lease(m):
     # The call cost before serving: its figure is the one most likely to come back empty (issue 56).
-    assert m.plan.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "call-cost", "serving", "quick", "launch-shape",
+    assert m.stages.DEFAULT_ORDER[:9] == ("machine", "gpu-tests", "call-cost", "serving", "quick", "launch-shape",
                                         "serving-shape", "host-memory", "gpu-tests-slow")  # fmt: skip
-    core, vllm = m.plan.STAGES["gpu-tests"].steps
-    slow = m.plan.STAGES["gpu-tests-slow"].steps[0]
-    for t in m.plan.SLOW_TESTS:
+    core, vllm = m.stages.STAGES["gpu-tests"].steps
+    slow = m.stages.STAGES["gpu-tests-slow"].steps[0]
+    for t in m.stages.SLOW_TESTS:
         path, name = t.split("::")
         assert t in slow and path not in core + vllm
         funcs = {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
         assert name in funcs, f"{t} no longer exists: the stages would run or deselect nothing"
     # The library's GPU test files in the first process, vLLM's in the second, appended to the same XML.
-    assert core[-len(m.plan.GPU_TESTS_CORE) :] == m.plan.GPU_TESTS_CORE and "--live-junit-append" not in core
-    assert vllm[-len(m.plan.GPU_TESTS_VLLM) :] == m.plan.GPU_TESTS_VLLM and "--live-junit-append" in vllm
+    assert core[-len(m.stages.GPU_TESTS_CORE) :] == m.stages.GPU_TESTS_CORE and "--live-junit-append" not in core
+    assert vllm[-len(m.stages.GPU_TESTS_VLLM) :] == m.stages.GPU_TESTS_VLLM and "--live-junit-append" in vllm
     for step in (core, vllm):
         assert step[step.index("--timeout") + 1] == "45" and "--live-junit" in step and "-m" in step
-    assert m.plan.STAGES["gpu-tests"].keep_going
-    serving = m.plan.STAGES["serving"].steps[0]
-    assert serving[1:3] == ("-m", "bench.serving") and tuple(serving[3:5]) == m.plan.SERVING_DECISIVE
+    assert m.stages.STAGES["gpu-tests"].keep_going
+    serving = m.stages.STAGES["serving"].steps[0]
+    assert serving[1:3] == ("-m", "bench.serving") and tuple(serving[3:5]) == m.stages.SERVING_DECISIVE
 
 
 def test_every_test_stage_finds_its_plugins(m, tmp_path):
     """A pytest stage's command loads live_junit (from its PYTHONPATH) and pytest-timeout (--timeout): both must
     import in the stage's environment, or the stage fails before its first test."""
-    runner = m.run.Runner(tmp_path / "out", ledger_path=tmp_path / "l.json", model=lambda n: 1.0)
-    stages = [s for s in m.plan.STAGES.values() if s.kind == "pytest"]
+    runner = m.run.Runner(tmp_path / "out", ledger_path=tmp_path / "l.json")
+    stages = [s for s in m.stages.STAGES.values() if s.kind == "pytest"]
     assert [s.name for s in stages] == ["gpu-tests", "gpu-tests-slow"]
     for stage in stages:
         for step in stage.steps:
@@ -357,56 +366,35 @@ def test_every_test_stage_finds_its_plugins(m, tmp_path):
         assert probe.returncode == 0, (stage.name, probe.stderr)
 
 
-def test_every_stage_has_an_estimate_under_the_part_limit():
-    assert set(parts.part_names()) == set(plan.STAGES)
-    for name in plan.STAGES:
-        assert 0 < parts.estimate_seconds(name) < parts.LIMIT_S, name
-
-
 def test_the_quick_part_measures_auto_and_both_vllm_baselines():
     """bench_transfer.py --part quick restricts workloads and sizes, never methods: every baseline is timed, and the
     kernel with the integrity checks beside the kernel (issue 41)."""
     assert {"auto", "vllm033", "vllm_native", "peak"} <= set(results.BASELINE_ORDER)
-    assert parts.PARTS["quick"] == ["--quick", "--integrity"]
+    assert grid.PARTS["quick"] == ["--quick", "--integrity"]
 
 
-def test_the_stages_measure_the_integrity_checks_and_their_estimates_count_them():
+def test_the_stages_measure_the_integrity_checks():
     """Issue 41's cost is measured by the next lease: the quick transfer stage (triton_integrity beside triton), the
     serving stage (the decisive preset, then triton_integrity) and the call-cost stage (the engine's submits with the
-    checks); each stage's estimate counts the runs the checks add, and still fits a part."""
-    serving = plan.STAGES["serving"].steps[0]
-    assert serving[3 : 3 + len(plan.SERVING_STAGE)] == plan.SERVING_STAGE and "--integrity" in plan.SERVING_STAGE
-    assert "--integrity" in plan.STAGES["call-cost"].steps[0]
-    stage_plan = parts.serving_stage_plan()
-    decisive = serving_config.PRESETS["decisive"]
-    assert stage_plan.methods == (*decisive.methods, results.INTEGRITY_METHOD)
-    assert parts.estimate_seconds(parts.SERVING_PART) == parts.STARTUP_S + parts.serving_plan_seconds(stage_plan)
-    assert parts.serving_preset_seconds("decisive") < parts.estimate_seconds(parts.SERVING_PART) < parts.LIMIT_S
-    quick_workloads, quick_grid, one_layout, integrity = parts._sweep_args(parts.PARTS["quick"])
-    assert integrity and one_layout
-    without = parts._sweep_s(quick_workloads, quick_grid, one_layout=True)
-    assert without < parts._sweep_s(quick_workloads, quick_grid, one_layout=True, integrity=True)
-    assert parts._call_cost_s(False) < parts._call_cost_s(True)
-    for name in ("quick", "serving", "call-cost"):
-        assert parts.estimate_seconds(name) < parts.LIMIT_S, name
+    checks)."""
+    serving = stages.STAGES["serving"].steps[0]
+    assert serving[3 : 3 + len(stages.SERVING_STAGE)] == stages.SERVING_STAGE and "--integrity" in stages.SERVING_STAGE
+    assert "--integrity" in stages.STAGES["call-cost"].steps[0]
+    assert stages.STAGES["quick"].steps[0][3:5] == ("--part", "quick")
 
 
-def test_the_call_cost_stage_fits_a_first_lease_and_its_estimate_counts_its_calls():
-    """Issue 56: the call-cost stage runs fewer calls per row than the benchmark's default, and the time model counts
-    the calls the stage's command passes (not the default)."""
-    (cmd,) = plan.STAGES["call-cost"].steps
+def test_the_call_cost_stage_runs_fewer_calls_than_the_benchmark_s_default():
+    """Issue 56: the call-cost stage runs fewer calls per row than the benchmark's default, to fit a first lease."""
+    (cmd,) = stages.STAGES["call-cost"].steps
     calls = int(cmd[cmd.index("--calls") + 1])
-    assert calls == plan.CALL_COST_STAGE_CALLS == 200 < parts.CALL_COST_CALLS
-    integrity = "--integrity" in cmd
-    assert parts.estimate_seconds(parts.CALL_COST_PART) == parts.STARTUP_S + parts._call_cost_s(integrity, calls)
-    assert parts._call_cost_s(integrity, calls) < parts._call_cost_s(integrity, parts.CALL_COST_CALLS)
+    assert calls == stages.CALL_COST_STAGE_CALLS == 200 < grid.CALL_COST_CALLS
 
 
 def test_stage_names_and_aliases(m):
-    assert m.plan.resolve_stages("tests,quick") == ["gpu-tests", "gpu-tests-slow", "quick"]
-    assert m.plan.resolve_stages(None) is None
+    assert m.stages.resolve_stages("tests,quick") == ["gpu-tests", "gpu-tests-slow", "quick"]
+    assert m.stages.resolve_stages(None) is None
     with pytest.raises(ValueError, match="unknown stage 'quik'; stages: machine, gpu-tests"):
-        m.plan.resolve_stages("quik")
+        m.stages.resolve_stages("quik")
 
 
 # -- the summary's verdicts ------------------------------------------------------------------------------------------
@@ -427,7 +415,7 @@ def _transfer(results, frac_4: float, auto_ms: float, native_ms: float) -> dict:
     case = dict(workload="small-page", layout="kv_first", direction="load", page_bytes=2048, num_layers=32,
                 blocks=128, blocks_per_host_block=4, skip=1, total_bytes=1 << 23, device="x",
                 status="pass")  # fmt: skip
-    medians = {("peak", None): 1.0, ("triton", 4): 1 / frac_4, ("triton", 16): 1.0, ("memcpy_batch", None): 2.0,
+    medians = {("peak", None): 1.0, ("triton", 4): 1 / frac_4, ("triton", 16): 1.0, ("memcpy_batch", None): 6.0,
                ("auto", None): auto_ms, ("vllm033", None): 3.0, ("vllm_native", None): native_ms}  # fmt: skip
     rows = [results.new_row(**case, method=meth, num_ctas=c, median_ms=ms, gbps=8.388608 / ms)
             for (meth, c), ms in medians.items()]  # fmt: skip
@@ -457,8 +445,8 @@ def _targets(m, tmp_path, docs: dict[str, tuple[str, object]]) -> dict[str, dict
             (tmp_path / f"{name}.json").write_text(json.dumps(doc))
             files = {"json": tmp_path / f"{name}.json"}
         stages.append({"stage": name, "kind": kind, "outcome": "ok", "files": files})
-    # Keyed by the target's first word ("every", "call", "transfers", "auto", "ours", "serving").
-    return {t["target"].split(" ")[0].rstrip(":"): t for t in m.summary.evaluate(stages)}
+    # Keyed by the target's key (bench/common/targets.py's for the transfer targets).
+    return {t["key"]: t for t in m.summary.evaluate(stages)}
 
 
 def test_verdicts_come_from_the_stage_files(m, tmp_path):
@@ -473,18 +461,18 @@ def test_verdicts_come_from_the_stage_files(m, tmp_path):
         "quick": ("transfer", _transfer(m.results, frac_4=0.80, auto_ms=2.5, native_ms=0.5)),
         "serving": ("serving", {"mode": "gpu", "targets": serving_targets}),
     })  # fmt: skip
-    assert t["every"]["verdict"] == "pass" and t["every"]["worst"] == 0
-    cc = t["call"]
+    assert t["gpu-tests"]["verdict"] == "pass" and t["gpu-tests"]["worst"] == 0
+    cc = t["call-cost"]
     assert cc["verdict"] == "miss" and cc["worst"] == 45.0 and cc["where"] == "scatter_blocks, direct launch", cc
-    frac = t["transfers"]
+    frac = t["peak"]
     assert (
         frac["verdict"] == "miss"
         and frac["worst"] == pytest.approx(0.8)
         and "small-page/kv_first 2048B" in frac["where"]
     )
-    auto = t["auto"]  # 2.5 ms against the kernel's 1.25 and memcpy_batch's 2.0: 2x the faster
+    auto = t["auto"]  # 2.5 ms against the kernel's 1.25 and memcpy_batch's 6.0: 2x the faster
     assert auto["verdict"] == "miss" and auto["worst"] == pytest.approx(2.0) and "dma: memcpy_batch" in auto["where"]
-    vs = t["ours"]  # vllm_native at 0.5 ms beats both ours
+    vs = t["vs-vllm"]  # vllm_native at 0.5 ms beats both ours
     assert vs["verdict"] == "miss" and vs["worst"] == pytest.approx(0.2) and vs["where"].endswith("auto vs vllm_native")
     serving = t["serving"]
     assert serving["target"] == "serving (serving): step within 2%"
@@ -523,9 +511,14 @@ def test_verdicts_pass_when_the_files_say_so(m, tmp_path):
         "quick": ("transfer", _transfer(m.results, frac_4=0.95, auto_ms=1 / 0.95, native_ms=3.0)),
     })  # fmt: skip
     verdicts = {k: v["verdict"] for k, v in t.items()}
-    assert verdicts == {"every": "pass", "call": "pass", "transfers": "pass", "auto": "pass", "ours": "pass",
-                        "size-aware": "not measured", "launch": "not measured", "serving": "not measured",
-                        "bandwidth": "not measured", "host": "not measured"}  # fmt: skip
+    unmeasured = ("shape-gain", "shape-loss", "vs-per-block", "integrity-cost", "cpu-cost", "gemm", "serving",
+                  "integrity-host")  # fmt: skip
+    assert verdicts == {
+        **dict.fromkeys(
+            ("gpu-tests", "call-cost", "peak-best", "peak", "vs-batch-small", "vs-batch", "vs-vllm", "auto"), "pass"
+        ),
+        **dict.fromkeys(unmeasured, "not measured"),
+    }
 
 
 @pytest.mark.parametrize(
@@ -540,7 +533,7 @@ def test_the_size_aware_launch_shape_decision(m, tmp_path, frac_4, sized, gain, 
     doc["rows"].append(row)
     m.results.fill_relative(doc["rows"])
     t = _targets(m, tmp_path, {"launch-shape": ("launch-shape", doc)})
-    assert (t["size-aware"]["verdict"], t["launch"]["verdict"]) == (gain, loss), (t["size-aware"], t["launch"])
+    assert (t["shape-gain"]["verdict"], t["shape-loss"]["verdict"]) == (gain, loss), (t["shape-gain"], t["shape-loss"])
     (fig,) = m.summary.launch_shape(doc["rows"], 4)
     assert fig["fraction_size_aware"] == pytest.approx(sized)
 
@@ -561,11 +554,56 @@ def test_the_integrity_checks_cost_targets(m, tmp_path, cost_pct, extra_us, verd
         us = cc["sections"]["engine submits"][f"{call}, direct launch"]["median_us"] + extra_us
         cc["sections"]["engine submits"][f"{call}, direct launch, integrity verify"] = {"median_us": us}
     t = _targets(m, tmp_path, {"quick": ("transfer", quick), "call-cost": ("call-cost", cc)})
-    bandwidth, host = t["bandwidth"], t["host"]
+    bandwidth, host = t["integrity-cost"], t["integrity-host"]
     assert bandwidth["verdict"] == verdict and bandwidth["worst"] == pytest.approx(cost_pct, abs=0.01), bandwidth
     assert "8192B" in bandwidth["where"] and bandwidth["from"] == ["quick"]  # the 2 KiB case is not the goal's
     assert host["verdict"] == verdict and host["worst"] == pytest.approx(extra_us), host
     assert host["where"].startswith("call-cost: engine.submit_")
+
+
+_KEYS = ("peak-best", "peak", "shape-gain", "shape-loss", "vs-batch-small", "vs-batch", "vs-per-block", "vs-vllm",
+         "auto", "integrity-cost", "cpu-cost", "gemm")  # fmt: skip
+_MISSES = ("peak-best", "peak", "shape-gain", "vs-batch-small", "vs-vllm", "auto", "integrity-cost", "gemm")
+VERDICTS_OF_BOTH = {0.95: {**dict.fromkeys(_KEYS, "PASS"), "shape-gain": "n/a"},
+                    0.8: {k: "FAIL" if k in _MISSES else "PASS" for k in _KEYS}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "frac_4, auto_ms, native_ms, cost_pct, gemm_pct",
+    [(0.95, 1 / 0.95, 3.0, 1.0, 2.0), (0.8, 2.5, 0.5, 3.0, 9.0)],
+    ids=["all-pass", "misses"],
+)
+def test_both_summaries_give_the_same_verdicts_from_the_same_rows(m, tmp_path, frac_4, auto_ms, native_ms, cost_pct,
+                                                                  gemm_pct):  # fmt: skip
+    """The transfer targets are defined once (bench/common/targets.py): the transfer benchmark's own summary over a
+    run's rows and extras, and the GPU run's over the JSON that run wrote, give every target the same text, verdict
+    and worst case."""
+    from bench.transfer import summary as bench_summary
+    from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+
+    doc = _transfer(m.results, frac_4=frac_4, auto_ms=auto_ms, native_ms=native_ms)
+    assert doc["default_num_ctas"] == DEFAULT_NUM_CTAS
+    kernel = next(r for r in doc["rows"] if r["method"] == "triton" and r["num_ctas"] == 4)
+    peak = next(r for r in doc["rows"] if r["method"] == "peak")
+    sized, off = frac_4 + 0.01, 1 - cost_pct / 100
+    doc["rows"] += [
+        dict(peak, method="memcpy_per_block", impl=f"{m.results.PYTHON_ISSUED}: test", median_ms=30.0, gbps=0.28),
+        dict(peak, method="triton_size_aware", median_ms=1 / sized, gbps=8.388608 * sized),
+        *(dict(r, page_bytes=8192) for r in doc["rows"]),
+        dict(kernel, page_bytes=8192, method="triton_integrity", num_ctas=None, gbps=kernel["gbps"] * off),
+    ]
+    m.results.fill_relative(doc["rows"])
+    overhead = {k: {"median_us": us} for k, us in (("gather", 20.0), ("scatter", 30.0))}
+    inter = {"rows": [{"method": "triton", "num_ctas": 4, "direction": d, "slowdown_pct": gemm_pct}
+                      for d in ("store", "load")]}  # fmt: skip
+    bench = bench_summary.evaluate_targets(doc["rows"], overhead, inter)
+    gpu = _targets(m, tmp_path, {"quick": ("transfer", dict(doc, cpu_overhead=overhead, interference=inter))})
+    assert [t["key"] for t in bench] == [t.key for t in m.targets.TARGETS]
+    for t in bench:
+        same = (t["target"], m.summary.VERDICTS[t["result"]], t["worst"])
+        assert (gpu[t["key"]]["target"], gpu[t["key"]]["verdict"], gpu[t["key"]]["worst"]) == same, t
+    verdicts = {t["key"]: t["result"] for t in bench}
+    assert verdicts == VERDICTS_OF_BOTH[frac_4], verdicts
 
 
 def test_the_call_cost_target_says_where_the_direct_launch_was_refused(m, tmp_path):
@@ -579,7 +617,7 @@ def test_the_call_cost_target_says_where_the_direct_launch_was_refused(m, tmp_pa
     refused = "direct refused: the direct launch of the load wrote other bytes than Triton's launch on the canary"
     cc["sections"]["public calls"]["scatter_blocks, direct launch"]["launch"] = refused
     cc.update(complete=True, left=[])
-    cc_target = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]
+    cc_target = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call-cost"]
     assert cc_target["verdict"] == "miss" and cc_target["worst"] == 45.0
     assert cc_target["where"] == f"scatter_blocks, direct launch (launch: {refused})", cc_target
     assert "the direct launch was not used in 1: scatter_blocks" in cc_target["detail"]
@@ -596,11 +634,11 @@ def test_a_call_cost_run_cut_short_is_not_measured_and_says_why(m, tmp_path):
     del cc["sections"]["engine submits"]
     left = ["engine submits, direct launch", "engine submits, Triton's dispatch"]
     cc.update(complete=False, left=left, error=None)
-    t = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]
+    t = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call-cost"]
     assert t["verdict"] == "not measured", t
     assert "only 2 of the 4 calls measured" in t["detail"] and ", ".join(left) in t["detail"], t
     cc["sections"]["public calls"]["gather_blocks, direct launch"]["median_us"] = 50.0
-    assert _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call"]["verdict"] == "miss"
+    assert _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["call-cost"]["verdict"] == "miss"
     fig = m.summary.stage_figures("call-cost", {"json": tmp_path / "call-cost.json"})
     assert fig["complete"] is False and fig["left"] == left
 
@@ -614,11 +652,11 @@ def test_the_integrity_host_cost_compares_only_like_launches(m, tmp_path):
         subs[f"{call}, direct launch"]["launch"] = "direct"
         us = subs[f"{call}, direct launch"]["median_us"] + 0.5
         subs[f"{call}, direct launch, integrity verify"] = {"median_us": us, "launch": on}
-    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["host"]
+    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["integrity-host"]
     assert host["verdict"] == "pass" and host["where"] == "call-cost: engine.submit_store", host
     assert "not compared where the two launched differently: call-cost: engine.submit_load" in host["detail"]
     subs["engine.submit_store, direct launch, integrity verify"]["launch"] = "direct refused: RuntimeError: x"
-    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["host"]
+    host = _targets(m, tmp_path, {"call-cost": ("call-cost", cc)})["integrity-host"]
     assert host["verdict"] == "not measured" and "launched differently" in host["detail"], host
 
 
@@ -638,21 +676,21 @@ def test_the_integrity_host_cost_compares_only_like_launches(m, tmp_path):
 def test_the_gpu_test_target(m, tmp_path, cases, complete, verdict):
     slow = ("pytest", ({"tests/bench/test_bench_gpu.py::t": None},))
     t = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete)), "gpu-tests-slow": slow})
-    assert t["every"]["verdict"] == verdict, t["every"]
+    assert t["gpu-tests"]["verdict"] == verdict, t["gpu-tests"]
     # Without the slow tests' stage, the whole suite was not run: at best not measured.
-    alone = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete))})["every"]
+    alone = _targets(m, tmp_path, {"gpu-tests": ("pytest", (cases, complete))})["gpu-tests"]
     assert alone["verdict"] == ("miss" if verdict == "miss" else "not measured")
     assert "gpu-tests-slow: not in this run" in alone["detail"]
 
 
 def test_the_summary_knows_the_test_stages(m):
-    assert m.summary.TEST_STAGES == tuple(n for n, s in m.plan.STAGES.items() if s.kind == "pytest")
+    assert m.summary.TEST_STAGES == tuple(n for n, s in m.stages.STAGES.items() if s.kind == "pytest")
 
 
 def test_a_malformed_stage_file_costs_only_its_target(m, tmp_path):
     t = _targets(m, tmp_path, {"quick": ("transfer", {"mode": "gpu", "rows": [{"method": "x"}]})})
     assert t["transfers"]["verdict"] == "not measured" and "could not be computed" in t["transfers"]["detail"]
-    assert t["call"]["verdict"] == "not measured"
+    assert t["call-cost"]["verdict"] == "not measured"
 
 
 def test_the_launch_shape_figure(m):
@@ -676,10 +714,10 @@ def test_merge_puts_a_returned_run_into_results_and_the_ledger(m, tmp_path):
         pathlib.Path(files["json"]).write_text('{"mode": "gpu", "rows": []}')
         pathlib.Path(files["plot"]).write_bytes(b"png")
 
-    h = Harness(m, tmp_path, kinds, {"a": {"writes": a_writes}}, {"machine": 4, "a": 10})
+    h = Harness(m, tmp_path, kinds, {"a": {"writes": a_writes}}, {"machine": 2, "a": 5})
     h.run()
     results, ledger = tmp_path / "results", tmp_path / "committed-ledger.json"
-    ledger.write_text(json.dumps(m.plan.new_ledger(m.plan.STAGES)))
+    ledger.write_text(json.dumps(m.stages.new_ledger(m.stages.STAGES)))
     # The stub stages are not the real ones: their entries merge, no commit is filled in.
     written = m.run.merge(h.out, results, ledger, out=open(os.devnull, "w"))
     stem = "fake-gpu-80gb-2026-11-27-0930"
@@ -724,16 +762,15 @@ def test_a_real_run_without_cuda_degrades_gracefully(m, tmp_path):
     pytest-timeout) into a temporary OUTDIR, in a few seconds."""
     (tmp_path / "test_tiny.py").write_text(TINY_TESTS)
     stages = {
-        "machine": m.plan.STAGES["machine"],
-        "tiny-tests": m.plan.Stage("tiny-tests", "tiny", "pytest",
-                                   (m.plan._pytest(str(tmp_path / "test_tiny.py"), timeout=60),), (),
-                                   m.plan.STAGES["gpu-tests"].env),
+        "machine": m.stages.STAGES["machine"],
+        "tiny-tests": m.stages.Stage("tiny-tests", "tiny", "pytest",
+                                   (m.stages.pytest_step(str(tmp_path / "test_tiny.py"), timeout=60),), 10.0, (),
+                                   m.stages.STAGES["gpu-tests"].env),
     }  # fmt: skip
     out, log = tmp_path / "out", tmp_path / "runner.log"
     with open(log, "w") as f:
         runner = m.run.Runner(out, budget_s=120, work=tmp_path / "work", ledger_path=tmp_path / "ledger.json",
-                              stages=stages, default=tuple(stages), model=lambda name: 20.0,
-                              install_model_s=lambda: 0.0, started_at=START, out=f)  # fmt: skip
+                              stages=stages, default=tuple(stages), started_at=START, out=f)  # fmt: skip
         t0 = time.monotonic()
         rc = runner.run()
     assert rc == 0, log.read_text()
@@ -822,12 +859,12 @@ def test_the_gpu_test_files_are_every_file_with_a_gpu_test(m):
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
-    slow = {t.split("::")[0] for t in m.plan.SLOW_TESTS}
-    named = set(m.plan.GPU_TESTS_CORE) | set(m.plan.GPU_TESTS_VLLM)
+    slow = {t.split("::")[0] for t in m.stages.SLOW_TESTS}
+    named = set(m.stages.GPU_TESTS_CORE) | set(m.stages.GPU_TESTS_VLLM)
     assert collected - slow <= named, f"GPU tests in files the gpu-tests stage does not name: {collected - named}"
     assert slow <= collected and all((ROOT / f).is_file() for f in named)
     # The library's files import no vLLM code: a broken vLLM import cannot cost them.
-    for f in m.plan.GPU_TESTS_CORE:
+    for f in m.stages.GPU_TESTS_CORE:
         src = (ROOT / f).read_text()
         vllm_import = r"^\s*(import vllm|from vllm|import vllm_|from vllm_|import tiering_factory)"
         assert not re.search(vllm_import, src, re.M), f
@@ -837,10 +874,10 @@ def test_a_failed_step_does_not_stop_the_next_and_the_outcome_names_it(m, tmp_pa
     """A stage of two steps with keep_going (gpu-tests): the first fails, the second still runs; the stage is failed
     and says which step; without keep_going the second never starts."""
     for keep_going, started in ((True, ["machine", "core", "vllm"]), (False, ["machine", "core"])):
-        stages = {"machine": m.plan.Stage("machine", "", "machine", (("stub", "machine", "{json}", "{xml}", "{plot}"),),
-                                          ()),
-                  "t": m.plan.Stage("t", "", "pytest", (("stub", "core", "{json}", "{xml}", "{plot}"),
-                                                        ("stub", "vllm", "{json}", "{xml}", "{plot}")), (),
+        stub = ("stub", "machine", "{json}", "{xml}", "{plot}")
+        stages = {"machine": m.stages.Stage("machine", "", "machine", (stub,), 2.0),
+                  "t": m.stages.Stage("t", "", "pytest", (("stub", "core", "{json}", "{xml}", "{plot}"),
+                                                        ("stub", "vllm", "{json}", "{xml}", "{plot}")), 50.0, (),
                                     step_names=("the library's GPU tests", "vLLM's GPU tests"),
                                     keep_going=keep_going)}  # fmt: skip
         h = Harness(
@@ -848,7 +885,7 @@ def test_a_failed_step_does_not_stop_the_next_and_the_outcome_names_it(m, tmp_pa
             tmp_path / str(keep_going),
             {"machine": "machine", "t": "pytest"},
             {"core": {"rc": 1, "seconds": 5}, "vllm": {"rc": 0, "seconds": 5}},
-            {"machine": 4, "t": 100},
+            {"machine": 2, "t": 50},
         )
         h.runner.stages = stages
         assert h.run() == 1
@@ -865,18 +902,17 @@ def test_a_vllm_collection_error_keeps_the_library_s_test_results(m, tmp_path):
     (tmp_path / "test_core.py").write_text("def test_kernel(): pass\ndef test_engine(): pass\n")
     (tmp_path / "test_vllm_mod.py").write_text("raise AttributeError('vllm on torch 2.11: no attribute X')\n")
     (tmp_path / "test_vllm_ok.py").write_text("def test_native(): pass\n")
-    two = m.plan.Stage("gpu-tests", "two steps", "pytest",
-                       (m.plan._pytest(str(tmp_path / "test_core.py"), timeout=60),
-                        m.plan._pytest(str(tmp_path / "test_vllm_mod.py"), str(tmp_path / "test_vllm_ok.py"),
+    two = m.stages.Stage("gpu-tests", "two steps", "pytest",
+                       (m.stages.pytest_step(str(tmp_path / "test_core.py"), timeout=60),
+                        m.stages.pytest_step(str(tmp_path / "test_vllm_mod.py"), str(tmp_path / "test_vllm_ok.py"),
                                        timeout=60, append=True)),
-                       (), m.plan.STAGES["gpu-tests"].env, m.plan.STAGES["gpu-tests"].step_names,
+                       10.0, (), m.stages.STAGES["gpu-tests"].env, m.stages.STAGES["gpu-tests"].step_names,
                        keep_going=True)  # fmt: skip
-    stages = {"machine": m.plan.STAGES["machine"], "gpu-tests": two}
+    stages = {"machine": m.stages.STAGES["machine"], "gpu-tests": two}
     out = tmp_path / "out"
     with open(tmp_path / "runner.log", "w") as f:
         runner = m.run.Runner(out, budget_s=200, work=tmp_path / "work", ledger_path=tmp_path / "ledger.json",
-                              stages=stages, default=tuple(stages), model=lambda name: 20.0,
-                              install_model_s=lambda: 0.0, started_at=START, out=f)  # fmt: skip
+                              stages=stages, default=tuple(stages), started_at=START, out=f)  # fmt: skip
         assert runner.run() == 1
     s = json.loads((out / "summary.json").read_text())
     st = s["stages"][1]
@@ -888,24 +924,15 @@ def test_a_vllm_collection_error_keeps_the_library_s_test_results(m, tmp_path):
     assert target["detail"].startswith("3 passed")
 
 
-def test_a_broken_time_model_still_returns_the_install_log_and_the_summary(m, tmp_path):
-    """The model raises for one stage: that stage is skipped saying why, the others run, and OUTDIR holds the summary
-    and the install's log (in the tarball)."""
-
-    def model(name):
-        if name == "b":
-            raise ImportError("torch is broken")
-        return 10.0
-
+def test_the_install_log_comes_back_in_the_tarball(m, tmp_path):
+    """./dev gpu's install writes OUTDIR/install.log before the runner starts: the runner packs it with the stages'
+    files, so an OUTDIR that must start empty still returns it."""
     h = Harness(m, tmp_path, KINDS, {}, {})
-    h.runner.model = model
     h.out.mkdir()
     (h.out / "install.log").write_text("pip install ...\n")
-    assert h.run() == 0
-    b = h.stage("b")
-    assert b["outcome"] == "skipped" and "the time model failed" in b["why"] and "torch is broken" in b["why"]
-    assert h.started == ["machine", "a", "c"]
+    assert h.run() == 0 and h.started == ["machine", "a", "b", "c"]
     assert "fake-gpu-80gb-2026-11-27-0930-install.log" in h.tar_names()
+    assert not (h.out / "install.log").exists()
 
 
 def test_merge_refuses_a_run_that_saw_no_gpu(m, tmp_path):
@@ -913,7 +940,7 @@ def test_merge_refuses_a_run_that_saw_no_gpu(m, tmp_path):
         pathlib.Path(files["json"]).write_text(json.dumps({"benchmark": "machine", "device": None, "cuda": False}))
 
     h = Harness(m, tmp_path, {"machine": "machine", "a": "transfer"}, {"machine": {"writes": cpu_machine}},
-                {"machine": 4, "a": 10})  # fmt: skip
+                {"machine": 2, "a": 5})  # fmt: skip
     h.run()
     results, ledger = tmp_path / "results", tmp_path / "ledger.json"
     with pytest.raises(SystemExit, match="saw no CUDA device"):
@@ -923,7 +950,7 @@ def test_merge_refuses_a_run_that_saw_no_gpu(m, tmp_path):
 
 def test_two_leases_on_one_day_merge_side_by_side(m, tmp_path):
     results, ledger = tmp_path / "results", tmp_path / "committed-ledger.json"
-    ledger.write_text(json.dumps(m.plan.new_ledger(m.plan.STAGES)))
+    ledger.write_text(json.dumps(m.stages.new_ledger(m.stages.STAGES)))
     written = []
     for i, hour in enumerate((9, 14)):
 
@@ -931,7 +958,7 @@ def test_two_leases_on_one_day_merge_side_by_side(m, tmp_path):
             pathlib.Path(files["json"]).write_text(json.dumps({"mode": "gpu", "rows": [], "lease": i}))
 
         h = Harness(m, tmp_path / f"lease{i}", {"machine": "machine", "a": "transfer"}, {"a": {"writes": a_writes}},
-                    {"machine": 4, "a": 10})  # fmt: skip
+                    {"machine": 2, "a": 5})  # fmt: skip
         h.runner.started_at = START.replace(hour=hour)
         h.run()
         written.append(m.run.merge(h.out, results, ledger, out=open(os.devnull, "w")))
@@ -942,7 +969,7 @@ def test_two_leases_on_one_day_merge_side_by_side(m, tmp_path):
 
 def test_the_dry_run_of_a_first_lease_plans_the_three_answers_within_the_budget(m, tmp_path, capsys):
     """A fresh ledger: machine, gpu-tests, call-cost and serving are planned to run, in that order, ending within the
-    default budget (counted from the top of ./dev gpu), each with the model's seconds printed."""
+    default budget (counted from the top of ./dev gpu), each with its estimate printed."""
     runner = m.run.Runner(tmp_path / "out", ledger_path=tmp_path / "fresh.json", out=sys.stdout)
     assert runner.budget_s == 540 and runner.dry_run() == 0
     text = capsys.readouterr().out
@@ -950,7 +977,7 @@ def test_the_dry_run_of_a_first_lease_plans_the_three_answers_within_the_budget(
     assert runs[:4] == ["machine", "gpu-tests", "call-cost", "serving"], text
     for name in ("gpu-tests", "call-cost", "serving"):
         line = next(x for x in text.splitlines() if f" {name} " in x)
-        assert re.search(rf" {name}\s+{parts.estimate_seconds(name):.0f}s ", line), line
+        assert re.search(rf" {name}\s+{m.stages.STAGES[name].estimate_s:.0f}s ", line), line
     end = float(re.search(r"expected end ~(\d+) s of 540 s", text).group(1))
     assert end <= 540 - m.run.PACK_RESERVE_S
 

@@ -1,2 +1,2 @@
-"""The GPU run (``./dev gpu``): stages, time model, runner, summary, the vLLM bundle. Stdlib only at import: it starts
-before the project is installed."""
+"""The GPU run (``./dev gpu``): stages, runner, summary, the vLLM bundle. Stdlib only at import: it starts before the
+project is installed."""

@@ -1,18 +1,14 @@
 #!/usr/bin/env python3
-"""The GPU run's ``machine`` stage: what the numbers of every other stage are read against.
-
-    python -m tools.gpu.machine [--json PATH]
-
-The GPUs (name, driver, memory, PCIe link width and generation now and at most) from ``nvidia-smi``; the driver's
-CUDA version from its banner; per GPU its PCIe link speed and width and NUMA node from sysfs; the NUMA nodes with
-their CPUs and memory; the CPU count (and the CPUs this process may use); free host memory; torch's CUDA build and
-device. It records what it can and says what it could not: without CUDA (or without torch) it says "no CUDA" and
-still ends with status 0. Stdlib only; torch is imported if present.
-"""
+"""The GPU run's ``machine`` stage (``python -m tools.gpu.machine [--json PATH]``): what every other stage's numbers
+are read against. The GPUs from ``nvidia-smi`` (name, driver, memory, PCIe link now and at most) and the driver's CUDA
+version; per GPU its PCIe link and NUMA node from sysfs; the NUMA nodes' CPUs and memory; the CPUs; free host memory;
+torch's CUDA build and device. It records what it can and says what it could not: without CUDA (or torch) it says
+"no CUDA" and still ends with status 0. Stdlib only; torch is imported if present."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -67,36 +63,28 @@ def pci_facts(pci_id: str, sys_root: pathlib.Path) -> dict:
 
 def nvidia_pci_ids(sys_root: pathlib.Path) -> list[str]:
     """NVIDIA display/3D controllers in sysfs (for when nvidia-smi is missing)."""
-    out = []
-    for dev in sorted((sys_root / "bus" / "pci" / "devices").glob("*")):
-        if _read(dev / "vendor") == NVIDIA_VENDOR and (_read(dev / "class") or "").startswith("0x03"):
-            out.append(dev.name)
-    return out
+    devices = sorted((sys_root / "bus" / "pci" / "devices").glob("*"))
+    return [d.name for d in devices
+            if _read(d / "vendor") == NVIDIA_VENDOR and (_read(d / "class") or "").startswith("0x03")]  # fmt: skip
+
+
+def _meminfo(text: str, key: str, gib: bool = True) -> float | int | None:
+    """A ``/proc/meminfo``-style field (kB, or a count), in GiB where ``gib``."""
+    m = re.search(rf"^(?:Node \d+ )?{key}:\s*(\d+)", text, re.M)
+    return m and (round(int(m.group(1)) / 2**20, 1) if gib else int(m.group(1)))
 
 
 def numa_nodes(sys_root: pathlib.Path) -> dict[str, dict]:
-    nodes = {}
-    for node in sorted((sys_root / "devices" / "system" / "node").glob("node[0-9]*")):
-        meminfo = _read(node / "meminfo") or ""
-        m = re.search(r"MemTotal:\s*(\d+) kB", meminfo)
-        free = re.search(r"MemFree:\s*(\d+) kB", meminfo)
-        nodes[node.name] = {
-            "cpulist": _read(node / "cpulist"),
-            "mem_total_gib": m and round(int(m.group(1)) / 2**20, 1),
-            "mem_free_gib": free and round(int(free.group(1)) / 2**20, 1),
-        }
-    return nodes
+    nodes = sorted((sys_root / "devices" / "system" / "node").glob("node[0-9]*"))
+    return {n.name: {"cpulist": _read(n / "cpulist"), "mem_total_gib": _meminfo(_read(n / "meminfo") or "", "MemTotal"),
+                     "mem_free_gib": _meminfo(_read(n / "meminfo") or "", "MemFree")} for n in nodes}  # fmt: skip
 
 
 def host_memory(proc_root: pathlib.Path) -> dict:
     info = _read(proc_root / "meminfo") or ""
-    out = {}
-    for key in ("MemTotal", "MemAvailable", "HugePages_Total", "Hugepagesize"):
-        m = re.search(rf"^{key}:\s*(\d+)", info, re.M)
-        if m:
-            out[key] = round(int(m.group(1)) / 2**20, 1) if key.startswith("Mem") else int(m.group(1))
-    return {"mem_total_gib": out.get("MemTotal"), "mem_available_gib": out.get("MemAvailable"),
-            "hugepages_total": out.get("HugePages_Total"), "hugepage_kib": out.get("Hugepagesize")}  # fmt: skip
+    return {"mem_total_gib": _meminfo(info, "MemTotal"), "mem_available_gib": _meminfo(info, "MemAvailable"),
+            "hugepages_total": _meminfo(info, "HugePages_Total", False),
+            "hugepage_kib": _meminfo(info, "Hugepagesize", False)}  # fmt: skip
 
 
 def torch_facts() -> dict:
@@ -116,42 +104,25 @@ def torch_facts() -> dict:
     return out
 
 
-def collect(
-    run=subprocess.run, sys_root=pathlib.Path("/sys"), proc_root=pathlib.Path("/proc"), torch_info=None
-) -> dict:
+def collect(run=subprocess.run, sys_root=pathlib.Path("/sys"), proc_root=pathlib.Path("/proc"), torch_info=None):
     """Every fact this machine gives; ``notes`` says what it could not read."""
-    notes = []
     gpus, driver_cuda, why = nvidia_smi(run)
-    if why:
-        notes.append(why)
+    notes = [why] if why else []
     ids = [sysfs_pci_id(g["pci.bus_id"]) for g in gpus if g.get("pci.bus_id")] or nvidia_pci_ids(sys_root)
     pci = [pci_facts(i, sys_root) for i in ids]
     t = torch_facts() if torch_info is None else torch_info
-    cuda = bool(t.get("available"))
-    if not cuda:
+    if not t.get("available"):
         notes.append("no CUDA: " + (t.get("error") or "torch.cuda.is_available() is False"))
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = None
-    device = t.get("device") or (gpus[0]["name"] if gpus else None)
-    return {
-        "benchmark": "machine",
-        **machine_info(),
-        "device": device,
-        "cuda": cuda,
-        "driver": gpus[0]["driver_version"] if gpus else None,
-        "driver_cuda": driver_cuda,
-        "torch": t,
-        "gpus": gpus,
-        "pci": pci,
-        "gpu_numa_node": pci[0]["numa_node"] if pci else None,
-        "numa_nodes": numa_nodes(sys_root),
-        "cpus": os.cpu_count(),
-        "cpus_usable": usable,
-        "memory": host_memory(proc_root),
-        "notes": notes,
-    }
+    return {"benchmark": "machine", **machine_info(), "device": t.get("device") or (gpus[0]["name"] if gpus else None),
+            "cuda": bool(t.get("available")), "driver": gpus[0]["driver_version"] if gpus else None,
+            "driver_cuda": driver_cuda, "torch": t, "gpus": gpus, "pci": pci,
+            "gpu_numa_node": pci[0]["numa_node"] if pci else None, "numa_nodes": numa_nodes(sys_root),
+            "cpus": os.cpu_count(), "cpus_usable": usable, "memory": host_memory(proc_root),
+            "notes": notes}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,20 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the facts as JSON")
     args = ap.parse_args(argv)
     facts = collect()
-    link = ", ".join(f"{p['pci_id']}: {p['current_link_speed']} x{p['current_link_width']} (max {p['max_link_speed']} "
-                     f"x{p['max_link_width']}), NUMA node {p['numa_node']}" for p in facts["pci"])  # fmt: skip
-    print(f"device: {facts['device'] or 'none'} | driver {facts['driver']} (CUDA {facts['driver_cuda']}) | torch "
-          f"{facts['torch'].get('version')} (CUDA {facts['torch'].get('cuda_build')})")  # fmt: skip
-    print(f"PCIe: {link or 'no NVIDIA device in sysfs'} (an idle link may run below its maximum speed)")
-    print(
-        f"NUMA nodes: {len(facts['numa_nodes'])} | CPUs {facts['cpus']} (usable {facts['cpus_usable']}) | host "
-        f"memory {facts['memory']['mem_available_gib']} of {facts['memory']['mem_total_gib']} GiB available"
-    )
-    for note in facts["notes"]:
-        print(f"note: {note}")
+    print(json.dumps(facts, indent=1, default=str))  # the stage's log; an idle link may run below its maximum speed
     if args.json:
         write_json(args.json, facts)
-        print(f"wrote {args.json}")
     return 0
 
 

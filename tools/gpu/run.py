@@ -5,15 +5,12 @@
     python -m tools.gpu.run check OUTDIR [...]     # the options and OUTDIR, before ./dev installs anything
     python -m tools.gpu.run merge OUTDIR           # here: a returned run into bench/results/ and the ledger
 
-The stages (tools/gpu/plan.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
-``./dev gpu`` began): each has an estimate (its measured seconds from the ledger, else tools/gpu/parts.py's model
-scaled by what the ledger measured) and a hard timeout; a stage whose estimate does not fit what is left is skipped
-and named as skipped, never started and killed. Each stage's commands run in their own process group, killed at the
-stage's timeout, their output tee'd into the stage's log. After every stage, and on SIGTERM/SIGINT, everything is
-packed into OUTDIR as at most 7 files: ``summary.json`` (every stage's outcome, seconds and key figures, every
-target's worst case and verdict: tools/gpu/summary.py, from the stages' files), ``<device>-<date>-gpu-run.tar.gz``
-(every log, JSON and JUnit XML), ``gpu-ledger.json`` (the ledger with this run's stages) and up to 4 PNGs. Stdlib only
-at import: it starts before the project is installed (the model, which imports torch, is read when planning).
+The stages (tools/gpu/stages.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
+``./dev gpu`` began); a stage whose estimate does not fit what is left is skipped and named as skipped, never started
+and killed. Each stage's commands run in their own process group, killed at the stage's timeout, their output tee'd
+into the stage's log. After every stage, and on SIGTERM/SIGINT, OUTDIR is packed as at most 7 files: ``summary.json``
+(tools/gpu/summary.py, from the stages' files), ``<device>-<date>-<HHMM>-gpu-run.tar.gz`` (every log, JSON and JUnit
+XML), ``gpu-ledger.json`` and up to 4 PNGs. Stdlib only: it starts before the project is installed.
 """
 
 from __future__ import annotations
@@ -32,21 +29,18 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 
 from bench.common.results import result_stem, write_json
-from tools.gpu.plan import (
+from tools.gpu.stages import (
     DEFAULT_ORDER,
+    INSTALL_S,
     LEDGER_PATH,
     ROOT,
     STAGES,
-    Estimate,
-    Stage,
     estimate,
     fingerprint,
     load_ledger,
     merge_ledgers,
-    model_factor,
     order,
     record_run,
     resolve_stages,
@@ -54,12 +48,10 @@ from tools.gpu.plan import (
 from tools.gpu.summary import evaluate, stage_figures
 
 # Seconds from the top of `./dev gpu` (the CUDA probe, the install, the stages, the packing): one 10-minute command
-# (the device tool's timeout_s 600) with a minute to spare for whatever runs after the budget (the last pack, the
-# report) and the device tool's own start.
+# (the device tool's timeout_s 600) with a minute to spare for the last pack, the report and the tool's own start.
 DEFAULT_BUDGET_S = 540.0
 PACK_RESERVE_S = 10.0  # kept back from the last stage for the final pack
-POLL_S = 0.5
-KILL_GRACE_S = 5.0  # SIGTERM to a stage's process group, then SIGKILL
+POLL_S, KILL_GRACE_S = 0.5, 5.0  # a stage's process group gets SIGTERM, then SIGKILL after the grace
 MAX_FILES = 7
 MAX_PNGS = MAX_FILES - 3  # summary.json, the tarball, the ledger
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -71,22 +63,17 @@ RESULTS_DIR = ROOT / "bench" / "results"
 class Interrupted(Exception):
     """SIGTERM or SIGINT arrived: stop the stage in flight and pack."""
 
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
 
 def _on_signal(signum, frame):
-    raise Interrupted(signum)
+    raise Interrupted(signal.Signals(signum).name)
 
 
 class Process:
     """One command in its own process group (so its children die with it), its output tee'd into ``log`` and
     ``echo``."""
 
-    def __init__(self, argv: list[str], log: pathlib.Path, env: dict, cwd: pathlib.Path, echo: Callable[[bytes], None]):
-        self._log = open(log, "ab")
-        self._echo = echo
+    def __init__(self, argv: list[str], log: pathlib.Path, env: dict, cwd: pathlib.Path, echo):
+        self._log, self._echo = open(log, "ab"), echo
         self._p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self._tee = threading.Thread(target=self._copy, daemon=True)
@@ -127,29 +114,16 @@ class Process:
         self._close()
 
 
-def _model_seconds(name: str) -> float:
-    from tools.gpu.parts import estimate_seconds  # imports torch (bench/common/workloads.py): only when planning
-
-    return estimate_seconds(name)
-
-
-def _install_model_seconds() -> float:
-    from tools.gpu.parts import INSTALL_S
-
-    return INSTALL_S
-
-
 def _commit(root: pathlib.Path) -> str | None:
     """HEAD, with ``+changes`` when the tree differs from it; None without git (the GPU machine's copy)."""
+    git = ["git", "-C", str(root)]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)  # fmt: skip
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def _safe(name: str) -> str:
@@ -158,95 +132,57 @@ def _safe(name: str) -> str:
     return name
 
 
-class Runner:
-    """Plans and runs the stages. ``clock``/``sleep``, ``spawn`` (argv, log, env, cwd, echo -> an object with
-    ``poll()`` and ``kill()``), ``model`` (stage -> modelled seconds) and ``stages`` are injectable for tests."""
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-    def __init__(
-        self,
-        outdir: pathlib.Path,
-        *,
-        budget_s: float = DEFAULT_BUDGET_S,
-        chosen: list[str] | None = None,
-        spent_s: float | None = None,
-        work: pathlib.Path | None = None,
-        ledger_path: pathlib.Path = LEDGER_PATH,
-        stages: dict[str, Stage] = STAGES,
-        default: tuple[str, ...] = DEFAULT_ORDER,
-        model: Callable[[str], float] = _model_seconds,
-        install_model_s: Callable[[], float] = _install_model_seconds,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-        spawn=Process,
-        python: str = sys.executable,
-        root: pathlib.Path = ROOT,
-        started_at: datetime.datetime | None = None,
-        out=None,
-    ):
-        self.outdir, self.budget_s, self.spent_s = pathlib.Path(outdir), budget_s, spent_s
-        self.stages, self.model, self.install_model_s = stages, model, install_model_s
+
+class Runner:
+    """Orders and runs the stages; ``clock``, ``sleep``, ``spawn`` (-> ``poll()``, ``kill()``) and ``stages`` are
+    injectable for tests."""
+
+    def __init__(self, outdir: pathlib.Path, *, budget_s: float = DEFAULT_BUDGET_S, chosen: list[str] | None = None,
+                 spent_s: float | None = None, work: pathlib.Path | None = None, ledger_path=LEDGER_PATH,
+                 stages=STAGES, default=DEFAULT_ORDER, clock=time.monotonic, sleep=time.sleep, spawn=Process,
+                 python: str = sys.executable, root: pathlib.Path = ROOT, started_at=None, out=None):  # fmt: skip
+        self.outdir, self.budget_s, self.spent_s, self.stages = pathlib.Path(outdir), budget_s, spent_s, stages
         self.clock, self.sleep, self.spawn, self.python, self.root = clock, sleep, spawn, python, root
         # The lease's start (UTC) names its files, so two leases on one day and device merge side by side.
         self.started_at = started_at or datetime.datetime.now(datetime.timezone.utc)
         self.today = self.started_at.date()
-        self._own_work = work is None
-        self.work = pathlib.Path(work) if work else None
+        self._own_work, self.work = work is None, pathlib.Path(work) if work else None
         self.out = out or sys.stdout
         self.ledger = load_ledger(ledger_path, stages)
         self.fingerprints = {name: fingerprint(stage, root) for name, stage in stages.items()}
-        self.plan = order(self.ledger, self.fingerprints, chosen, default)
+        self.queue = order(self.ledger, self.fingerprints, chosen, default)
         self.records: dict[str, dict] = {}
-        self.device = "unknown-device"
-        self.commit = _commit(root)
+        self.device, self.commit = "unknown-device", _commit(root)
         self.interrupted: str | None = None
         self.finished = False
         self._current: dict | None = None
         self._written: set[str] = set()
         self._log_lines: list[str] = []
-        self._models: dict[str, float] = {}
-
-    # -- planning -------------------------------------------------------------------------------------------------
-
-    def model_s(self, name: str) -> float:
-        if name not in self._models:
-            self._models[name] = self.model(name)
-        return self._models[name]
 
     def dry_run(self) -> int:
-        """Prints the plan: the order, why, each estimate and timeout, and what would be skipped if every stage took
-        its estimate."""
+        """Prints the order, why, each estimate and timeout, and what would be skipped if each took its estimate."""
         inst = self.ledger["install"].get("seconds")
-        inst_s, inst_src = (inst, "measured") if inst else (self.install_model_s(), "model")
-        factor, why = model_factor(self.ledger)
-        self._say(f"plan: budget {self.budget_s:.0f} s; install ~{inst_s:.0f} s ({inst_src}); model factor "
-                  f"{factor:.2f} ({why}); {PACK_RESERVE_S:.0f} s kept for packing")  # fmt: skip
-        t = inst_s
-        self._say(f"{'#':>2} {'stage':<15} {'model':>6} {'expect':>7} {'timeout':>7} {'starts':>7}  plan, why there, "
-                  "estimate from")  # fmt: skip
-        for i, (name, why_first) in enumerate(self.plan, 1):
-            try:
-                model_s = self.model_s(name)
-            except Exception as exc:
-                self._say(f"{i:>2} {name:<15} SKIPPED: the time model failed: {exc!r}")
-                continue
-            est = estimate(name, self.ledger, model_s)
+        t = inst or INSTALL_S
+        self._say(f"budget {self.budget_s:.0f} s; install ~{t:.0f} s ({'measured' if inst else 'estimate'}); "
+                  f"{PACK_RESERVE_S:.0f} s kept for packing")  # fmt: skip
+        self._say(f"{'#':>2} {'stage':<15} {'expect':>7} {'timeout':>7} {'starts':>7}  runs?; why there; estimate from")
+        for i, (name, why_first) in enumerate(self.queue, 1):
+            est = estimate(self.stages[name], self.ledger)
             left = self.budget_s - PACK_RESERVE_S - t
+            runs, starts = f"SKIPPED (~{est.seconds:.0f} s > {max(0, left):.0f} s left)", "-"
             if est.seconds <= left:
-                plan, starts = "runs", f"{t:.0f}s"
-                t += est.seconds
-            else:
-                plan, starts = f"SKIPPED (~{est.seconds:.0f} s > {max(0, left):.0f} s left)", "-"
-            self._say(f"{i:>2} {name:<15} {model_s:>5.0f}s {est.seconds:>6.0f}s {est.timeout_s:>6.0f}s {starts:>7}  "
-                      f"{plan}; {why_first}; {est.source}")  # fmt: skip
+                runs, starts, t = "runs", f"{t:.0f}s", t + est.seconds
+            self._say(f"{i:>2} {name:<15} {est.seconds:>6.0f}s {est.timeout_s:>6.0f}s {starts:>7}  {runs}; "
+                      f"{why_first}; {est.source}")  # fmt: skip
         self._say(f"expected end ~{t:.0f} s of {self.budget_s:.0f} s (nothing was run: --dry-run)")
         return 0
 
-    # -- running --------------------------------------------------------------------------------------------------
-
     def run(self) -> int:
-        """Runs the plan; returns 0 when every stage that started ended ok, 1 otherwise, 128+N on signal N."""
-        if self.work is None:
-            self.work = pathlib.Path(tempfile.mkdtemp(prefix="gpu-run-"))
+        """Runs the stages; returns 0 when every stage that started ended ok, 1 otherwise, 128+N on signal N."""
+        self.work = self.work or pathlib.Path(tempfile.mkdtemp(prefix="gpu-run-"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.outdir.mkdir(parents=True, exist_ok=True)
         stray = sorted(p.name for p in self.outdir.iterdir() if p.name != INSTALL_LOG)
@@ -254,21 +190,19 @@ class Runner:
             raise SystemExit(f"OUTDIR {self.outdir} must be empty (it holds {stray}): its files are what comes back")
         if (self.outdir / INSTALL_LOG).is_file():  # ./dev's install, before this process
             shutil.move(str(self.outdir / INSTALL_LOG), str(self.work / INSTALL_LOG))
-        self.start = self.clock()
-        spent = self.spent_s or 0.0
+        spent, self.start = self.spent_s or 0.0, self.clock()
         self.deadline = self.start + self.budget_s - spent
         if self.spent_s is not None:
             self.ledger["install"] = {"seconds": round(spent, 1), "ran_at": _now(), "device": None}
+        bundle, bundle_error = (os.environ.get(f"TRITON_OFFLOAD_VLLM_BUNDLE{k}") for k in ("", "_ERROR"))
         handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._say(f"GPU run: budget {self.budget_s:.0f} s, {spent:.0f} s spent before this process (install); "
-                      f"commit {self.commit or 'unknown (no git here)'}; "
-                      f"vLLM bundle: {os.environ.get('TRITON_OFFLOAD_VLLM_BUNDLE') or 'none'}")  # fmt: skip
-            self._say("order: " + ", ".join(f"{n} ({why})" for n, why in self.plan))
-            if os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE_ERROR"):
-                self._say(f"vLLM bundle failed to unpack, going on without it: "
-                          f"{os.environ['TRITON_OFFLOAD_VLLM_BUNDLE_ERROR']}")  # fmt: skip
-            for name, _ in self.plan:
+                      f"commit {self.commit or 'unknown (no git here)'}; vLLM bundle: {bundle or 'none'}")  # fmt: skip
+            self._say("order: " + ", ".join(f"{n} ({why})" for n, why in self.queue))
+            if bundle_error:
+                self._say(f"vLLM bundle failed to unpack, going on without it: {bundle_error}")
+            for name, _ in self.queue:
                 self._stage(name)
                 self._pack()
             self.finished = True
@@ -277,7 +211,11 @@ class Runner:
                 signal.signal(s, signal.SIG_IGN)
             self.interrupted = str(exc)
             self._say(f"{exc}: stopping the stage in flight, packing what was measured")
-            self._stop_current()
+            cur, self._current = self._current, None
+            if cur:
+                if cur["handle"] is not None:
+                    cur["handle"].kill()
+                self._finish(cur["name"], "killed", cur["est"], cur["timeout"], cur["start"], [], cur["commands"])
         finally:
             for s in handlers:  # the final pack is short: a signal now would only leave it half done
                 signal.signal(s, signal.SIG_IGN)
@@ -291,13 +229,13 @@ class Runner:
                     shutil.rmtree(self.work, ignore_errors=True)
         if self.interrupted:
             return 128 + signal.Signals[self.interrupted].value
-        bad = [r for r in self.records.values() if r["outcome"] not in ("ok", "skipped")]
-        return 1 if bad else 0
+        return 1 if any(r["outcome"] not in ("ok", "skipped") for r in self.records.values()) else 0
 
-    def _files(self, name: str) -> dict[str, pathlib.Path]:
-        return {kind: self.work / f"{name}{ext}" for kind, ext in FILE_KINDS.items()}
+    def _files(self, name: str, existing: bool = False) -> dict[str, pathlib.Path]:
+        files = {kind: self.work / f"{name}{ext}" for kind, ext in FILE_KINDS.items()}
+        return {k: p for k, p in files.items() if p.is_file()} if existing else files
 
-    def _env(self, stage: Stage) -> dict:
+    def _env(self, stage) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
         for key, value in stage.env:
             value = value.format(root=self.root)
@@ -306,38 +244,29 @@ class Runner:
 
     def _stage(self, name: str) -> None:
         stage = self.stages[name]
-        try:
-            model_s = self.model_s(name)
-        except Exception as exc:  # a broken time model costs its stage, not the lease's files
-            self.records[name] = {"stage": name, "kind": stage.kind, "outcome": "skipped",
-                                  "why": f"the time model failed: {exc!r}"[:300],
-                                  "fingerprint": self.fingerprints[name]}  # fmt: skip
-            self._say(f"[{name}] skipped: the time model failed: {exc!r}")
-            return
-        est = estimate(name, self.ledger, model_s)
+        est = estimate(stage, self.ledger)
         left = self.deadline - self.clock() - PACK_RESERVE_S
         if est.seconds > left:
-            self._record(
-                name, "skipped", est, why=f"does not fit: needs ~{est.seconds:.0f} s, {max(0, left):.0f} s left"
-            )
-            self._say(f"[{name}] skipped: needs ~{est.seconds:.0f} s ({est.source}), {max(0, left):.0f} s left")
+            why = f"does not fit: needs ~{est.seconds:.0f} s, {max(0, left):.0f} s left"
+            self._record(name, "skipped", est, why=why)
+            self._say(f"[{name}] skipped: {why} ({est.source})")
             return
-        timeout = min(est.timeout_s, left)
-        files = self._files(name)
-        fmt = {"py": self.python, **{k: str(v) for k, v in files.items()}}
+        timeout, start = min(est.timeout_s, left), self.clock()
+        fmt = {"py": self.python, **{k: str(v) for k, v in self._files(name).items()}}
         commands = [[a.format(**fmt) for a in step] for step in stage.steps]
-        start = self.clock()
-        self._current = {"name": name, "start": start, "est": est, "timeout": timeout, "handle": None,
-                         "commands": commands}  # fmt: skip
+        self._current = cur = {"name": name, "start": start, "est": est, "timeout": timeout, "handle": None,
+                               "commands": commands}  # fmt: skip
         self._say(f"[{name}] starts: ~{est.seconds:.0f} s expected ({est.source}), killed at {timeout:.0f} s")
         outcome, rcs, failed = "ok", [], []
         log = self.work / f"{name}.log"
         for i, argv in enumerate(commands):
             with open(log, "a") as f:
                 f.write(f"$ {' '.join(argv)}\n")
-            handle = self._current["handle"] = self.spawn(argv, log, self._env(stage), self.root, self._echo)
-            rc = self._wait(handle, start + timeout)
+            handle = cur["handle"] = self.spawn(argv, log, self._env(stage), self.root, self._echo)
+            while (rc := handle.poll()) is None and self.clock() < start + timeout:
+                self.sleep(POLL_S)
             if rc is None:
+                handle.kill()
                 outcome = "timed out"
                 failed.append(f"{stage.step_name(i)}: timed out")
                 break
@@ -350,24 +279,6 @@ class Runner:
         self._current = None
         self._finish(name, outcome, est, timeout, start, rcs, commands, failed)
 
-    def _wait(self, handle, deadline: float) -> int | None:
-        while True:
-            rc = handle.poll()
-            if rc is not None:
-                return rc
-            if self.clock() >= deadline:
-                handle.kill()
-                return None
-            self.sleep(POLL_S)
-
-    def _stop_current(self) -> None:
-        cur, self._current = self._current, None
-        if cur is None:
-            return
-        if cur["handle"] is not None:
-            cur["handle"].kill()
-        self._finish(cur["name"], "killed", cur["est"], cur["timeout"], cur["start"], [], cur["commands"])
-
     def _finish(self, name, outcome, est, timeout, start, rcs, commands, failed=()) -> None:
         seconds = self.clock() - start
         shown = [" ".join(_shown(a, self.work, self.root) for a in argv) for argv in commands]
@@ -376,33 +287,33 @@ class Runner:
         self._record(name, outcome, est, seconds=round(seconds, 1), timeout_s=round(timeout, 1), returncodes=rcs,
                      commands=shown, **why)  # fmt: skip
         if name == "machine":
-            doc = _read_json(self._files(name)["json"]) or {}
+            try:
+                doc = json.loads(self._files(name)["json"].read_text())
+            except (OSError, ValueError):
+                doc = {}
             self.device = doc.get("device") or ("no-gpu" if doc else "unknown-device")
             self.ledger["install"]["device"] = self.device
         record_run(self.ledger, name, outcome=outcome, device=self.device, date=self.today.isoformat(), ran_at=_now(),
-                   commit=self.commit, seconds=round(seconds, 1), model_s=round(est.model_s, 1),
+                   commit=self.commit, seconds=round(seconds, 1), estimate_s=round(est.seconds, 1),
                    fingerprint=self.fingerprints[name])  # fmt: skip
         self._say(f"[{name}] {outcome} in {seconds:.0f} s" + (f" ({'; '.join(failed)})" if failed else ""))
 
-    def _record(self, name: str, outcome: str, est: Estimate, **fields) -> None:
+    def _record(self, name: str, outcome: str, est, **fields) -> None:
         self.records[name] = {"stage": name, "kind": self.stages[name].kind, "outcome": outcome,
                               "estimate_s": round(est.seconds, 1), "estimate_source": est.source,
                               "fingerprint": self.fingerprints[name], **fields}  # fmt: skip
 
-    # -- output ---------------------------------------------------------------------------------------------------
-
     def _echo(self, line: bytes) -> None:
         buf = getattr(self.out, "buffer", None)
-        if buf is not None:
+        if buf is None:
+            self.out.write(line.decode(errors="replace"))
+        else:
             buf.write(line)
             buf.flush()
-        else:
-            self.out.write(line.decode(errors="replace"))
 
     def _say(self, text: str) -> None:
-        line = f"[gpu-run] {text}"
-        print(line, file=self.out, flush=True)
-        self._log_lines.append(line)
+        print(f"[gpu-run] {text}", file=self.out, flush=True)
+        self._log_lines.append(f"[gpu-run] {text}")
 
     @property
     def stem(self) -> str:
@@ -410,59 +321,40 @@ class Runner:
 
     def summary(self) -> dict:
         stages = []
-        for name, why in self.plan:
+        for name, why in self.queue:
             pending = {"stage": name, "kind": self.stages[name].kind, "outcome": "not started",
                        "why": "interrupted" if self.interrupted else "not reached yet"}  # fmt: skip
-            rec = self.records.get(name) or pending
-            files = {k: p for k, p in self._files(name).items() if p.is_file()}
+            rec, files = self.records.get(name) or pending, self._files(name, existing=True)
             try:
                 figures = stage_figures(rec["kind"], files) if files else {}
             except Exception as exc:  # a malformed stage file costs only its figures
                 figures = {"error": f"could not read the stage's files: {exc!r}"[:300]}
             packed = sorted(f"{self.stem}-{p.name}" for p in files.values())
             stages.append({**rec, "order_why": why, "figures": figures, "files": packed})
-        targets = evaluate([{**s, "files": {k: p for k, p in self._files(s["stage"]).items() if p.is_file()}}
-                            for s in stages])  # fmt: skip
+        targets = evaluate([{**s, "files": self._files(s["stage"], existing=True)} for s in stages])
         verdicts: dict[str, int] = {}
         for t in targets:
             verdicts[t["verdict"]] = verdicts.get(t["verdict"], 0) + 1
-        elapsed = (self.clock() - self.start) + (self.spent_s or 0.0)
-        return {
-            "runner": "tools/gpu/run.py",
-            "complete": self.finished and not self.interrupted,
-            "interrupted": self.interrupted,
-            "device": self.device,
-            "date": self.today.isoformat(),
-            "stem": self.stem,
-            "commit": self.commit,
-            "vllm_bundle": os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE") or None,
-            "vllm_bundle_error": os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE_ERROR") or None,
-            "started_at": self.started_at.isoformat(timespec="seconds"),
-            "budget_s": self.budget_s,
-            "install_s": None if self.spent_s is None else round(self.spent_s, 1),
-            "elapsed_s": round(elapsed, 1),
-            "model_factor": model_factor(self.ledger)[0],
-            "stages": stages,
-            "targets": targets,
-            "verdicts": verdicts,
-            "tarball": f"{self.stem}-gpu-run.tar.gz",
-            "commit_to": self._commit_plan(),
-        }
-
-    def _commit_plan(self) -> dict[str, str]:
-        return {
-            SUMMARY: f"bench/results/{self.stem}-gpu-run.json",
-            f"{self.stem}-gpu-run.tar.gz": "extracted into bench/results/ (<device>-<date>-<HHMM>-<stage>.log/.json/"
-            ".xml)",
-            LEDGER_OUT: "merged into bench/results/gpu-ledger.json",
-            "*.png": "bench/results/ (same names)",
-        }
+        tarball = f"{self.stem}-gpu-run.tar.gz"
+        return {"runner": "tools/gpu/run.py", "complete": self.finished and not self.interrupted,
+                "interrupted": self.interrupted, "device": self.device, "date": self.today.isoformat(),
+                "stem": self.stem, "commit": self.commit,
+                "vllm_bundle": os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE") or None,
+                "vllm_bundle_error": os.environ.get("TRITON_OFFLOAD_VLLM_BUNDLE_ERROR") or None,
+                "started_at": self.started_at.isoformat(timespec="seconds"), "budget_s": self.budget_s,
+                "install_s": None if self.spent_s is None else round(self.spent_s, 1),
+                "elapsed_s": round(self.clock() - self.start + (self.spent_s or 0.0), 1), "stages": stages,
+                "targets": targets, "verdicts": verdicts, "tarball": tarball,
+                "commit_to": {SUMMARY: f"bench/results/{self.stem}-gpu-run.json",
+                              tarball: "extracted into bench/results/ (<device>-<date>-<HHMM>-<stage>.log/.json/.xml)",
+                              LEDGER_OUT: "merged into bench/results/gpu-ledger.json",
+                              "*.png": "bench/results/ (same names)"}}  # fmt: skip
 
     def _pack(self) -> None:
         """summary.json, the tarball, the ledger and the first PNGs into OUTDIR, each written whole then renamed."""
         stem = self.stem
         (self.work / RUN_LOG).write_text("\n".join(self._log_lines) + "\n")
-        pngs = [self.work / f"{n}.png" for n, _ in self.plan if (self.work / f"{n}.png").is_file()]
+        pngs = [self.work / f"{n}.png" for n, _ in self.queue if (self.work / f"{n}.png").is_file()]
         shown = pngs[:MAX_PNGS]
         wanted = {SUMMARY, LEDGER_OUT, _safe(f"{stem}-gpu-run.tar.gz"), *(_safe(f"{stem}-{p.name}") for p in shown)}
         tar_tmp = self.outdir / f"{stem}-gpu-run.tar.gz.tmp"
@@ -472,9 +364,8 @@ class Runner:
                     tar.add(path, arcname=_safe(f"{stem}-{path.name}"))
         os.replace(tar_tmp, self.outdir / f"{stem}-gpu-run.tar.gz")
         for p in shown:
-            tmp = self.outdir / f"{stem}-{p.name}.tmp"
-            shutil.copyfile(p, tmp)
-            os.replace(tmp, self.outdir / f"{stem}-{p.name}")
+            shutil.copyfile(p, self.outdir / f"{stem}-{p.name}.tmp")
+            os.replace(self.outdir / f"{stem}-{p.name}.tmp", self.outdir / f"{stem}-{p.name}")
         write_json(self.outdir / LEDGER_OUT, self.ledger)
         write_json(self.outdir / SUMMARY, self.summary())
         for name in self._written - wanted:
@@ -496,17 +387,6 @@ class Runner:
                   "; ".join(f"{k} -> {v}" for k, v in doc["commit_to"].items()))  # fmt: skip
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _read_json(path: pathlib.Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _shown(arg: str, work: pathlib.Path, root: pathlib.Path) -> str:
     """A command's argument as the summary shows it: the stage's files by name, the repository's paths relative."""
     for base in (work, root):
@@ -515,31 +395,25 @@ def _shown(arg: str, work: pathlib.Path, root: pathlib.Path) -> str:
     return arg
 
 
-# -- merge (here, after a lease) ----------------------------------------------------------------------------------
-
-
 def merge(outdir: pathlib.Path, results: pathlib.Path = RESULTS_DIR, ledger_path: pathlib.Path = LEDGER_PATH,
           root: pathlib.Path = ROOT, out=None) -> list[str]:  # fmt: skip
     """A returned run into ``results``: the summary as ``<stem>-gpu-run.json``, the tarball's files, the PNGs, and the
     ledger merged. Refuses (SystemExit, nothing written) a run whose machine stage did not see a CUDA device (a run
     here, or on a broken lease: its numbers measure no GPU), and to overwrite a different file or take an unsafe
     name."""
-    out = out or sys.stdout
     summary = json.loads((outdir / SUMMARY).read_text())
     machine = next((s for s in summary.get("stages") or [] if s.get("stage") == "machine"), {})
     if (machine.get("figures") or {}).get("cuda") is not True:
         raise SystemExit(f"refusing to merge {outdir}: its machine stage saw no CUDA device (device "
                          f"{summary.get('device')!r}, machine stage {machine.get('outcome', 'missing')}): "
                          "not a GPU run")  # fmt: skip
-    stem = _safe(summary["stem"])
-    files: dict[str, bytes] = {f"{stem}-gpu-run.json": (outdir / SUMMARY).read_bytes()}
+    files: dict[str, bytes] = {f"{_safe(summary['stem'])}-gpu-run.json": (outdir / SUMMARY).read_bytes()}
     with tarfile.open(outdir / _safe(summary["tarball"])) as tar:
         for m in tar.getmembers():
             if not m.isfile() or not SAFE_NAME.fullmatch(m.name):
                 raise SystemExit(f"refusing tarball member {m.name!r}: not a plain file with a safe name")
             files[m.name] = tar.extractfile(m).read()
-    for png in sorted(outdir.glob("*.png")):
-        files[_safe(png.name)] = png.read_bytes()
+    files.update((_safe(png.name), png.read_bytes()) for png in sorted(outdir.glob("*.png")))
     clash = [n for n, data in files.items() if (results / n).is_file() and (results / n).read_bytes() != data]
     if clash:
         raise SystemExit(f"refusing to overwrite {clash} in {results}: a different run has those names")
@@ -554,15 +428,12 @@ def merge(outdir: pathlib.Path, results: pathlib.Path = RESULTS_DIR, ledger_path
 
     merged, taken = merge_ledgers(load_ledger(ledger_path), json.loads((outdir / LEDGER_OUT).read_text()), fill_commit)
     ledger_path.write_text(json.dumps(merged, indent=1) + "\n")
-    print(f"wrote {len(files)} files into {results}: {', '.join(sorted(files))}", file=out)
-    print(f"ledger {ledger_path}: took {', '.join(taken) or 'nothing (no newer runs)'}", file=out)
+    print(f"wrote {len(files)} files into {results}: {', '.join(sorted(files))}", file=out or sys.stdout)
+    print(f"ledger {ledger_path}: took {', '.join(taken) or 'nothing (no newer runs)'}", file=out or sys.stdout)
     return sorted(files)
 
 
-# -- command line ---------------------------------------------------------------------------------------------------
-
-
-def _args(argv: list[str]) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.gpu.run", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for cmd in ("run", "check"):
@@ -571,7 +442,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
         p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds of work, install included")
         p.add_argument("--stages", help=f"comma-separated, in this order after machine (default: by the ledger); "
                        f"{', '.join(STAGES)}")  # fmt: skip
-        p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+        p.add_argument("--dry-run", action="store_true", help="print the order and estimates, run nothing")
         p.add_argument("--t0", type=float, help="epoch seconds when ./dev began (the install counts)")
         p.add_argument("--work", type=pathlib.Path, help="where stages write (default: a temporary folder)")
         p.add_argument("--ledger", type=pathlib.Path, default=LEDGER_PATH)
@@ -579,11 +450,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("outdir", type=pathlib.Path)
     p.add_argument("--results", type=pathlib.Path, default=RESULTS_DIR)
     p.add_argument("--ledger", type=pathlib.Path, default=LEDGER_PATH)
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.cmd == "merge":
         merge(args.outdir, args.results, args.ledger)
         return 0

@@ -3,29 +3,16 @@
 that travels with the working tree, unpacked there onto ``PYTHONPATH``.
 
     python -m tools.gpu.vllm_bundle build [--out .gpu-bundle] [--python-version 3.12 ...]  # where vLLM 0.33.0 is
-                                                                                          # installed
-    python -m tools.gpu.vllm_bundle unpack [--bundle .gpu-bundle] [--dest DIR]  # prints the folder to put first on
-                                                                               # PYTHONPATH
+    python -m tools.gpu.vllm_bundle unpack [--bundle .gpu-bundle] [--dest DIR] [--lenient]  # prints the folder
 
-A full vLLM cannot go there (its wheel is 336 MB and needs torch 2.14; the GPU image has torch 2.11), but its
-offloading path is Python plus one compiled op. The bundle holds:
-
-* ``vllm-0.33.0-py.tar.gz``: every ``.py`` file of the installed vLLM 0.33.0 (no compiled extension, no
-  ``vllm/third_party/`` but its pure-Python ``pynvml.py``, which vLLM's CUDA platform detection imports) and the
-  wheel's ``METADATA`` (``importlib.metadata.version("vllm")`` is how vLLM tells its platform). Each file is checked
-  against the wheel's ``RECORD`` hashes, so the tarball is the PyPI release's code byte for byte; it is written with
-  sorted names and fixed times, so the same release gives the same tarball.
-* ``wheels/<cpXY>/``: :data:`WHEELS`, the packages vLLM's modules on the tests' paths import that the GPU image
-  lacks, pinned, downloaded from PyPI for each Python asked for (``--python-version``; the GPU image runs 3.12).
-  Elsewhere (this machine's CPU check) the bundle's code runs with the environment's own packages.
-* ``MANIFEST.json``: versions, file hashes and sizes. Nothing in it depends on the time of the build.
-
-``unpack`` checks every hash, extracts the code, installs the wheels for the running Python with pip (``--no-index
---target``) and adds :data:`STUBS`: files that are not vLLM's, stand-ins for compiled extensions that vLLM imports
-unconditionally on the path the tests and ``vllm_native`` take. The one compiled op that path calls,
-``_C_cache_ops::swap_blocks_batch``, is registered by ``bench/baselines/vllm_native.py`` in the processes that need it.
-
-Stdlib only: it runs on the GPU machine before anything is installed, and here in any environment.
+A full vLLM cannot go there (a 336 MB wheel needing torch 2.14; the GPU image has 2.11), but its offloading path is
+Python plus one compiled op. The bundle holds ``vllm-0.33.0-py.tar.gz`` (every ``.py`` file of the installed release
+but ``vllm/third_party/`` other than its ``pynvml.py``, and the wheel's ``METADATA``, each checked against the wheel's
+``RECORD``, written with sorted names and fixed times so the same release gives the same bytes), ``wheels/<cpXY>/``
+(:data:`WHEELS`, what vLLM's modules on the tests' paths import beyond the GPU image, pinned, per Python asked for)
+and ``MANIFEST.json`` (versions, hashes, sizes). ``unpack`` checks every hash, extracts the code, installs the wheels
+with pip (``--no-index --target``) and adds :data:`STUBS` for compiled extensions vLLM imports unconditionally; the
+one compiled op the path calls is registered by ``bench/baselines/vllm_native.py``. Stdlib only.
 """
 
 from __future__ import annotations
@@ -45,19 +32,6 @@ import tarfile
 
 from bench.common.grid import VLLM_VERSION
 
-__all__ = [
-    "VLLM_VERSION",
-    "WHEELS",
-    "IMAGE_PROVIDES",
-    "STUBS",
-    "LIMIT_BYTES",
-    "BundleError",
-    "python_tag",
-    "select_files",
-    "build",
-    "unpack",
-]
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_BUNDLE = ROOT / ".gpu-bundle"
 DEFAULT_SITE = ROOT / ".gpu-bundle-site"
@@ -71,28 +45,12 @@ WORKER_WHEELS = {"msgspec": "0.22.0", "pyzmq": "27.3.0"}
 # structured outputs and multimodal code at import time; these are what they need beyond the image (typing-extensions
 # too: the pydantic pinned here needs >= 4.16).
 CONNECTOR_WHEELS = {
-    "annotated-types": "0.8.0",
-    "apache-tvm-ffi": "0.1.15.post2",
-    "cachetools": "8.0.1",
-    "cbor2": "6.3.0",
-    "fastapi": "0.165.0",
-    "httpcore2": "2.16.2",
-    "httpx2": "2.16.2",
-    "llguidance": "1.9.1",
-    "openai": "3.54.0",
-    "openai-harmony": "0.0.8",
-    "opentelemetry-api": "1.45.2",
-    "partial-json-parser": "0.2.1.1.post7",
-    "pybase64": "1.5.1",
-    "pydantic": "2.14.3",
-    "pydantic-core": "2.50.4",
-    "sniffio": "1.3.1",
-    "starlette": "1.10.0",
-    "truststore": "0.10.5",
-    "typing-extensions": "4.16.0",
-    "typing-inspection": "0.4.5",
-    "xgrammar": "0.2.8",
-}
+    "annotated-types": "0.8.0", "apache-tvm-ffi": "0.1.15.post2", "cachetools": "8.0.1", "cbor2": "6.3.0",
+    "fastapi": "0.165.0", "httpcore2": "2.16.2", "httpx2": "2.16.2", "llguidance": "1.9.1", "openai": "3.54.0",
+    "openai-harmony": "0.0.8", "opentelemetry-api": "1.45.2", "partial-json-parser": "0.2.1.1.post7",
+    "pybase64": "1.5.1", "pydantic": "2.14.3", "pydantic-core": "2.50.4", "sniffio": "1.3.1", "starlette": "1.10.0",
+    "truststore": "0.10.5", "typing-extensions": "4.16.0", "typing-inspection": "0.4.5", "xgrammar": "0.2.8",
+}  # fmt: skip
 WHEELS = {**WORKER_WHEELS, **CONNECTOR_WHEELS}
 # What the worker's import chain takes from the GPU image; tests/bench/test_vllm_bundle.py stands these in from the
 # local environment when it imitates that image.
@@ -110,16 +68,8 @@ STUBS = {
 THIRD_PARTY_KEPT = ("vllm/third_party/__init__.py", "vllm/third_party/pynvml.py")
 LIMIT_BYTES = 40 << 20  # the working tree that travels is at most 64 MiB, this folder included
 # Platform tags pip matches exactly; the GPU image is x86-64 Linux with a recent glibc.
-PLATFORMS = (
-    "manylinux_2_31_x86_64",
-    "manylinux_2_28_x86_64",
-    "manylinux_2_27_x86_64",
-    "manylinux_2_26_x86_64",
-    "manylinux_2_24_x86_64",
-    "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64",
-    "manylinux1_x86_64",
-)
+PLATFORMS = (*(f"manylinux_2_{v}_x86_64" for v in (31, 28, 27, 26, 24, 17)), "manylinux2014_x86_64",
+             "manylinux1_x86_64")  # fmt: skip
 _MTIME = 1_700_000_000  # every tar member's time: a fixed date, so builds are byte-identical
 
 
@@ -137,22 +87,12 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _file_sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _vllm_distribution() -> importlib.metadata.Distribution:
     try:
         dist = importlib.metadata.distribution("vllm")
     except importlib.metadata.PackageNotFoundError:
-        raise BundleError(
-            f"no vLLM installed in {sys.executable}: build the bundle with the interpreter of .venv-vllm33 "
-            f"(./dev setup), where vllm=={VLLM_VERSION} is installed"
-        ) from None
+        raise BundleError(f"no vLLM installed in {sys.executable}: build the bundle with the interpreter of "
+                          f".venv-vllm33 (./dev setup), where vllm=={VLLM_VERSION} is installed") from None  # fmt: skip
     if dist.version != VLLM_VERSION:
         raise BundleError(f"{sys.executable} has vllm {dist.version}; the bundle is vLLM {VLLM_VERSION}")
     return dist
@@ -161,15 +101,13 @@ def _vllm_distribution() -> importlib.metadata.Distribution:
 def select_files(dist: importlib.metadata.Distribution) -> list[importlib.metadata.PackagePath]:
     """The installed wheel's files that go into the bundle, sorted: vLLM's ``.py`` files outside ``third_party/``,
     :data:`THIRD_PARTY_KEPT`, and the wheel's METADATA."""
-    chosen = []
-    for f in dist.files or ():
-        name = f.as_posix()
-        if name.endswith(".dist-info/METADATA"):
-            chosen.append(f)
-        elif name.startswith("vllm/") and name.endswith(".py"):
-            if not name.startswith("vllm/third_party/") or name in THIRD_PARTY_KEPT:
-                chosen.append(f)
-    return sorted(chosen, key=lambda f: f.as_posix())
+
+    def wanted(name: str) -> bool:
+        code = name.startswith("vllm/") and name.endswith(".py")
+        return name.endswith(".dist-info/METADATA") or code and (not name.startswith("vllm/third_party/")
+                                                                 or name in THIRD_PARTY_KEPT)  # fmt: skip
+
+    return sorted((f for f in dist.files or () if wanted(f.as_posix())), key=lambda f: f.as_posix())
 
 
 def _read_checked(dist, f: importlib.metadata.PackagePath) -> bytes:
@@ -215,24 +153,12 @@ def _download_wheels(dest: pathlib.Path, version: str, pins: dict[str, str]) -> 
     return wheels
 
 
-def build(
-    out: pathlib.Path = DEFAULT_BUNDLE,
-    python_versions: tuple[str, ...] = ("3.12",),
-    include: set[str] | None = None,
-    wheels: dict[str, str] | None = None,
-    limit_bytes: int = LIMIT_BYTES,
-) -> dict:
+def build(out: pathlib.Path = DEFAULT_BUNDLE, python_versions: tuple[str, ...] = ("3.12",), include: set | None = None,
+          wheels: dict[str, str] | None = None, limit_bytes: int = LIMIT_BYTES) -> dict:  # fmt: skip
     """Builds the bundle into ``out`` (replacing what a previous build put there) from the vLLM installed in this
-    interpreter; returns the manifest.
-
-    Args:
-        out: the bundle folder.
-        python_versions: ``major.minor`` of every Python the wheels are fetched for.
-        include: only these vLLM files (paths such as ``vllm/envs.py``); None: all of :func:`select_files`. A part
-            of the bundle, for tests.
-        wheels: the pins to fetch; None: :data:`WHEELS`.
-        limit_bytes: the largest bundle allowed; a larger one is an error.
-    """
+    interpreter, with wheels for every ``major.minor`` in ``python_versions``; returns the manifest. ``include``: only
+    these vLLM files (for tests); ``wheels``: the pins (default :data:`WHEELS`); a bundle over ``limit_bytes`` is an
+    error."""
     pins = WHEELS if wheels is None else wheels
     dist = _vllm_distribution()
     chosen = [f for f in select_files(dist) if include is None or f.as_posix() in include or f.name == "METADATA"]
@@ -249,23 +175,13 @@ def build(
     for version in python_versions:
         tag = python_tag(version)
         found = _download_wheels(out / "wheels" / tag, version, pins)
-        fetched[tag] = [{"file": w.name, "sha256": _file_sha256(w), "bytes": w.stat().st_size} for w in found]
+        fetched[tag] = [{"file": w.name, "sha256": _sha256(w.read_bytes()), "bytes": w.stat().st_size} for w in found]
     total = len(source) + sum(w["bytes"] for ws in fetched.values() for w in ws)
-    manifest = {
-        "vllm": VLLM_VERSION,
-        "source": {
-            "file": SOURCE,
-            "sha256": _sha256(source),
-            "bytes": len(source),
-            "files": len(chosen),
-            "from": f"vllm {VLLM_VERSION} as installed from PyPI; every file checked against the wheel's RECORD",
-        },
-        "wheels": fetched,
-        "pins": {"vllm": VLLM_VERSION, **pins},
-        "stubs": sorted(STUBS),
-        "total_bytes": total,
-        "limit_bytes": limit_bytes,
-    }
+    manifest = {"vllm": VLLM_VERSION, "wheels": fetched, "pins": {"vllm": VLLM_VERSION, **pins}, "stubs": sorted(STUBS),
+                "total_bytes": total, "limit_bytes": limit_bytes,
+                "source": {"file": SOURCE, "sha256": _sha256(source), "bytes": len(source), "files": len(chosen),
+                           "from": f"vllm {VLLM_VERSION} as installed from PyPI; every file checked against the "
+                           "wheel's RECORD"}}  # fmt: skip
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     if total > limit_bytes:
         raise BundleError(f"the bundle is {total / 2**20:.1f} MiB, over its limit of {limit_bytes / 2**20:.0f} MiB")
@@ -292,7 +208,7 @@ def read_manifest(bundle: pathlib.Path) -> dict:
 
 
 def _check(path: pathlib.Path, sha256: str) -> None:
-    if not path.is_file() or _file_sha256(path) != sha256:
+    if not path.is_file() or _sha256(path.read_bytes()) != sha256:
         raise BundleError(f"{path} is missing or differs from the manifest: rebuild the bundle (./dev gpu-bundle)")
 
 

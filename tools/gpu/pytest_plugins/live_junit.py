@@ -1,13 +1,9 @@
-"""A pytest plugin for the GPU run's test stages: ``-p live_junit --live-junit PATH`` writes a JUnit XML file that is
-rewritten (atomically) after every test, so a run killed at its time limit keeps every test that finished.
-
-pytest's own ``--junitxml`` writes only at the end of the session. Here the suite's ``complete`` property is
-``false`` until the session ends; with ``--live-junit-append`` the tests of an earlier session in that file (an
-earlier step of the same stage) are kept ahead of this one's. Each test case carries its outcome (a ``failure``,
-``error`` or ``skipped`` child with the message, none when it passed) and its seconds (setup, call and teardown).
-This folder is put on ``PYTHONPATH`` by tools/gpu/plan.py's test stages only: it holds nothing else, so no module
-name can shadow another.
-"""
+"""A pytest plugin for the GPU run's test stages: ``-p live_junit --live-junit PATH`` writes a JUnit XML file rewritten
+(atomically) after every test, so a run killed at its time limit keeps every test that finished (pytest's own
+``--junitxml`` writes only at the end). The suite's ``complete`` property is ``false`` until the session ends; with
+``--live-junit-append`` an earlier step's tests in that file are kept ahead of this one's. Each case carries its
+outcome (a ``failure``, ``error`` or ``skipped`` child with the message) and its seconds. tools/gpu/stages.py's test
+stages put this folder, which holds nothing else, on ``PYTHONPATH``."""
 
 from __future__ import annotations
 
@@ -23,9 +19,7 @@ TEST_PARAMS = re.compile(r"def test_\w*\s*\(([^)]*)\)", re.S)
 def pytest_addoption(parser):
     parser.addoption("--live-junit", metavar="PATH", default=None, help="JUnit XML rewritten after every test")
     parser.addoption(
-        "--live-junit-append",
-        action="store_true",
-        help="keep the test cases the file holds (an earlier session's), this session's after them",
+        "--live-junit-append", action="store_true", help="keep the file's test cases, this session's after"
     )
 
 
@@ -125,15 +119,9 @@ class LiveJunit:
 
     def write(self) -> None:
         counts = {k: sum(c["outcome"] == k for c in self.cases.values()) for k in RANK}
-        suite = ET.Element(
-            "testsuite",
-            name="pytest",
-            tests=str(len(self.cases)),
-            failures=str(counts["failure"]),
-            errors=str(counts["error"]),
-            skipped=str(counts["skipped"]),
-            time=f"{time.time() - self.start:.3f}",
-        )
+        suite = ET.Element("testsuite", name="pytest", tests=str(len(self.cases)), failures=str(counts["failure"]),
+                           errors=str(counts["error"]), skipped=str(counts["skipped"]),
+                           time=f"{time.time() - self.start:.3f}")  # fmt: skip
         props = ET.SubElement(suite, "properties")
         ET.SubElement(props, "property", name="complete", value="true" if self.complete else "false")
         ET.SubElement(props, "property", name="exitstatus", value=str(self.exitstatus))
