@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 # Tuned constants, measured on an NVIDIA H100 80GB HBM3 (PCIe Gen5 x16, driver 580.159.04, Triton 3.6), 2026-11-22,
-# by bench/tune.py over six cases (1 KiB to 72 KiB segments, 128 and 1024 blocks, f=1) against the same run's
+# by bench/micro/tune.py over six cases (1 KiB to 72 KiB segments, 128 and 1024 blocks, f=1) against the same run's
 # contiguous pinned peak (~55 GB/s): bench/results/nvidia-h100-80gb-hbm3-2026-11-22-tune*.json.
 # - 64 KiB tiles with 16 warps (128 bytes, eight 16-byte accesses, per thread per step) reach ~50-51 GB/s in both
 #   directions, 91-104 % of each case's peak in two runs, with only 4 programs; 16-32 KiB tiles need 8 programs for

@@ -45,7 +45,7 @@ def vllm_version() -> str | None:
 
 
 # vLLM 0.33.0's Python code is importable (.venv-vllm33, or the GPU bundle on the path): the release that
-# bench/vllm_bundle.py bundles and vllm_native runs. Reads package metadata only: vLLM is not imported.
+# tools/gpu/vllm_bundle.py bundles and vllm_native runs. Reads package metadata only: vLLM is not imported.
 VLLM_033 = vllm_version() == "0.33.0"
 
 
@@ -100,7 +100,7 @@ def offload_metrics(llm) -> dict:
 def require_engine(api_module: str = "vllm.v1.kv_offload.base") -> list:
     """Skips the calling test module unless vLLM (with ``api_module``), transformers and a platform to run an engine
     on are installed. Call at module level; returns marks for the module's ``pytestmark``: a skip of every test where
-    vLLM is its Python code alone (the GPU machine's bundle, bench/vllm_bundle.py: its compiled extension is a
+    vLLM is its Python code alone (the GPU machine's bundle, tools/gpu/vllm_bundle.py: its compiled extension is a
     stand-in, so no engine can run). That skip applies per test, so a run that deselects these (``-m gpu``) reports
     none."""
     import importlib.util

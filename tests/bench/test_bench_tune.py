@@ -1,5 +1,5 @@
-"""bench/tune.py on CPU: every launch tuning it passes is really used by the kernel (its shape changes) and moves the
-right bytes under the interpreter, and the library's defaults are untouched; a variant that moves wrong bytes is
+"""bench/micro/tune.py on CPU: every launch tuning it passes is really used by the kernel (its shape changes) and moves
+the right bytes under the interpreter, and the library's defaults are untouched; a variant that moves wrong bytes is
 reported and never timed; the summary ranks by the worst case. The timer is a stand-in: nothing here is a
 measurement."""
 
