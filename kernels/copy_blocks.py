@@ -1,8 +1,8 @@
 """The copy kernel and its thin launch: one Triton kernel gathers GPU KV blocks of all layers into packed host blocks
-(a store) or scatters them back (a load), with what it reads built here: the segment table, the id buffer packed from
-a :class:`~triton_offload.plan.TransferPlan`, and the launch shape of a :class:`LaunchTuning`. docs/design.md
-(section 5) explains the decomposition, the addressing and the performance model behind the constants;
-:mod:`triton_offload.issuers` derives all of it once per spec and issues plans.
+(a store) or scatters them back (a load), its integrity pass in @jit helpers beside it, the launch shape of a
+:class:`LaunchTuning` and the launch itself. What it reads is built by :mod:`.tables` (per spec) and :mod:`.packing`
+(per plan); docs/design.md (section 5) explains the decomposition, the addressing and the performance model behind
+the constants; :mod:`triton_offload.issuers` derives all of it once per spec and issues plans.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM
 from triton_offload.kernels._triton_compat import compile_variant as _compile_variant
@@ -29,15 +29,7 @@ __all__ = [
     "DEFAULT_TUNINGS",
     "LaunchConfig",
     "launch_config",
-    "access_width",
-    "build_segment_table",
-    "packed_size",
-    "pack_ids",
-    "pack_integrity",
-    "integrity_offsets",
-    "result_size",
-    "build_integrity_table",
-    "Checks",
+    "IntegrityArgs",
     "arguments",
     "launch",
     "compile_variant",
@@ -93,6 +85,110 @@ MAX_ROWS = 32
 # Blocks the finalising program handles per step of the integrity checks (a few vector registers per thread).
 FIN = tl.constexpr(128)
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The integrity checks' parts of the kernel (docs/integrity.md; triton_offload/integrity.py is their NumPy
+# reference): the per-step lane sums of the words a tile moved, and the last program's finalisation of every block.
+# @jit helpers of the kernel (inlined when compiled); JITFunction objects whatever TRITON_INTERPRET says, so a
+# compiled kernel can call them, and replaced by plain copies of themselves in the interpreted kernel.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _lane_step_fn(vals, seg_word, col, mask, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """The two 32-bit lane sums of the words one step moved ([ROWS, CHUNK] ``vals``, masked by ``mask``), each word
+    zero-extended and mixed with its position in its block (``seg_word`` per row, plus its column), summed per
+    thread over its VEC words: [ROWS, CHUNK // VEC] each."""
+    if vals.dtype == tl.int8:
+        w = vals.to(tl.uint8, bitcast=True).to(tl.uint32)
+    elif vals.dtype == tl.int16:
+        w = vals.to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        w = vals.to(tl.uint32, bitcast=True)
+    word = seg_word[:, None] + col[None, :].to(tl.uint32)  # the word's position in its block
+    a = w ^ (word * 0x9E3779B1)
+    a = a ^ (a >> 16)
+    a = a * 0x85EBCA6B
+    a = a ^ (a >> 13)
+    a = a * 0xC2B2AE35
+    a = a ^ (a >> 16)
+    b = w ^ (word * 0xCC9E2D51 + 0x1B873593)
+    b = b ^ (b >> 16)
+    b = b * 0x7FEB352D
+    b = b ^ (b >> 15)
+    b = b * 0x846CA68B
+    b = b ^ (b >> 16)
+    step_a = tl.reduce(tl.reshape(tl.where(mask, a, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
+    step_b = tl.reduce(tl.reshape(tl.where(mask, b, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
+    return step_a, step_b
+
+
+def _mix64_fn(z):
+    """SplitMix64's finaliser (a bijection of uint64)."""
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+def _finalize_checksums_fn(
+    ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks, n_host, n_segs, skip,
+    blocks_per_host_block, STORE: tl.constexpr, MULTI_GROUP: tl.constexpr,
+):  # fmt: skip
+    """Every block's checksum from its lane sums, identity, sub-block and length: a store writes it (and its row's
+    marker) into the checksum table, a load compares it with the table's and writes its status and the counts."""
+    fins = tl.arange(0, FIN).to(tl.int64)
+    n_fail = tl.full([FIN], 0, tl.int64)
+    n_absent = tl.full([FIN], 0, tl.int64)
+    for i in range(0, (n_blocks + FIN - 1) // FIN):
+        fblk = i * FIN + fins
+        flive = fblk < n_blocks
+        # Read through the atomics' own path (L2), never a cache line of this program's.
+        lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
+        lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
+        if MULTI_GROUP:
+            fgroup = tl.load(ids_ptr + n_blocks + n_host + fblk, mask=flive, other=0)
+            fgroup_row = ids_ptr + 2 * n_blocks + n_host + fgroup * 3
+            ffirst = tl.load(fgroup_row, mask=flive, other=0)
+            fpos = fblk - ffirst + tl.load(fgroup_row + 1, mask=flive, other=0)
+            fhost_idx = tl.load(fgroup_row + 2, mask=flive, other=0) + fpos // blocks_per_host_block
+            words = tl.load(ck_ptr + fgroup * n_segs * 3 + 1, mask=flive, other=0)
+            # A row holds one key per host region: the group's region has a marker and f checksums of its own.
+            fregion = tl.load(ck_ptr + fgroup * n_segs * 3 + 2, mask=flive, other=0)
+        else:
+            fpos = fblk + skip
+            fhost_idx = fpos // blocks_per_host_block
+            words = tl.load(ck_ptr + 1 + 0 * fblk, mask=flive, other=0)
+            fregion = 0 * fblk
+        fhost_id = tl.load(ids_ptr + n_blocks + fhost_idx, mask=flive, other=0)
+        ident = tl.load(ident_ptr + fhost_idx, mask=flive, other=0).to(tl.uint64, bitcast=True)
+        sub = (fpos % blocks_per_host_block).to(tl.uint64)
+        # h = mix64(ident ^ mix64(sub * SUB_MUL ^ words * LEN_MUL)); checksum = mix64(h ^ lanes)
+        z = _mix64((sub * 0x9E3779B97F4A7C15) ^ (words.to(tl.uint64) * 0xC2B2AE3D27D4EB4F))
+        z = _mix64(ident ^ z)
+        checksum = _mix64(z ^ ((lane_b << 32) | lane_a)).to(tl.int64, bitcast=True)
+        row = tab_ptr + fhost_id * tab_row + fregion * (1 + blocks_per_host_block)
+        if STORE:
+            tl.store(row + 1 + fpos % blocks_per_host_block, checksum, mask=flive)
+            tl.store(row + 0 * fblk, mark + 0 * fblk, mask=flive)  # the same value from each block of a row
+        else:
+            present = tl.load(row + 0 * fblk, mask=flive, other=0) == mark
+            expected = tl.load(row + 1 + fpos % blocks_per_host_block, mask=flive, other=0)
+            status = tl.where(present, tl.where(expected == checksum, 0, 1), 2).to(tl.int64)
+            tl.store(res_ptr + 2 + fblk, status, mask=flive)
+            n_fail += tl.where(flive & (status == 1), 1, 0)
+            n_absent += tl.where(flive & (status == 2), 1, 0)
+    if not STORE:
+        tl.store(res_ptr, tl.reduce(n_fail, 0, _SUM))
+        tl.store(res_ptr + 1, tl.reduce(n_absent, 0, _SUM))
+
+
+_lane_step = JITFunction(_lane_step_fn)
+_mix64 = JITFunction(_mix64_fn)
+_finalize_checksums = JITFunction(_finalize_checksums_fn)
+# The helpers' plain functions by the names the kernel (and each other) call them, for the interpreted kernel.
+_HELPERS = {"_lane_step": _lane_step_fn, "_mix64": _mix64_fn, "_finalize_checksums": _finalize_checksums_fn}
 
 
 def _copy_blocks_kernel(
@@ -196,28 +292,9 @@ def _copy_blocks_kernel(
                 vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
                 tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
             if INTEGRITY:
-                # The words just moved, zero-extended, each mixed with its position (triton_offload/integrity.py).
-                if vals.dtype == tl.int8:
-                    w = vals.to(tl.uint8, bitcast=True).to(tl.uint32)
-                elif vals.dtype == tl.int16:
-                    w = vals.to(tl.uint16, bitcast=True).to(tl.uint32)
-                else:
-                    w = vals.to(tl.uint32, bitcast=True)
-                word = seg_word[:, None] + col[None, :].to(tl.uint32)  # the word's position in its block
-                a = w ^ (word * 0x9E3779B1)
-                a = a ^ (a >> 16)
-                a = a * 0x85EBCA6B
-                a = a ^ (a >> 13)
-                a = a * 0xC2B2AE35
-                a = a ^ (a >> 16)
-                b = w ^ (word * 0xCC9E2D51 + 0x1B873593)
-                b = b ^ (b >> 16)
-                b = b * 0x7FEB352D
-                b = b ^ (b >> 15)
-                b = b * 0x846CA68B
-                b = b ^ (b >> 16)
-                acc_a += tl.reduce(tl.reshape(tl.where(mask, a, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
-                acc_b += tl.reduce(tl.reshape(tl.where(mask, b, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
+                step_a, step_b = _lane_step(vals, seg_word, col, mask, ROWS, CHUNK, VEC)
+                acc_a += step_a
+                acc_b += step_b
         if INTEGRITY:
             # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order.
             part_a = tl.reduce(acc_a, 1, _SUM).to(tl.int64)
@@ -231,66 +308,8 @@ def _copy_blocks_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1)
         if done == nprog - 1:
-            fins = tl.arange(0, FIN).to(tl.int64)
-            n_fail = tl.full([FIN], 0, tl.int64)
-            n_absent = tl.full([FIN], 0, tl.int64)
-            for i in range(0, (n_blocks + FIN - 1) // FIN):
-                fblk = i * FIN + fins
-                flive = fblk < n_blocks
-                # Read through the atomics' own path (L2), never a cache line of this program's.
-                lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
-                lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
-                if MULTI_GROUP:
-                    fgroup = tl.load(ids_ptr + n_blocks + n_host + fblk, mask=flive, other=0)
-                    fgroup_row = ids_ptr + 2 * n_blocks + n_host + fgroup * 3
-                    ffirst = tl.load(fgroup_row, mask=flive, other=0)
-                    fpos = fblk - ffirst + tl.load(fgroup_row + 1, mask=flive, other=0)
-                    fhost_idx = tl.load(fgroup_row + 2, mask=flive, other=0) + fpos // blocks_per_host_block
-                    words = tl.load(ck_ptr + fgroup * n_segs * 3 + 1, mask=flive, other=0)
-                    # A row holds one key per host region: the group's region has a marker and f checksums of its own.
-                    fregion = tl.load(ck_ptr + fgroup * n_segs * 3 + 2, mask=flive, other=0)
-                else:
-                    fpos = fblk + skip
-                    fhost_idx = fpos // blocks_per_host_block
-                    words = tl.load(ck_ptr + 1 + 0 * fblk, mask=flive, other=0)
-                    fregion = 0 * fblk
-                fhost_id = tl.load(ids_ptr + n_blocks + fhost_idx, mask=flive, other=0)
-                ident = tl.load(ident_ptr + fhost_idx, mask=flive, other=0).to(tl.uint64, bitcast=True)
-                sub = (fpos % blocks_per_host_block).to(tl.uint64)
-                # h = mix64(ident ^ mix64(sub * SUB_MUL ^ words * LEN_MUL)); checksum = mix64(h ^ lanes)
-                z = (sub * 0x9E3779B97F4A7C15) ^ (words.to(tl.uint64) * 0xC2B2AE3D27D4EB4F)
-                z = z ^ (z >> 30)
-                z = z * 0xBF58476D1CE4E5B9
-                z = z ^ (z >> 27)
-                z = z * 0x94D049BB133111EB
-                z = z ^ (z >> 31)
-                z = ident ^ z
-                z = z ^ (z >> 30)
-                z = z * 0xBF58476D1CE4E5B9
-                z = z ^ (z >> 27)
-                z = z * 0x94D049BB133111EB
-                z = z ^ (z >> 31)
-                z = z ^ ((lane_b << 32) | lane_a)
-                z = z ^ (z >> 30)
-                z = z * 0xBF58476D1CE4E5B9
-                z = z ^ (z >> 27)
-                z = z * 0x94D049BB133111EB
-                z = z ^ (z >> 31)
-                checksum = z.to(tl.int64, bitcast=True)
-                row = tab_ptr + fhost_id * tab_row + fregion * (1 + blocks_per_host_block)
-                if STORE:
-                    tl.store(row + 1 + fpos % blocks_per_host_block, checksum, mask=flive)
-                    tl.store(row + 0 * fblk, mark + 0 * fblk, mask=flive)  # the same value from each block of a row
-                else:
-                    present = tl.load(row + 0 * fblk, mask=flive, other=0) == mark
-                    expected = tl.load(row + 1 + fpos % blocks_per_host_block, mask=flive, other=0)
-                    status = tl.where(present, tl.where(expected == checksum, 0, 1), 2).to(tl.int64)
-                    tl.store(res_ptr + 2 + fblk, status, mask=flive)
-                    n_fail += tl.where(flive & (status == 1), 1, 0)
-                    n_absent += tl.where(flive & (status == 2), 1, 0)
-            if not STORE:
-                tl.store(res_ptr, tl.reduce(n_fail, 0, _SUM))
-                tl.store(res_ptr + 1, tl.reduce(n_absent, 0, _SUM))
+            _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks,
+                                n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP)  # fmt: skip
 
 
 _NOT_SPECIALIZED = [
@@ -332,80 +351,23 @@ def _interpreted_kernel():
         )
 
         patch_interpreter_scalar_index()
-        _interpreted = InterpretedFunction(interpreted_copy(_copy_blocks_kernel, _SUM=INTERPRETED_SUM_COMBINE))
+        # The kernel and its helpers see each other, and the sum's combine function, as the interpreter can call them.
+        # (The interpreter unwraps the kernel's constexpr globals itself, not those of the helpers it calls.)
+        plain: dict = {"_SUM": INTERPRETED_SUM_COMBINE, "FIN": FIN.value}
+        plain.update({name: interpreted_copy(fn, **plain) for name, fn in _HELPERS.items()})
+        for name, fn in _HELPERS.items():  # a second pass: each helper's copy sees the others' copies
+            plain[name] = interpreted_copy(fn, **plain)
+        _interpreted = InterpretedFunction(interpreted_copy(_copy_blocks_kernel, **plain))
     return _interpreted
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The id buffer: the kernel's view of a plan
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def packed_size(plan: TransferPlan, integrity: bool = False) -> int:
-    """Elements of the kernel's id buffer for ``plan``; with ``integrity``, also its identities and zeroed sums
-    (:func:`integrity_offsets`)."""
-    n, m = plan.n_blocks, plan.n_host
-    size = n + m if len(plan.sizes) == 1 else 2 * n + m + 3 * len(plan.sizes)
-    return size + m + 2 * n + 1 if integrity else size
-
-
-def integrity_offsets(plan: TransferPlan) -> tuple[int, int, int]:
-    """Where the integrity checks' parts of an id buffer start (elements): the identities (one per host id), the
-    lane sums (two per GPU block, then the programs-done counter), and the end of what is uploaded."""
-    ident = packed_size(plan)
-    sums = ident + plan.n_host
-    return ident, sums, sums + 2 * plan.n_blocks + 1
-
-
-def result_size(plan: TransferPlan) -> int:
-    """Elements of a load's integrity results: failed and absent counts, then each block's status."""
-    return 2 + plan.n_blocks
-
-
-def pack_ids(plan: TransferPlan, out: np.ndarray | None = None) -> np.ndarray:
-    """The kernel's id buffer of ``plan``, in ``out`` (a 1-D int64 array of at least :func:`packed_size` elements,
-    e.g. a pinned staging slot) or a new array: the n GPU ids, the m host ids and, with several KV-cache groups, each
-    GPU block's group and, per group, (index of its first GPU block, skip, index of its first host id). Returns the
-    packed prefix of ``out``."""
-    n, m, sizes = plan.n_blocks, plan.n_host, plan.sizes
-    size = n + m if len(sizes) == 1 else 2 * n + m + 3 * len(sizes)  # packed_size, inlined: it runs per call
-    out = np.empty(size, dtype=np.int64) if out is None else out[:size]
-    out[:n] = plan.gpu_ids
-    out[n : n + m] = plan.host_ids
-    if len(sizes) > 1:
-        out[n + m : 2 * n + m] = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-        first_block = np.cumsum(sizes) - sizes
-        first_host = np.cumsum(plan.host_counts) - plan.host_counts
-        out[2 * n + m :] = np.stack([first_block, plan.skips, first_host], axis=1).reshape(-1)
-    return out
-
-
-def pack_integrity(plan: TransferPlan, out: np.ndarray) -> np.ndarray:
-    """Packs what the integrity checks add to ``plan``'s id buffer into ``out`` after :func:`pack_ids`' part: each
-    host id's identity (the plan's, or the host id itself where it has none) and zeroed lane sums and counter.
-    Returns the packed prefix of ``out`` (what is uploaded)."""
-    ident, sums, end = integrity_offsets(plan)
-    out[ident:sums] = plan.host_ids if plan.identities is None else plan.identities
-    out[sums:end] = 0
-    return out[:end]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Launch shapes and the segment table
+# Launch shapes
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-def access_width(spec: KVCacheSpec, host_buffer: torch.Tensor) -> int:
-    """Widest access (bytes, a power of two <= 16) that every address, stride and size in a transfer allows."""
-    align = spec.alignment
-    for v in (host_buffer.data_ptr(), host_buffer.stride(0) * host_buffer.element_size()):
-        while v % align:
-            align //= 2
-    return align
 
 
 @dataclass(frozen=True)
@@ -454,75 +416,20 @@ def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning) -> Launch
     return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), tuning.num_warps)
 
 
-def table_key(spec: KVCacheSpec, blocks_per_host_block: int) -> int:
-    """The f a segment table depends on: only worker slots and host regions (``group_regions``) place a region after
-    f sub-blocks of the earlier ones, so the plain packed format's table is the same for every f (key 1)."""
-    return blocks_per_host_block if spec.host_slots is not None or spec.group_regions is not None else 1
-
-
-def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int = 1) -> torch.Tensor:
-    """The kernel's int64 table on the spec's device, (num_groups * segments_per_group, 5): GPU offset from the
-    table's own address, block stride, bytes, host stride between sub-blocks, host offset of sub-block 0 in a host
-    row -- all in units of ``elem`` bytes. Groups with fewer segments are padded with zero-length rows, which the
-    kernel masks out entirely.
-
-    Built synchronously: once this returns, a launch on any stream may read it without further ordering.
-    """
-    f = blocks_per_host_block
-    width = spec.segments_per_group
-    rows = []
-    for segs in spec.group_segments:
-        rows += [[s.base, s.block_stride, s.nbytes, s.host_stride, f * s.host_region + s.host_offset] for s in segs]
-        rows += [[spec.segments[0].base, 0, 0, 0, 0]] * (width - len(segs))
-    table = torch.empty((len(rows), 5), dtype=torch.int64, device=spec.device)
-    # GPU addresses are stored relative to the table itself, which the kernel receives as its anchor pointer: Triton
-    # then needs no integer-to-pointer cast, and the interpreter sees plain addresses.
-    anchor = table.data_ptr()
-    assert anchor % elem == 0, "torch allocations are at least 64-byte aligned"
-    values = torch.tensor(rows, dtype=torch.int64)
-    values[:, 0] -= anchor
-    values //= elem
-    table.copy_(values)
-    if spec.device.type == "cuda":
-        # Finished before any stream reads it (the engine's store and load streams are not ordered against the
-        # stream that happened to build it).
-        torch.cuda.current_stream(spec.device).synchronize()
-    return table
-
-
-def build_integrity_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
-    """The integrity checks' int64 table on the spec's device, (num_groups * segments_per_group, 3): per segment of a
-    group, the word at which its bytes start in the block's word stream (the group's segments in order), the group's
-    words per block, and the group's host region (``spec.group_regions``; 0 without: a row of the checksum table
-    holds a marker and f checksums per region); words of ``elem`` bytes. Padding rows repeat their group's words and
-    region. Built synchronously, like :func:`build_segment_table`."""
-    width = spec.segments_per_group
-    regions = spec.group_regions or (0,) * spec.num_groups
-    rows = []
-    for segs, nbytes, region in zip(spec.group_segments, spec.group_bytes, regions):
-        start = 0
-        for s in segs:
-            rows.append([start // elem, nbytes // elem, region])
-            start += s.nbytes
-        rows += [[0, nbytes // elem, region]] * (width - len(segs))
-    table = torch.tensor(rows, dtype=torch.int64).to(spec.device)
-    if spec.device.type == "cuda":
-        torch.cuda.current_stream(spec.device).synchronize()
-    return table
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The launch
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class Checks(NamedTuple):
+class IntegrityArgs(NamedTuple):
     """The integrity checks' arguments of one launch (docs/integrity.md): tensors, or device addresses for a direct
     launch.
 
     Attributes:
-        ck: the spec's integrity table (:func:`build_integrity_table`), on its device.
-        ident: the identity of each host id of the plan (the id buffer's part, :func:`integrity_offsets`).
+        ck: the spec's integrity table (:func:`~triton_offload.kernels.tables.build_integrity_table`), on its
+            device.
+        ident: the identity of each host id of the plan (the id buffer's part,
+            :func:`~triton_offload.kernels.packing.integrity_offsets`).
         sums: the zeroed lane sums and counter (the id buffer's part).
         res: a load's results, ``result_size(plan)`` int64 in host memory (a store writes none: may be anything).
         tab: the checksum table, int64 in host memory, one row of ``regions x (1 + f)`` per host block.
@@ -539,7 +446,7 @@ class Checks(NamedTuple):
     mark: int
 
 
-_NO_CHECKS = (None,) * len(Checks._fields)
+_NO_INTEGRITY = (None,) * len(IntegrityArgs._fields)
 
 
 def arguments(
@@ -554,7 +461,7 @@ def arguments(
     host_row: int,
     store: bool,
     num_ctas: int | None,
-    checks: Checks | None = None,
+    checks: IntegrityArgs | None = None,
     copy: bool = True,
 ) -> tuple[int, tuple]:
     """(programs, every kernel argument in signature order, constexprs included) of one launch moving ``plan``, as
@@ -579,7 +486,7 @@ def arguments(
         blocks_per_host_block,
         host_row,
         cfg.n_chunks,
-        *(_NO_CHECKS if checks is None else checks),
+        *(_NO_INTEGRITY if checks is None else checks),
         store,
         multi_group,
         cfg.rows,

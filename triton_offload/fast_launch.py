@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from triton_offload.kernels import copy_blocks, reference
+from triton_offload.kernels import packing, reference
 from triton_offload.kernels._triton_compat import DirectRunner
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlanner
@@ -168,14 +168,14 @@ def prove_direct(
         plan = plan._replace(identities=identities)
         checks = table
     canary_launcher = launcher.twin(canary, host, direction, checksums=checks)
-    size = copy_blocks.packed_size(plan, launcher.integrity)
+    size = packing.packed_size(plan, launcher.integrity)
     packed = np.zeros(size, dtype=np.int64)
-    copy_blocks.pack_ids(plan, packed)
+    packing.pack_ids(plan, packed)
     if launcher.integrity:
-        copy_blocks.pack_integrity(plan, packed)
+        packing.pack_integrity(plan, packed)
     ids_start = torch.from_numpy(packed).to(spec.device)
     ids = ids_start.clone()
-    res = torch.zeros(copy_blocks.result_size(plan), dtype=torch.int64, pin_memory=launcher.cuda)
+    res = torch.zeros(packing.result_size(plan), dtype=torch.int64, pin_memory=launcher.cuda)
     if copy:
         dst_bytes = [host] if store else [t.view(torch.uint8) for t in canary.kv_caches]
     else:  # the checksum-only launch reads what the copies left on the GPU: a load's blocks hold the host's bytes

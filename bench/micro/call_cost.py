@@ -43,7 +43,7 @@ from triton_offload.fast_launch import DIRECT, FAST_LAUNCH_ENV, enable_fast_laun
 from triton_offload.host_cache import HostCache, checksum_table
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels._triton_compat import launch_hooks_idle
-from triton_offload.kernels.copy_blocks import pack_ids
+from triton_offload.kernels.packing import pack_ids
 from triton_offload.plan import Direction, check_host_buffer
 from triton_offload.transfer import planner_for
 

@@ -11,7 +11,7 @@ import torch
 import triton_offload as to
 from triton_offload.engine import JobResult, TransferEngine
 from triton_offload.issuers.launcher import CopyLauncher
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import tables
 
 from kv_factory import SENTINEL, assert_loaded_exactly, make_caches, snapshot
 
@@ -159,8 +159,8 @@ def test_kernel_tables_are_built_with_the_engine(make_engine, monkeypatch):
     """The segment table is built when the engine is created, not by the first job on whichever side stream it runs
     (the other direction's stream would read it unordered): no job builds one."""
     built = []
-    real = copy_blocks.build_segment_table
-    monkeypatch.setattr(copy_blocks, "build_segment_table", lambda *a: built.append(a) or real(*a))
+    real = tables.build_segment_table
+    monkeypatch.setattr(tables, "build_segment_table", lambda *a: built.append(a) or real(*a))
     caches, spec, eng, _ = make_engine(f=2)
     assert built, "the engine built no segment table"
     at_creation = len(built)

@@ -17,7 +17,7 @@ import triton_offload as to
 from triton_offload import fast_launch
 from triton_offload.engine import TransferEngine
 from triton_offload.issuers.launcher import CopyLauncher
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import copy_blocks, packing
 from triton_offload.kernels.reference import gather_blocks_ref
 from triton_offload.plan import Direction
 
@@ -69,7 +69,7 @@ def test_a_proven_runner_launches_both_directions():
     proof_calls = store_runner.calls
     g, h = np.array([9, 2, 4]), np.array([7, 3])
     plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, direction=STORE)
-    launcher.launch(plan, torch.from_numpy(copy_blocks.pack_ids(plan)))
+    launcher.launch(plan, torch.from_numpy(packing.pack_ids(plan)))
     assert store_runner.calls == proof_calls + 1, "the store did not go through the direct runner"
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, "block_first", g, want, h, blocks_per_host_block=2, skip=1)
@@ -109,7 +109,7 @@ def test_a_runner_that_moves_other_bytes_is_refused_and_tritons_launch_kept(capl
     calls = [r.calls for r in make.made]
     g, h = np.array([9, 2, 4]), np.array([7, 3])
     plan = to.plan_transfer(spec, host, g, h, blocks_per_host_block=2, skip=1, direction=STORE)
-    launcher.launch(plan, torch.from_numpy(copy_blocks.pack_ids(plan)))
+    launcher.launch(plan, torch.from_numpy(packing.pack_ids(plan)))
     assert [r.calls for r in make.made] == calls, "a refused runner was used"
     want = torch.full_like(host, SENTINEL)
     gather_blocks_ref(caches, "block_first", g, want, h, blocks_per_host_block=2, skip=1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import copy_blocks, tables
 from triton_offload.plan import Direction
 
 from kv_factory import host_buffer, make_caches
@@ -80,7 +80,7 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
     caches = make_caches(layout, 2, 4, page, dtype)
     spec = to.KVCacheSpec(caches, layout)
     host = host_buffer(spec, 2, 1)
-    assert copy_blocks.access_width(spec, host) == width
+    assert tables.access_width(spec, host) == width
     tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
     cfg = copy_blocks.launch_config(spec, width, tuning)
     assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
@@ -105,7 +105,7 @@ def test_real_pages_split_into_whole_chunks(layout, page, dtype, store):
     took 3 steps of 32 KiB, the last a quarter full)."""
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
     tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    cfg = copy_blocks.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     assert cfg.n_chunks * cfg.chunk * cfg.elem == spec.max_segment_bytes, cfg
     assert cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
 
@@ -126,7 +126,7 @@ def test_without_the_integrity_checks_the_kernel_is_the_same_code_as_before_them
 
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
     tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    cfg = copy_blocks.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     ours = compile_ptx(cfg, store, grouped)
     before = compile_ptx(cfg, store, grouped, kernel=golden_copy_kernel._copy_blocks_kernel)
     assert "atom" not in ours
@@ -141,7 +141,7 @@ def test_with_the_integrity_checks_the_data_path_keeps_its_access_width(layout, 
     copy-engine path's check) writes no data."""
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
     tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, copy_blocks.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    cfg = copy_blocks.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     ptx = compile_ptx(cfg, store, False, integrity=True, copy=copy)
     assert len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) >= 1
     assert re.search(r"atom\.global(?:\.[a-z_]+)*\.add\.[us]64", ptx)

@@ -151,7 +151,7 @@ def test_empty_transfer_writes_nothing():
 
 def test_alignment_picks_widest_safe_access():
     """16-byte pages get 16-byte accesses; a 2-byte page, 2-byte accesses; a host buffer slice can lower it."""
-    from triton_offload.kernels.copy_blocks import access_width
+    from triton_offload.kernels.tables import access_width
 
     wide = to.KVCacheSpec(make_caches("mla", 1, 4, dict(block_size=2, latent=8), torch.float16), "mla")
     narrow = to.KVCacheSpec(make_caches("mla", 1, 4, dict(block_size=1, latent=1), torch.float16), "mla")

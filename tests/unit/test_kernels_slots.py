@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import tables
 from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.layouts import HostSlots
 
@@ -130,8 +130,8 @@ def test_packed_format_unchanged_by_the_generalisation():
     spec = to.KVCacheSpec(caches, "kv_first")
     assert {s.host_stride for s in spec.segments} == {spec.bytes_per_block}
     assert {s.host_region for s in spec.segments} == {0}
-    assert copy_blocks.table_key(spec, 3) == copy_blocks.table_key(spec, 1), "the packed table must not depend on f"
-    table = copy_blocks.build_segment_table(spec, 1, 3)
+    assert tables.table_key(spec, 3) == tables.table_key(spec, 1), "the packed table must not depend on f"
+    table = tables.build_segment_table(spec, 1, 3)
     assert table[:, 3].tolist() == [spec.bytes_per_block] * len(spec.segments)
     assert table[:, 4].tolist() == [s.host_offset for s in spec.segments]
 

@@ -12,7 +12,7 @@ import triton_offload as to
 from triton_offload import staging
 from triton_offload.issuers import kernel as kernel_issuer
 from triton_offload.issuers.kernel import KernelIssuer
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import packing
 from triton_offload.plan import Direction, TransferPlanner
 from triton_offload.staging import IdStager
 
@@ -65,7 +65,7 @@ def plan():
 def test_issue_packs_into_the_slot_it_returns(stager, plan):
     launcher = RecordingLauncher()
     slot = KernelIssuer(launcher, stager).issue(plan)
-    assert slot.host_np[:5].tolist() == [7, 8, 9, 4, 1] == copy_blocks.pack_ids(plan).tolist()
+    assert slot.host_np[:5].tolist() == [7, 8, 9, 4, 1] == packing.pack_ids(plan).tolist()
     assert launcher.launched == [[7, 8, 9, 4, 1]], "the launch read the slot's ids"
     assert not stager._free, "a slot in use is not in the pool"
 
@@ -76,7 +76,7 @@ def test_a_pack_that_raises_gives_its_slot_back(stager, plan, monkeypatch):
 
     issuer = KernelIssuer(RecordingLauncher(), stager)
     with monkeypatch.context() as m:
-        m.setattr(kernel_issuer.copy_blocks, "pack_ids", bad)
+        m.setattr(kernel_issuer.packing, "pack_ids", bad)
         with pytest.raises(ValueError, match="out of range"):
             issuer.issue(plan)
     assert len(stager._free) == 1 and issuer.launcher.launched == []

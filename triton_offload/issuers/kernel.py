@@ -14,7 +14,7 @@ from triton_offload import integrity
 from triton_offload._checks import KERNEL
 from triton_offload.issuers.base import LoadCheck
 from triton_offload.issuers.launcher import CopyLauncher
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import packing
 from triton_offload.plan import Direction, TransferPlan
 from triton_offload.staging import IdSlot, IdStager
 
@@ -87,23 +87,23 @@ class KernelIssuer:
         checks = self.launcher.integrity
         load = plan.direction is not Direction.STORE
         if self.stager is None:
-            size = copy_blocks.packed_size(plan, checks)
-            buf = np.empty(size + (copy_blocks.result_size(plan) if checks else 0), dtype=np.int64)
-            copy_blocks.pack_ids(plan, buf)
+            size = packing.packed_size(plan, checks)
+            buf = np.empty(size + (packing.result_size(plan) if checks else 0), dtype=np.int64)
+            packing.pack_ids(plan, buf)
             if not checks:
                 self.launcher.launch(plan, torch.from_numpy(buf), self.num_ctas)
                 return None
-            copy_blocks.pack_integrity(plan, buf)
+            packing.pack_integrity(plan, buf)
             res = buf[size:]
             res[0] = -1  # until the last program writes the results
             self.launcher.launch(plan, torch.from_numpy(buf[:size]), self.num_ctas, torch.from_numpy(res), copy)
             return _Checked(None, res, plan.n_blocks, load)
-        size = copy_blocks.packed_size(plan, checks)
+        size = packing.packed_size(plan, checks)
         slot = self.stager.take(size)
         try:
-            copy_blocks.pack_ids(plan, slot.host_np)
+            packing.pack_ids(plan, slot.host_np)
             if checks:
-                copy_blocks.pack_integrity(plan, slot.host_np)
+                packing.pack_integrity(plan, slot.host_np)
                 res, res_np = slot.results()
                 res_np[0] = -1  # the slot's last reader has completed: nothing else writes it now
         except BaseException:

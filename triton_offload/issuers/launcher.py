@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from triton_offload import integrity
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import copy_blocks, packing, tables
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
@@ -108,7 +108,7 @@ class CopyLauncher:
             state = _STATE[spec] = _SpecKernelState()
         self._state = state
         tunings = copy_blocks.DEFAULT_TUNINGS if tunings is None else tunings
-        width = copy_blocks.access_width(spec, host_buffer)
+        width = tables.access_width(spec, host_buffer)
         self.directions = tuple(Direction) if direction is None else (direction,)
         self._launch_args = {}
         self._checks: dict[Direction, tuple] = {}
@@ -123,10 +123,10 @@ class CopyLauncher:
             if cfg is None:
                 cfg = state.configs[(width, tunings[d])] = copy_blocks.launch_config(spec, width, tunings[d])
             assert cfg.elem * cfg.vec <= width, "a launch shape may not access wider than the buffers allow"
-            key = (cfg.elem, copy_blocks.table_key(spec, blocks_per_host_block))
+            key = (cfg.elem, tables.table_key(spec, blocks_per_host_block))
             table = state.tables.get(key)
             if table is None:
-                table = state.tables[key] = copy_blocks.build_segment_table(spec, cfg.elem, key[1])
+                table = state.tables[key] = tables.build_segment_table(spec, cfg.elem, key[1])
             host_row = host_buffer.stride(0) * host_buffer.element_size() // cfg.elem
             # The anchor (the table's storage as the element type) and the host view are made once, not per launch.
             anchor, host = table.view(cfg.dtype), host_buffer.view(cfg.dtype)
@@ -137,7 +137,7 @@ class CopyLauncher:
             if checksums is not None:
                 ck = state.tables.get(("checks", cfg.elem))
                 if ck is None:
-                    ck = state.tables[("checks", cfg.elem)] = copy_blocks.build_integrity_table(spec, cfg.elem)
+                    ck = state.tables[("checks", cfg.elem)] = tables.build_integrity_table(spec, cfg.elem)
                 mark = integrity.marker(blocks_per_host_block, cfg.elem)
                 # The table stays a tensor in a direct launch too (host memory, translated as the host buffer is).
                 self._checks[d] = (ck, ck.data_ptr(), checksums, checksums.stride(0), mark)
@@ -209,7 +209,7 @@ class CopyLauncher:
         """(programs, every kernel argument) of one launch (:func:`~triton_offload.kernels.copy_blocks.arguments`).
         ``ids`` is the device id buffer (or, ``direct``, its address; the KV anchor and the table are then passed as
         addresses too); with the integrity checks, it holds their part too (:func:`~triton_offload.kernels.
-        copy_blocks.pack_integrity`), and ``res`` receives a load's results (host memory). ``copy`` False: the
+        packing.pack_integrity`), and ``res`` receives a load's results (host memory). ``copy`` False: the
         checksum-only launch."""
         cfg, pointers, addresses, host_row, store = self._launch_args[plan.direction]
         anchor, host, table = addresses if direct else pointers
@@ -217,12 +217,12 @@ class CopyLauncher:
         checks = None
         if self.checksums is not None:
             ck, ck_addr, tab, tab_row, mark = self._checks[plan.direction]
-            at_ident, at_sums, _ = copy_blocks.integrity_offsets(plan)
+            at_ident, at_sums, _ = packing.integrity_offsets(plan)
             if direct:
                 ident, sums = ids + 8 * at_ident, ids + 8 * at_sums
             else:
                 ident, sums = ids[at_ident:at_sums], ids[at_sums:]
-            checks = copy_blocks.Checks(ck_addr if direct else ck, ident, sums, res, tab, tab_row, mark)
+            checks = copy_blocks.IntegrityArgs(ck_addr if direct else ck, ident, sums, res, tab, tab_row, mark)
         return copy_blocks.arguments(
             cfg, anchor, host, table, ids, plan, n_segs, f, host_row, store, num_ctas, checks, copy
         )
@@ -232,8 +232,8 @@ class CopyLauncher:
         not hold it yet); CUDA only."""
         one = np.zeros(1, dtype=np.int64)
         plan = TransferPlan(direction, one, one, 1, 1, (1,), (0,), (1,), 0)
-        ids = torch.zeros(copy_blocks.packed_size(plan, self.integrity), dtype=torch.int64, device=self.spec.device)
-        res = torch.zeros(copy_blocks.result_size(plan), dtype=torch.int64, pin_memory=True) if self.integrity else None
+        ids = torch.zeros(packing.packed_size(plan, self.integrity), dtype=torch.int64, device=self.spec.device)
+        res = torch.zeros(packing.result_size(plan), dtype=torch.int64, pin_memory=True) if self.integrity else None
         _, args = self.arguments(plan, ids, res=res, copy=copy)
         return copy_blocks.compile_variant(args, self.config(direction).num_warps)
 
@@ -256,11 +256,11 @@ class CopyLauncher:
 
         Args:
             plan: the validated transfer.
-            ids: its id buffer (:func:`~triton_offload.kernels.copy_blocks.pack_ids`, and with the integrity checks
-                :func:`~triton_offload.kernels.copy_blocks.pack_integrity`) as int64 on the spec's device.
+            ids: its id buffer (:func:`~triton_offload.kernels.packing.pack_ids`, and with the integrity checks
+                :func:`~triton_offload.kernels.packing.pack_integrity`) as int64 on the spec's device.
             num_ctas: programs to launch at most (the SMs it occupies); None for the default.
             res: with the integrity checks, where a load's results go: int64 host memory of at least
-                :func:`~triton_offload.kernels.copy_blocks.result_size` elements (pinned on CUDA).
+                :func:`~triton_offload.kernels.packing.result_size` elements (pinned on CUDA).
             copy: False: move nothing, only checksum the GPU side of the plan's blocks (with the integrity checks).
         """
         assert ids.dtype == torch.int64 and ids.device == self.spec.device
