@@ -19,8 +19,8 @@ from typing import Any
 
 from triton_offload._checks import OFF, integrity_setting, positive_int, positive_int_setting, transfer_path
 from triton_offload.connector import SPEC_NAME
-from triton_offload.host_pages import check_settings, huge_pages_setting, pinning_setting
-from triton_offload.numa import numa_setting
+from triton_offload.host.numa import numa_setting
+from triton_offload.host.pages import check_settings, huge_pages_setting, pinning_setting
 from triton_offload.policies import POLICIES, policy_name
 
 __all__ = [
@@ -225,8 +225,8 @@ class TritonOffloadConfig:
         transfer_path: ``"auto"``, ``"kernel"`` or ``"dma"`` (triton_offload/path_choice.py); None for the engine's
             default (``"auto"`` on CUDA, ``"kernel"`` on CPU).
         numa_node: ``"auto"`` (each rank's cache on its GPU's node), a node number, or ``"off"``
-            (triton_offload/numa.py, docs/host-memory.md).
-        huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host_pages.py).
+            (triton_offload/host/numa.py, docs/host-memory.md).
+        huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host/pages.py).
         pinning: ``"auto"``, ``"register"`` or ``"alloc"`` (how a CUDA host cache is pinned).
         integrity: ``"off"``, ``"verify"`` or ``"require"``: the integrity checks (docs/integrity.md).
         host_regions: ``"auto"``, ``"per_group"`` or ``"shared"``: which KV-cache groups' keys share a region of

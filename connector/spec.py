@@ -30,7 +30,7 @@ from triton_offload.connector.geometry import KVGeometry, geometry_for, host_reg
 from triton_offload.connector.load_errors import check_reporting, integrity_metric_definitions, reporting_connector
 from triton_offload.connector.manager import METRICS, TritonOffloadingManager
 from triton_offload.connector.preflight import check_multi_connector, host_memory_note
-from triton_offload.host_cache import check_host_memory, host_blocks_for_budget
+from triton_offload.host.budget import check_host_memory, host_blocks_for_budget
 
 __all__ = ["TritonOffloadingSpec"]
 

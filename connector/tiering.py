@@ -55,9 +55,9 @@ from triton_offload.connector.load_errors import check_reporting, integrity_metr
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, check_reachable, where
 from triton_offload.connector.preflight import check_multi_connector, host_memory_note
 from triton_offload.connector.shm_region import RegionName, region_paths, unlink_paths
-from triton_offload.host_cache import check_host_memory
+from triton_offload.host.budget import check_host_memory
+from triton_offload.host.numa import check_node_memory, choose_node, numa_setting, run_on_node
 from triton_offload.integrity import OFF, VERSION, identities_of_keys, integrity_setting
-from triton_offload.numa import check_node_memory, choose_node, numa_setting, run_on_node
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringConfig", "TritonTieringOffloadingSpec", "TIERING_KEYS"]
 

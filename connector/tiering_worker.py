@@ -23,14 +23,15 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from triton_offload.connector.shm_region import RegionName
 from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
-from triton_offload.host_cache import (
+from triton_offload.host.numa import NodeChoice
+from triton_offload.host.placement import read_placement
+from triton_offload.host.registration import (
     REGISTER_CHUNK_BYTES,
     RegistrationError,
     register_host_range,
     unregister_host_ranges,
 )
 from triton_offload.integrity import OFF, slot_identity
-from triton_offload.numa import NodeChoice, read_placement
 
 __all__ = ["TritonTieringWorker"]
 

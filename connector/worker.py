@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import (
 
 from triton_offload.connector.geometry import KVGeometry
 from triton_offload.engine import LOAD, TransferEngine
-from triton_offload.host_cache import HostCache
+from triton_offload.host.cache import HostCache
 from triton_offload.integrity import OFF
 from triton_offload.layouts import HostSlots, KVCacheSpec
 

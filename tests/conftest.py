@@ -22,7 +22,7 @@ def device(request) -> str:
 def make_host_cache():
     """Builds HostCaches and closes every one at teardown, also when the test fails: a pinned cache left registered
     after its memory is unmapped would make CUDA treat the next mapping at that address as pinned."""
-    from triton_offload.host_cache import HostCache
+    from triton_offload.host.cache import HostCache
 
     made = []
 

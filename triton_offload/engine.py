@@ -46,7 +46,7 @@ class TransferEngine:
     Args:
         kv: the worker's prepared KV caches.
         host_buffer: the packed host buffer, (num_host_blocks, kv.host_block_bytes(blocks_per_host_block)); pinned
-            on CUDA (see :class:`triton_offload.host_cache.HostCache`).
+            on CUDA (see :class:`triton_offload.host.cache.HostCache`).
         blocks_per_host_block: GPU blocks per host block (f).
         num_ctas: programs each launch may occupy; None for the kernel's default.
         launch_shape: how a launch picks its programs: ``"fixed"`` (``num_ctas``, or the default's) or
@@ -65,7 +65,7 @@ class TransferEngine:
             INTEGRITY_SETTINGS`): with the checks, a store writes each block's checksum into ``checksums`` and a load
             checks it; a load's result says which blocks failed (:meth:`load_failures`). docs/integrity.md.
         checksums: the checksum table, int64 host memory ``(num_host_blocks, 1 + blocks_per_host_block)`` (pinned on
-            CUDA; e.g. :attr:`triton_offload.host_cache.HostCache.checksums`); required with the checks.
+            CUDA; e.g. :attr:`triton_offload.host.cache.HostCache.checksums`); required with the checks.
         issuers: the transfer paths by name, each a builder of its issuer from an
             :class:`~triton_offload.issuers.base.IssuerContext` (one per lane); None:
             :data:`triton_offload.issuers.factory.PATHS`. ``auto`` chooses among those that can run here.

@@ -15,7 +15,7 @@ from bench.common.env import Env
 from triton_offload import integrity
 from triton_offload._checks import AUTO, DMA
 from triton_offload.engine import TransferEngine
-from triton_offload.host_cache import checksum_table
+from triton_offload.host.cache import checksum_table
 from triton_offload.issuers import CopyLauncher, IssuerContext
 from triton_offload.issuers.factory import build_kernel, kernel_launcher
 from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS

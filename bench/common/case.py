@@ -22,7 +22,7 @@ import torch
 
 import triton_offload as to
 from bench.common.env import Env
-from triton_offload.host_cache import HostCache
+from triton_offload.host.cache import HostCache
 from triton_offload.issuers.dma import DmaPlanner, group_runs
 from triton_offload.plan import Direction, TransferPlan, TransferPlanner
 

@@ -40,7 +40,7 @@ from bench.common.timing import stats_us
 from bench.common.workloads import WORKLOADS, make_caches
 from triton_offload.engine import TransferEngine
 from triton_offload.fast_launch import DIRECT, FAST_LAUNCH_ENV, enable_fast_launch
-from triton_offload.host_cache import HostCache, checksum_table
+from triton_offload.host.cache import HostCache, checksum_table
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.kernels.packing import pack_ids

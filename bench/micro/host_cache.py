@@ -31,8 +31,11 @@ import torch
 
 from bench.common.report import print_table, say
 from bench.common.results import machine_info, write_json
-from triton_offload import host_pages, numa
-from triton_offload.host_cache import REGISTER_CHUNK_BYTES, HostCache, register_host_range, unregister_host_ranges
+from triton_offload.host import numa
+from triton_offload.host import pages as host_pages
+from triton_offload.host.cache import HostCache
+from triton_offload.host.placement import read_placement, size_text
+from triton_offload.host.registration import REGISTER_CHUNK_BYTES, register_host_range, unregister_host_ranges
 
 GIB = 1 << 30
 BLOCK_BYTES = 2 << 20  # any host block size: the cache is sized in bytes
@@ -115,7 +118,7 @@ def measure_setup(nbytes: int, placement: str | int, pages: str, threads: list[i
         "placement_read_back": p.describe(),
     }
     t0 = time.perf_counter()
-    numa.read_placement(cache.buffer.data_ptr(), cache.nbytes)
+    read_placement(cache.buffer.data_ptr(), cache.nbytes)
     out["read_back_s"] = round(time.perf_counter() - t0, 3)
     runs = []
     if cuda:
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['touch_s']:.2f} ({r['touch_gibps']:.1f} GiB/s)",
                     reg.get("threads", "n/a"),
                     f"{reg['register_s']:.2f} ({reg['register_gibps']:.1f} GiB/s)" if reg else "n/a",
-                    ", ".join(f"N{n} {numa.size_text(b)}" for n, b in r["node_bytes"].items()) or "-",
+                    ", ".join(f"N{n} {size_text(b)}" for n, b in r["node_bytes"].items()) or "-",
                     (r["warning"] or "")[:60],
                 ]
             )

@@ -41,7 +41,7 @@ from bench.serving.check import CHECK_CHUNK, JobChecks, pages_per_block, row_sum
 from bench.serving.config import SYNC, LoopShape, RingSizes, ring_sizes
 from bench.serving.model import StepModel
 from triton_offload.engine import LOAD, STORE
-from triton_offload.host_cache import HostCache
+from triton_offload.host.cache import HostCache
 
 __all__ = ["Setup", "setup_workload", "StepRecord", "LoadRecord", "LoopRun", "RunClock", "run_loop", "byte_check",
            "compare_blocks", "host_rows_of"]  # fmt: skip

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.micro import host_cache
-from triton_offload import numa
+from triton_offload.host import numa
 
 GPU = {"index": 0, "pci": "0000:1b:00.0", "node": 1}
 

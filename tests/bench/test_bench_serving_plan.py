@@ -131,7 +131,7 @@ def test_vllm033_reads_a_batch_load_in_any_order_and_a_store_in_stream_order():
     import triton_offload as to
     from bench.baselines.driver import SRC_ACCESS_ORDER_ANY
     from triton_offload.cuda_driver import SRC_ACCESS_ORDER_STREAM
-    from triton_offload.host_cache import HostCache
+    from triton_offload.host.cache import HostCache
 
     w = workloads.WORKLOADS["llama3-8b"].tiny()
     spec = to.KVCacheSpec(workloads.make_caches(w, "block_first", 8, "cpu", seed=1), "block_first")

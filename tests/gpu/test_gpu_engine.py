@@ -163,9 +163,9 @@ def test_public_calls_do_not_block_on_a_busy_stream():
 def test_kernel_reaches_every_registration_chunk(monkeypatch, make_host_cache):
     """The kernel addresses the host cache from its base, across separately registered chunks: that holds only if
     registered memory is mapped at its host address (unified addressing). Stores and loads hit blocks in each chunk."""
-    from triton_offload import host_cache
+    from triton_offload.host import registration
 
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 1 << 20)
     caches = make_caches("block_first", 4, 64, PAGE, torch.bfloat16, device="cuda")  # 256 KiB host blocks
     spec = to.KVCacheSpec(caches, "block_first")
     cache = make_host_cache(spec.host_block_bytes(1), num_blocks=32)  # 8 MiB: 8 chunks of 4 blocks

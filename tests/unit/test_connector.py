@@ -343,9 +343,9 @@ def test_worker_refuses_a_budget_beyond_available_memory(monkeypatch, world_size
     allocates, and a share that does not fit is a ValueError naming the key, the bytes asked and the bytes
     available, with nothing allocated."""
     import triton_offload.connector.worker as worker_module
-    from triton_offload import host_cache
+    from triton_offload.host import budget
 
-    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: available)
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: available)
     kv = CanonicalKVCaches(canonical(16, [512, 512]), [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 512)]])
     config = make_config({"cpu_bytes_to_use": "1MiB"}, worker_bytes=1024, f=2, world_size=world_size)
     spec = OffloadingSpecFactory.create_spec(config)

@@ -15,8 +15,10 @@ import types
 import pytest
 import torch
 
-from triton_offload import host_cache
-from triton_offload.host_cache import HostCache, host_blocks_for_budget
+from triton_offload.host import budget, registration
+from triton_offload.host import cache as host_cache
+from triton_offload.host.budget import host_blocks_for_budget
+from triton_offload.host.cache import HostCache
 
 
 @pytest.mark.parametrize(
@@ -48,20 +50,20 @@ def test_budget_too_small_names_both_sizes():
 def test_available_host_bytes_is_meminfo_mem_available():
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    assert 0 < host_cache.available_host_bytes() <= total
+    assert 0 < budget.available_host_bytes() <= total
 
 
 def test_host_memory_check_names_the_setting_and_both_sizes(monkeypatch):
-    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: 3 << 20)
-    host_cache.check_host_memory(3 << 20, "cpu_bytes_to_use = 3MiB")  # exactly what is available
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: 3 << 20)
+    budget.check_host_memory(3 << 20, "cpu_bytes_to_use = 3MiB")  # exactly what is available
     with pytest.raises(
         ValueError,
         match=r"^cpu_bytes_to_use = 4MiB asks for 4194304 bytes \(0.00 GiB\) of host memory on this machine, but only "
         r"3145728 bytes \(0.00 GiB\) are available \(MemAvailable",
     ):
-        host_cache.check_host_memory(4 << 20, "cpu_bytes_to_use = 4MiB")
-    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: None)
-    host_cache.check_host_memory(1 << 60, "cpu_bytes_to_use = 1EiB")  # not Linux: nothing to check against
+        budget.check_host_memory(4 << 20, "cpu_bytes_to_use = 4MiB")
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: None)
+    budget.check_host_memory(1 << 60, "cpu_bytes_to_use = 1EiB")  # not Linux: nothing to check against
 
 
 def test_failed_allocation_names_the_size(monkeypatch):
@@ -122,13 +124,13 @@ def _fake_driver(monkeypatch, fake):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     # The real address check needs a GPU (tested under -m gpu); the fake driver maps nothing.
-    monkeypatch.setattr(host_cache, "check_mapped_at_host_address", lambda ranges: None)
+    monkeypatch.setattr(registration, "check_mapped_at_host_address", lambda ranges: None)
 
 
 def test_registration_in_bounded_chunks(monkeypatch, make_host_cache):
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
     cache = make_host_cache(10_000, 310_000, pin=True)  # 31 blocks; chunks of 6 whole blocks, the last of 1
     base = cache.buffer.data_ptr()
     assert sorted(fake.registered.items()) == [(base + i * 60_000, min(60_000, 310_000 - i * 60_000)) for i in range(6)]
@@ -139,7 +141,7 @@ def test_registration_in_bounded_chunks(monkeypatch, make_host_cache):
 def test_registration_failure_releases_what_was_registered(monkeypatch):
     fake = FakeCudart(fail_at=3)
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
     with pytest.raises(
         RuntimeError,
         match=r"cudaHostRegister failed with CUDA error 2 for 60000 bytes at offset "
@@ -152,7 +154,7 @@ def test_registration_failure_releases_what_was_registered(monkeypatch):
 def test_threaded_registration_registers_every_chunk_in_address_order(monkeypatch, make_host_cache):
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
     cache = make_host_cache(10_000, 300_000, pin=True, register_threads=4)
     base = cache.buffer.data_ptr()
     want = [(base + i * 60_000, 60_000) for i in range(5)]
@@ -167,7 +169,7 @@ def test_close_synchronizes_every_device_before_unregistering(monkeypatch, make_
     close(), and the finalizer, synchronise every device first."""
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
     cache = make_host_cache(10_000, 120_000, pin=True)  # two chunks of 6 blocks
     base = cache.buffer.data_ptr()
     cache.close()
@@ -178,7 +180,7 @@ def test_close_synchronizes_every_device_before_unregistering(monkeypatch, make_
 def test_default_registration_threads_follow_the_cpu_count(monkeypatch, make_host_cache, cpus, most):
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 10_000)  # one block per chunk: 30 chunks
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 10_000)  # one block per chunk: 30 chunks
     monkeypatch.setattr(host_cache.os, "cpu_count", lambda: cpus)
     cache = make_host_cache(10_000, 300_000, pin=True)
     assert len(cache._registered) == 30 and 1 < len(fake.threads) <= most
@@ -189,7 +191,7 @@ def test_threaded_registration_failure_releases_every_other_chunk(monkeypatch):
     message names the failed chunk (here the last, partial one, whichever thread got to it)."""
     fake = FakeCudart(fail_size=10_000)
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
     with pytest.raises(
         RuntimeError,
         match=r"CUDA error 2 for 10000 bytes at offset 300000 .* \(after 300000 bytes registered, now released\)",
@@ -209,7 +211,7 @@ def test_dropped_cache_unregisters_without_close(monkeypatch):
     reference to the cache, so dropping the last reference is enough); a closed one is not unregistered twice."""
     fake = FakeCudart()
     _fake_driver(monkeypatch, fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
     cache = HostCache(10_000, 300_000, pin=True)
     assert len(fake.registered) == 5
     del cache
@@ -238,7 +240,7 @@ def test_kernel_without_transparent_huge_pages(monkeypatch, make_host_cache, cap
     """madvise(MADV_HUGEPAGE) fails with EINVAL on kernels built without THP: the cache is still built, and says so.
     An advice value the kernel does not know fails the same way, so this exercises the real system call."""
     monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)
-    with caplog.at_level(logging.INFO, logger="triton_offload.host_cache"):
+    with caplog.at_level(logging.INFO, logger="triton_offload.host.cache"):
         cache = make_host_cache(4096, num_blocks=3, pin=False)
     assert cache.buffer.shape == (3, 4096)
     assert "transparent huge pages unavailable" in caplog.text
@@ -249,7 +251,7 @@ def test_device_pointer_query_failure_names_the_cuda_error(monkeypatch):
     (not a TypeError from formatting None), and every registered chunk is released."""
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 64 * 1024)
 
     class Err(int):
         name = "cudaErrorInvalidValue"
@@ -266,7 +268,7 @@ def test_device_pointer_query_failure_names_the_cuda_error(monkeypatch):
 
 @pytest.mark.gpu
 def test_pinned_cache_on_cuda(monkeypatch, make_host_cache):
-    monkeypatch.setattr(host_cache, "REGISTER_CHUNK_BYTES", 256 * 2**20)
+    monkeypatch.setattr(registration, "REGISTER_CHUNK_BYTES", 256 * 2**20)
     block = 3 * 2**20  # 682 blocks; chunks of 85 whole blocks (255 MiB), the last of 2
     cache = make_host_cache(block, 2 * 2**30 + 5, populate_threads=8, register_threads=4)
     assert cache.pinned and cache.buffer.is_pinned() and len(cache._registered) == 9

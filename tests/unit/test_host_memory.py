@@ -16,9 +16,12 @@ import threading
 import pytest
 import torch
 
-from triton_offload import host_cache, host_pages, numa
-from triton_offload.host_cache import HostCache, RegistrationError
-from triton_offload.numa import NodeChoice, choose_node
+from triton_offload.host import cache as host_cache
+from triton_offload.host import numa, placement, registration
+from triton_offload.host import pages as host_pages
+from triton_offload.host.cache import HostCache
+from triton_offload.host.numa import NodeChoice, choose_node
+from triton_offload.host.registration import RegistrationError
 
 LINUX_NUMA = os.path.exists("/proc/self/numa_maps") and numa.mempolicy_supported()
 needs_numa = pytest.mark.skipif(not LINUX_NUMA, reason="needs Linux with NUMA support (/proc/self/numa_maps)")
@@ -277,13 +280,13 @@ def test_read_placement_from_a_proc_directory(tmp_path):
         "7f0000400000 default anon=2048 dirty=2048 N0=1024 N1=1024 kernelpagesize_kB=4\n",
     )
     write(tmp_path / "smaps", "7f0000400000-7f0000c00000 rw-p 0 0:0 0\nAnonHugePages:      4096 kB\nVmFlags: rd\n")
-    whole = numa.read_placement(0x7F0000000000, 12 * MIB, proc=str(tmp_path))
+    whole = placement.read_placement(0x7F0000000000, 12 * MIB, proc=str(tmp_path))
     assert whole.node_bytes == {0: 4 * MIB, 1: 8 * MIB} and whole.page_kib == (4, 2048) and not whole.shared_vma
     assert whole.thp_bytes == 4 * MIB and whole.policies == ("bind:1", "default")
-    part = numa.read_placement(0x7F0000400000, 4 * MIB, proc=str(tmp_path))  # half of the second mapping
+    part = placement.read_placement(0x7F0000400000, 4 * MIB, proc=str(tmp_path))  # half of the second mapping
     assert part.node_bytes == {0: 2 * MIB, 1: 2 * MIB} and part.shared_vma
     assert "estimated" in part.describe()
-    gone = numa.read_placement(0x7F0000000000, MIB, proc=str(tmp_path / "missing"))
+    gone = placement.read_placement(0x7F0000000000, MIB, proc=str(tmp_path / "missing"))
     assert gone.error and gone.describe().startswith("placement unknown (")
 
 
@@ -322,7 +325,7 @@ def test_too_few_huge_pages_fall_back_to_thp_saying_how_many(tmp_path, monkeypat
     be transparent huge pages."""
     fake_pool(tmp_path, 2048, total=4, free=3, resv=1)
     maps = CountingMaps(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="triton_offload.host_cache"):
+    with caplog.at_level(logging.WARNING, logger="triton_offload.host.cache"):
         cache = make_host_cache(MIB, num_blocks=12, pin=False, numa_node="off", huge_pages="2MiB", sysfs=str(tmp_path))
     pool = tmp_path / "kernel" / "mm" / "hugepages" / "hugepages-2048kB"
     want = (
@@ -420,7 +423,7 @@ class FakeCudart:
 
 def fake_driver(monkeypatch, fake: FakeCudart) -> None:
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(host_cache, "check_mapped_at_host_address", lambda ranges: None)
+    monkeypatch.setattr(registration, "check_mapped_at_host_address", lambda ranges: None)
 
 
 class FakeHostAlloc:
@@ -458,7 +461,7 @@ def test_refused_registration_falls_back_to_memory_pinned_at_allocation(monkeypa
     fake_driver(monkeypatch, fake)
     maps = CountingMaps(monkeypatch)
     alloc = FakeHostAlloc(maps)
-    with caplog.at_level(logging.WARNING, logger="triton_offload.host_cache"):
+    with caplog.at_level(logging.WARNING, logger="triton_offload.host.cache"):
         cache = HostCache(4096, num_blocks=300, pin=True, register_threads=3, host_alloc=alloc)
     assert cache.pinned_by == "cudaHostAlloc" and cache.huge_pages is None
     assert len(maps.made) == 1 and maps.made[0][0].closed and alloc.allocs == 1, "allocated once after the refusal"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import triton_offload as to
 from triton_offload import integrity
 from triton_offload.engine import TransferEngine
-from triton_offload.host_cache import checksum_table
+from triton_offload.host.cache import checksum_table
 from triton_offload.issuers import CopyLauncher, KernelIssuer
 from triton_offload.kernels import copy_blocks
 from triton_offload.kernels.reference import checksums_ref

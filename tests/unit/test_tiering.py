@@ -227,9 +227,9 @@ def test_region_beyond_available_memory_is_refused_naming_the_key(monkeypatch):
     """The region (the whole instance's CPU tier, one /dev/shm file in RAM) is checked against MemAvailable by the
     worker that creates it, before the file is sized: a ValueError naming cpu_bytes_to_use and both sizes, and no
     file left."""
-    from triton_offload import host_cache
+    from triton_offload.host import budget
 
-    monkeypatch.setattr(host_cache, "available_host_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: 64 << 10)
     config = make_config({"cpu_bytes_to_use": "1MiB"}, num_groups=2, worker_bytes=sum(PAGES), f=1)
     spec = OffloadingSpecFactory.create_spec(config)
     region_bytes = spec.num_chunks * spec.kv_bytes_per_chunk
@@ -248,8 +248,8 @@ def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch, caplog):
     """vLLM's constructor touches this worker's slots itself: it runs on a thread of the node's CPUs under a memory
     policy bound to the node (read back with get_mempolicy inside it), the caller's own policy and affinity stay, and
     the worker's pages, read back from numa_maps, are on that node."""
-    from triton_offload import numa
     from triton_offload.connector import tiering
+    from triton_offload.host import numa
 
     seen = {}
 
@@ -287,15 +287,15 @@ def test_a_node_that_does_not_exist_stops_the_worker_before_the_region(monkeypat
 def test_refused_registration_stops_the_worker_naming_the_packed_spec(monkeypatch):
     """cudaHostRegister refused (Confidential Computing mode): the region cannot be pinned at allocation (it is
     shared with the scheduler's tiers), so startup stops once, saying what to use instead; no file is left."""
-    from triton_offload import host_cache
     from triton_offload.connector.tiering_worker import TritonTieringWorker
+    from triton_offload.host import registration
 
     class Refusing:
         def cudaHostRegister(self, ptr, size, flags):
             return 801
 
     monkeypatch.setattr(torch.cuda, "cudart", Refusing)
-    monkeypatch.setattr(host_cache, "check_mapped_at_host_address", lambda ranges: None)
+    monkeypatch.setattr(registration, "check_mapped_at_host_address", lambda ranges: None)
     init = TritonTieringWorker.__init__
     monkeypatch.setattr(TritonTieringWorker, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "pin": True}))
     config = make_config({"cpu_bytes_to_use": 8 * 4096}, num_groups=2, worker_bytes=sum(PAGES), f=1)

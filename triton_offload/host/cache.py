@@ -1,9 +1,9 @@
-"""The packed host buffer: sized from a byte budget and page-locked on CUDA without PyTorch's caching host allocator
-(which rounds a request up to a power of two: a 65 GiB budget would take 128 GiB). It is an anonymous mapping,
-touched in parallel (page faults are the cost of a large buffer), then registered with the CUDA driver in bounded
-chunks of whole host blocks, so no single call holds the driver for long and a failure releases exactly what was
-registered. Where the memory goes (NUMA node, huge pages) and what pins it where registration is refused:
-triton_offload/numa.py, triton_offload/host_pages.py and docs/host-memory.md.
+"""The packed host buffer: :class:`HostCache`, sized from a byte budget (:mod:`.budget`) and page-locked on CUDA
+without PyTorch's caching host allocator (which rounds a request up to a power of two: a 65 GiB budget would take
+128 GiB). It is an anonymous mapping placed on a NUMA node (:mod:`.numa`), on huge pages where asked
+(:mod:`.pages`), touched in parallel (page faults are the cost of a large buffer), then registered with the CUDA
+driver in bounded chunks of whole host blocks (:mod:`.registration`), or pinned at allocation where registration is
+refused. docs/host-memory.md says what each setting does.
 """
 
 from __future__ import annotations
@@ -15,98 +15,24 @@ import mmap
 import os
 import time
 import weakref
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from triton_offload import host_pages, numa
 from triton_offload._checks import positive_int
-from triton_offload.host_pages import HugePageShortage, huge_pages_setting, pinning_setting
-from triton_offload.numa import NodeChoice, choose_node
+from triton_offload.host import numa, pages, registration
+from triton_offload.host.budget import host_blocks_for_budget
+from triton_offload.host.numa import NodeChoice, choose_node
+from triton_offload.host.pages import HugePageShortage, huge_pages_setting, pinning_setting
+from triton_offload.host.placement import read_placement, size_text
+from triton_offload.host.registration import RegistrationError, unregister_host_ranges
 
-__all__ = [
-    "HostCache",
-    "RegistrationError",
-    "checksum_table",
-    "available_host_bytes",
-    "check_host_memory",
-    "host_blocks_for_budget",
-    "register_host_range",
-    "unregister_host_ranges",
-]
+__all__ = ["HostCache", "checksum_table"]
 
 logger = logging.getLogger(__name__)
 
-REGISTER_CHUNK_BYTES = 1 << 30
-# Threads a HostCache registers its chunks from by default (at most the CPU count).
-REGISTER_THREADS = 8
-# cudaHostRegisterPortable | cudaHostRegisterMapped: usable from every context, and mapped so the kernels can read
-# and write it through the same (unified) address.
-_CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x02
 _PAGE = mmap.PAGESIZE
 _EHWPOISON = getattr(errno, "EHWPOISON", 133)  # Linux's; what MADV_POPULATE_WRITE returns for a missing huge page
-
-
-def host_blocks_for_budget(cpu_bytes_to_use: int, host_block_bytes: int, world_size: int = 1) -> int:
-    """Host blocks one rank gets: its share of the instance-wide budget divided by the bytes of a host block.
-
-    Raises:
-        ValueError: a non-positive size, or a share too small for one block (both sizes named).
-    """
-    for name, value in (
-        ("cpu_bytes_to_use", cpu_bytes_to_use),
-        ("host_block_bytes", host_block_bytes),
-        ("world_size", world_size),
-    ):
-        positive_int(value, name)
-    share = cpu_bytes_to_use // world_size
-    if share < host_block_bytes:
-        raise ValueError(
-            f"cpu_bytes_to_use = {cpu_bytes_to_use} bytes gives each of {world_size} rank(s) {share} bytes, "
-            f"less than one host block of {host_block_bytes} bytes"
-        )
-    return share // host_block_bytes
-
-
-def available_host_bytes() -> int | None:
-    """Host memory that can be allocated now without swapping: ``MemAvailable`` of ``/proc/meminfo`` (Linux), in
-    bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def check_host_memory(nbytes: int, setting: str) -> None:
-    """Refuses, before anything is allocated, host memory this machine does not have available.
-
-    A buffer larger than RAM otherwise fails in ``mmap`` with a bare ``ENOMEM``; one below RAM but above what is
-    available is mapped and then ends in the OOM killer while its pages are touched.
-
-    Args:
-        nbytes: the bytes about to be allocated in this process.
-        setting: the configured value that asks for them, for the message (e.g. ``"cpu_bytes_to_use = 40GiB ..."``).
-
-    Raises:
-        ValueError: ``nbytes`` exceeds :func:`available_host_bytes`; the message names ``setting``, the bytes asked
-            and the bytes available. Where the available memory cannot be read, nothing is checked.
-    """
-    available = available_host_bytes()
-    if available is None:
-        logger.debug("MemAvailable not readable: not checking %d bytes of host memory for %s", nbytes, setting)
-        return
-    if nbytes > available:
-        raise ValueError(
-            f"{setting} asks for {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host memory on this machine, but only "
-            f"{available} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable in /proc/meminfo): lower "
-            "it, or free host memory"
-        )
 
 
 def checksum_table(num_blocks: int, blocks_per_host_block: int, pin: bool, regions: int = 1) -> torch.Tensor:
@@ -118,166 +44,6 @@ def checksum_table(num_blocks: int, blocks_per_host_block: int, pin: bool, regio
     positive_int(blocks_per_host_block, "checksums (blocks per host block)")
     positive_int(regions, "checksum regions (host regions of a row)")
     return torch.zeros((num_blocks, regions * (1 + blocks_per_host_block)), dtype=torch.int64, pin_memory=pin)
-
-
-def _synchronize_devices() -> None:
-    for device in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(device)
-
-
-def _free_pinned(free, ptr: int) -> None:
-    """Frees memory pinned at allocation once no queued transfer can still touch it (as unregistering does)."""
-    _synchronize_devices()
-    free(ptr)
-
-
-def unregister_host_ranges(registered: list[tuple[int, int]]) -> None:
-    """Unregisters every ``(address, bytes)`` range in ``registered`` from CUDA, emptying the list. Holds no reference
-    to the owner of the memory, so it can run as its finalizer.
-
-    Every device is synchronised first: a transfer still queued against the memory (an engine that was never shut
-    down) would otherwise read or write pages that are no longer locked.
-    """
-    if not registered:
-        return
-    _synchronize_devices()
-    cudart = torch.cuda.cudart()
-    while registered:
-        ptr, _ = registered.pop()
-        cudart.cudaHostUnregister(ptr)
-
-
-class RegistrationError(RuntimeError):
-    """``cudaHostRegister`` failed (everything registered before was released); ``code`` is the CUDA error."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-def _thread_setup(cpus: Sequence[int], device: int | None):
-    """A pool initializer: the thread runs on ``cpus`` (the buffer's node; any CPU when empty) and uses CUDA device
-    ``device``. A new thread's current device is 0: registering from it would create device 0's context (memory on
-    GPU 0) in every rank of a multi-GPU process."""
-
-    def setup() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        if device is not None:
-            torch.cuda.set_device(device)
-
-    return setup
-
-
-def _caller_device() -> int | None:
-    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-
-def register_host_range(
-    ptr: int,
-    nbytes: int,
-    *,
-    chunk_bytes: int | None = None,
-    threads: int = 1,
-    what: str = "host buffer",
-    cpus: Sequence[int] = (),
-    device: int | None = None,
-) -> list[tuple[int, int]]:
-    """Page-locks ``[ptr, ptr + nbytes)`` with CUDA (portable, mapped) in chunks of at most ``chunk_bytes`` (default
-    :data:`REGISTER_CHUNK_BYTES`), so that no single call holds the driver for long, and checks that the memory is
-    mapped at its host address. Returns the registered ``(address, bytes)`` ranges, in address order, for
-    :func:`unregister_host_ranges`.
-
-    The calls run on threads of their own, never the caller's: a failed ``cudaHostRegister`` leaves its error pending
-    on the calling thread, where torch would later report it against an unrelated call.
-
-    Args:
-        threads: chunks registered at once (the calls release the GIL); 1 registers them one after another.
-        cpus: the CPUs those threads run on (the memory's NUMA node); empty: any.
-        device: the CUDA device the threads use; None: the caller's, where CUDA is initialised.
-
-    Raises:
-        RegistrationError: a registration failed; everything registered is released first, and the message names
-            the (first failed) chunk, ``what`` was being registered and what to change.
-        RuntimeError: the address check failed (everything released).
-    """
-    chunk_bytes = chunk_bytes or REGISTER_CHUNK_BYTES
-    positive_int(threads, "threads")
-    cudart = torch.cuda.cudart()
-    chunks = [(start, min(chunk_bytes, nbytes - start)) for start in range(0, nbytes, chunk_bytes)]
-    setup = _thread_setup(tuple(cpus), _caller_device() if device is None else device)
-
-    def register(chunk: tuple[int, int]) -> int:
-        start, size = chunk
-        err = cudart.cudaHostRegister(ptr + start, size, _CUDA_HOST_REGISTER_FLAGS)
-        return int(getattr(err, "value", err))
-
-    def one_by_one() -> list[int]:
-        codes = []
-        for chunk in chunks:
-            codes.append(register(chunk))
-            if codes[-1] != 0:
-                break
-        return codes
-
-    with ThreadPoolExecutor(max_workers=min(threads, len(chunks)), initializer=setup) as pool:
-        # One thread stops at the first failure; with several every chunk is tried, and on a failure the ones that
-        # succeeded are released below.
-        codes = pool.submit(one_by_one).result() if threads == 1 else list(pool.map(register, chunks))
-    done: list[tuple[int, int]] = []
-    failed: tuple[int, int, int] | None = None  # (offset, bytes, CUDA error) of the first chunk that failed
-    for (start, size), code in zip(chunks, codes):
-        if code == 0:
-            done.append((ptr + start, size))
-        elif failed is None:
-            failed = (start, size, code)
-    if failed is not None:
-        start, size, code = failed
-        registered = sum(s for _, s in done)
-        unregister_host_ranges(done)
-        raise RegistrationError(
-            f"cudaHostRegister failed with CUDA error {code} for {size} bytes at offset {start} of a "
-            f"{nbytes}-byte {what} (after {registered} bytes registered, now released); lower "
-            f"cpu_bytes_to_use or raise the locked-memory limit (ulimit -l)",
-            code,
-        )
-    try:
-        check_mapped_at_host_address(done)
-    except RuntimeError:
-        unregister_host_ranges(done)
-        raise
-    return done
-
-
-def check_mapped_at_host_address(ranges: list[tuple[int, int]]) -> None:
-    """The kernels address a whole buffer from its base pointer, across separately registered chunks: that needs
-    registered memory mapped at its host address (cudaDevAttrCanUseHostPointerForRegisteredMem, true on Linux x86-64
-    GPUs). Verified through cuda-python where it is installed.
-
-    Raises:
-        RuntimeError: the query failed (naming the CUDA error) or a chunk maps elsewhere.
-    """
-    try:
-        from cuda.bindings import runtime as rt
-    except ImportError:
-        try:
-            from cuda import cudart as rt
-        except ImportError:
-            logger.info("cuda-python not installed: not verifying that registered memory is mapped at its address")
-            return
-    for ptr, _ in ranges:
-        err, dev_ptr = rt.cudaHostGetDevicePointer(ptr, 0)
-        if int(err) != 0:
-            # cuda-python returns (err, None) on failure: report the driver's error, not a formatting one.
-            raise RuntimeError(
-                f"cudaHostGetDevicePointer failed for registered host memory at {ptr:#x}: "
-                f"{getattr(err, 'name', err)} ({int(err)}); the registration was released"
-            )
-        if int(dev_ptr) != ptr:
-            raise RuntimeError(
-                f"registered host memory at {ptr:#x} maps to device address {int(dev_ptr):#x}: this platform "
-                "does not map registered memory at its host address, which the kernels need"
-            )
 
 
 def _address(region: mmap.mmap) -> int:
@@ -306,13 +72,14 @@ class HostCache:
         num_blocks: instead of a budget, the exact number of host blocks.
         pin: page-lock and register with CUDA; None pins exactly when CUDA is available.
         populate_threads: threads touching pages up front (None: the CPU count, at most 16).
-        register_threads: chunks registered with CUDA at once (:func:`register_host_range`); None: the CPU count,
-            at most :data:`REGISTER_THREADS` (8 threads pinned 32-64 GiB 2.5-2.9x faster than one on an H100,
-            2026-11-22: bench/results/nvidia-h100-80gb-hbm3-2026-11-22-host-cache.json).
+        register_threads: chunks registered with CUDA at once
+        (:func:`~triton_offload.host.registration.register_host_range`); None: the CPU count,
+            at most :data:`~triton_offload.host.registration.REGISTER_THREADS` (8 threads pinned 32-64 GiB 2.5-2.9x
+            faster than one on an H100, 2026-11-22: bench/results/nvidia-h100-80gb-hbm3-2026-11-22-host-cache.json).
         numa_node: ``"auto"`` (the node of ``device``'s GPU; not bound without one), a node number, ``"off"``, or a
-            :class:`~triton_offload.numa.NodeChoice` already made. Bound memory is checked against the node's free
+            :class:`~triton_offload.host.numa.NodeChoice` already made. Bound memory is checked against the node's free
             memory, mapped with ``mbind``, and touched and registered from threads on the node's CPUs.
-        huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (:mod:`triton_offload.host_pages`); too few
+        huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (:mod:`triton_offload.host.pages`); too few
             reserved pages fall back to ``"thp"`` with a warning that says how many are free and needed.
         pinning: ``"auto"`` (register; where the driver refuses, allocate pinned memory, with a warning),
             ``"register"`` or ``"alloc"``.
@@ -320,7 +87,7 @@ class HostCache:
             current CUDA device for a pinned cache.
         sysfs: the root the NUMA topology and huge-page pools are read from.
         host_alloc: what pins memory at allocation (``alloc(nbytes) -> address``, ``free(address)``); None:
-            :class:`~triton_offload.host_pages.CudaHostAlloc`.
+            :class:`~triton_offload.host.pages.CudaHostAlloc`.
         checksums: 0 (no integrity checks), or the GPU blocks per host block (f) of a checksum table kept beside the
             blocks: :attr:`checksums`, int64 ``(num_blocks, regions x (1 + f))``, zeroed, pinned where the cache is
             (per region of a row a marker, then one checksum per sub-block; docs/integrity.md). A separate small
@@ -355,10 +122,10 @@ class HostCache:
         if (cpu_bytes_to_use is None) == (num_blocks is None):
             raise ValueError("give exactly one of cpu_bytes_to_use (a budget) and num_blocks (an exact count)")
         if register_threads is None:
-            register_threads = min(REGISTER_THREADS, os.cpu_count() or 1)
+            register_threads = min(registration.REGISTER_THREADS, os.cpu_count() or 1)
         positive_int(register_threads, "register_threads")  # before the allocation, not after it
         huge_pages, pinning = huge_pages_setting(huge_pages), pinning_setting(pinning)
-        host_pages.check_settings(huge_pages, pinning)
+        pages.check_settings(huge_pages, pinning)
         if num_blocks is not None:
             # An exact count: a worker whose scheduler already divided the budget must match it block for block.
             positive_int(num_blocks, "num_blocks")
@@ -397,7 +164,7 @@ class HostCache:
             )
         self.alloc_seconds = self.map_seconds + self.touch_seconds
         # The whole mapping (reserved huge pages round it up): it is ours alone.
-        self.placement = numa.read_placement(self.buffer.data_ptr(), len(self._mmap) if self._mmap else self.nbytes)
+        self.placement = read_placement(self.buffer.data_ptr(), len(self._mmap) if self._mmap else self.nbytes)
         logger.info(
             "host cache: %d blocks x %d bytes = %.2f GiB at %#x; allocated and touched in %.3f s, %s; %s; memory: %s",
             self.num_blocks,
@@ -421,7 +188,7 @@ class HostCache:
 
     def _new_mapping(self, page_bytes: int | None) -> mmap.mmap:
         try:
-            return host_pages.map_anonymous(self.nbytes, page_bytes)
+            return pages.map_anonymous(self.nbytes, page_bytes)
         except OSError as e:
             raise OSError(
                 e.errno,
@@ -436,21 +203,21 @@ class HostCache:
         failure."""
         threads = populate_threads or min(16, os.cpu_count() or 1)
         while True:
-            page = host_pages.huge_page_bytes(setting)
+            page = pages.huge_page_bytes(setting)
             t0 = time.perf_counter()
             try:
-                host_pages.check_huge_pages(setting, self.nbytes, self.numa.node, sysfs=sysfs)
+                pages.check_huge_pages(setting, self.nbytes, self.numa.node, sysfs=sysfs)
                 self._mmap = self._new_mapping(page)
                 address = _address(self._mmap)
                 if self.numa.bound:
                     self._bind(address, len(self._mmap))
-                refused = host_pages.advise(self._mmap, setting) if page is None else None
+                refused = pages.advise(self._mmap, setting) if page is None else None
                 if refused is not None and setting == "thp":
                     # Kernels built without THP reject the advice: the cache works with 4 KiB pages, only slower to
                     # set up.
                     logger.info("transparent huge pages unavailable (%s): the host cache uses base pages", refused)
                 t1 = time.perf_counter()
-                self.populated_by = host_pages.populate(
+                self.populated_by = pages.populate(
                     address,
                     self.nbytes,
                     threads=threads,
@@ -495,11 +262,11 @@ class HostCache:
         # Whole host blocks per chunk: one copy-engine copy (cudaMemcpy) must lie inside one registration (the
         # driver rejects one that spans two with cudaErrorInvalidValue; seen on an H100, driver 580.159), so no block
         # may straddle a chunk boundary. The kernels address across chunks freely.
-        chunk = max(1, REGISTER_CHUNK_BYTES // self.host_block_bytes) * self.host_block_bytes
+        chunk = max(1, registration.REGISTER_CHUNK_BYTES // self.host_block_bytes) * self.host_block_bytes
         t0 = time.perf_counter()
         try:
             self._registered.extend(
-                register_host_range(
+                registration.register_host_range(
                     _address(self._mmap),
                     self.nbytes,
                     chunk_bytes=chunk,
@@ -532,7 +299,7 @@ class HostCache:
         freed when the last tensor over it goes (as a mapping is unmapped)."""
         t0 = time.perf_counter()
         try:
-            alloc = host_alloc if host_alloc is not None else host_pages.CudaHostAlloc()
+            alloc = host_alloc if host_alloc is not None else pages.CudaHostAlloc()
 
             def allocate() -> int:
                 if cuda_device is not None and torch.cuda.current_device() != cuda_device:
@@ -548,11 +315,11 @@ class HostCache:
                 "offloading cannot run here (remove the offloading connector, or allow cudaHostRegister)"
             ) from e
         array = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(ptr))
-        weakref.finalize(array, _free_pinned, alloc.free, ptr)  # when the last tensor over it goes
+        weakref.finalize(array, registration.free_pinned, alloc.free, ptr)  # when the last tensor over it goes
         flat = torch.from_numpy(array)
         del array
         try:
-            check_mapped_at_host_address([(ptr, self.nbytes)])
+            registration.check_mapped_at_host_address([(ptr, self.nbytes)])
         except RuntimeError:
             del flat  # frees it
             raise
@@ -579,7 +346,7 @@ class HostCache:
         """Where the memory is, for logs and the worker's description: size, pinning, pages and pages per node."""
         pages = {None: "pages chosen by the driver", "thp": "transparent huge pages advised", "off": "base pages"}
         return (
-            f"{numa.size_text(self.nbytes)}, {self._pinned_text()}, "
+            f"{size_text(self.nbytes)}, {self._pinned_text()}, "
             f"{pages.get(self.huge_pages, f'{self.huge_pages} reserved huge pages')}; {self.numa.why}; "
             f"memory: {self.placement.describe()}"
         )

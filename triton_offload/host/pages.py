@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from triton_offload.numa import SYSFS
+from triton_offload.host.numa import SYSFS
 
 __all__ = [
     "HUGE_PAGE_SETTINGS",
