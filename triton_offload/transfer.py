@@ -15,7 +15,7 @@ from triton_offload._checks import int_in_range
 from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.issuers.base import IssuerContext
 from triton_offload.issuers.factory import build_kernel, kernel_launcher
-from triton_offload.kernels.copy_blocks import LaunchTuning
+from triton_offload.kernels.shapes import LaunchTuning
 from triton_offload.layouts import KVCacheSpec, Layout, prepare_kv
 from triton_offload.plan import BlockIds, Direction, TransferPlan, TransferPlanner, check_host_buffer
 from triton_offload.staging import IdStager

@@ -18,7 +18,7 @@ from triton_offload.engine import TransferEngine
 from triton_offload.host.cache import checksum_table
 from triton_offload.issuers import CopyLauncher, IssuerContext
 from triton_offload.issuers.factory import build_kernel, kernel_launcher
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 from triton_offload.plan import Direction, TransferPlanner
 from triton_offload.staging import IdStager
 

@@ -19,7 +19,7 @@ import triton_offload as to
 from bench.common.report import say
 from bench.common.results import machine_info
 from triton_offload.cuda_driver import CudaDriver, CudaError
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 __all__ = [
     "Env",

@@ -6,7 +6,7 @@ contiguous pinned peak.
     python -m bench.micro.tune --json tune.json [--budget-ms 20]
 
 For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant, passed to the
-library as a ``LaunchTuning`` (``kernels/copy_blocks.py``), is byte-checked once on the case
+library as a ``LaunchTuning`` (``kernels/shapes.py``), is byte-checked once on the case
 (``verify.check_method``, as the benchmark does), then timed at every num_ctas with the benchmark's timer. A variant
 whose check fails (or that does not compile) is reported and never timed. The summary ranks the variants of each
 direction by their worst fraction of peak over the cases at each num_ctas, which is the number the targets are about
@@ -21,7 +21,6 @@ import sys
 
 import torch
 
-import triton_offload.kernels.copy_blocks as cb
 from bench.baselines import METHODS
 from bench.common.case import Prepared, TransferCase
 from bench.common.env import Env, open_gpu, release
@@ -31,6 +30,7 @@ from bench.common.timing import GpuTimer, gbps
 from bench.common.verify import check_method
 from bench.common.workloads import WORKLOADS
 from bench.transfer.session import allocate, make_case
+from triton_offload.kernels import shapes, tables
 from triton_offload.plan import Direction
 from triton_offload.transfer import transfer_blocks
 
@@ -56,7 +56,7 @@ def variants(tiles=TILES, warps=WARPS) -> list[tuple[int, int]]:
     return [(t, w) for t in tiles for w in warps if 32 <= t // (w * 32) <= 512]
 
 
-def tuned_triton(case: TransferCase, num_ctas: int, tuning: cb.LaunchTuning) -> Prepared:
+def tuned_triton(case: TransferCase, num_ctas: int, tuning: shapes.LaunchTuning) -> Prepared:
     """The benchmark's ``triton`` method (one public call per run) with ``tuning`` instead of the defaults."""
     direction = Direction.STORE if case.store else Direction.LOAD
     kw = dict(blocks_per_host_block=case.f, skip=case.skip, num_ctas=num_ctas, tunings={direction: tuning})
@@ -106,8 +106,8 @@ def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget
     labels = {"workload": w.name, "layout": layout, "blocks": n, "direction": case.direction}
     rows, failures = [], []
     for tile, warps in vs:
-        tuning = cb.LaunchTuning(tile, warps)
-        cfg = cb.launch_config(group.spec, cb.access_width(group.spec, case.host), tuning)
+        tuning = shapes.LaunchTuning(tile, warps)
+        cfg = shapes.launch_config(group.spec, tables.access_width(group.spec, case.host), tuning)
         for i, ctas in enumerate(ctas_list):
             try:
                 with stream_ctx():

@@ -64,7 +64,7 @@ from bench.serving.report import (
     print_targets,
     timing_fields,
 )
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 # The points the duplex figure is measured for, when they are in the run.
 DUPLEX_POINTS = tuple(MethodPoint(m, DEFAULT_NUM_CTAS if METHODS[m].sweeps_ctas else None) for m in DUPLEX_METHODS)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from bench.baselines import METHODS, SERVING_METHODS
 from bench.common.case import OffloadTarget
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 __all__ = ["MethodPoint", "method_points", "build_engine"]
 

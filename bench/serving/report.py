@@ -14,7 +14,7 @@ from bench.common.results import keyed_row
 from bench.serving.config import ASYNC, SYNC
 from bench.serving.loop import LoopRun
 from bench.serving.methods import MethodPoint
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 __all__ = ["ROW_KEYS", "TIMING_KEYS", "COUNT_KEYS", "BASELINES", "new_row", "timing_fields", "count_fields",
            "drift_of", "fill_relative", "evaluate_targets", "print_rows", "print_duplex", "print_targets",

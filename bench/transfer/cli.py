@@ -31,7 +31,7 @@ from bench.common.timing import HIDE_US
 from bench.common.workloads import WORKLOADS
 from bench.transfer.cpu_check import run_cpu
 from bench.transfer.sweep import run_gpu
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "results"
 

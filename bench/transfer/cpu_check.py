@@ -12,7 +12,7 @@ from bench.common.grid import grid
 from bench.common.report import ProgressBar, print_table, say
 from bench.transfer.session import Session, allocate, make_case, method_specs
 from bench.transfer.sweep import selected_groups
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 __all__ = ["CPU_BLOCKS", "run_cpu"]
 

@@ -13,7 +13,7 @@ from bench.common.targets import (
     SHAPE_GAIN_POINTS,
     SHAPE_SHORT_OF,
 )
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 __all__ = ["print_results", "print_integrity", "print_extras", "print_targets", "evaluate_targets"]
 

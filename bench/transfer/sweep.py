@@ -15,7 +15,7 @@ from bench.common.workloads import WORKLOADS, Workload, resolve_workloads
 from bench.transfer.extras import cpu_overhead, interference
 from bench.transfer.session import Group, MethodSpec, Session, allocate, make_case, method_specs
 from bench.transfer.summary import evaluate_targets, print_extras, print_results, print_targets
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 __all__ = ["selected_groups", "run_gpu"]
 

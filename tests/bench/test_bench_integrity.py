@@ -19,7 +19,7 @@ from bench.transfer import summary
 from bench.transfer.session import method_specs
 from triton_offload.engine import LOAD
 from triton_offload.issuers.base import LoadCheck
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 
 def test_the_method_is_registered_for_both_benchmarks_and_runs_only_when_asked():

@@ -11,7 +11,7 @@ import pytest
 from bench.baselines import copy_loop
 from bench.common import plot, results
 from bench.transfer import summary
-from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 DEFAULT = DEFAULT_NUM_CTAS
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-import triton_offload.kernels.copy_blocks as cb
 from bench.common import case, timing, workloads
 from bench.common.env import Env
 from bench.micro import tune
 from bench.transfer import session
 from triton_offload.issuers.launcher import CopyLauncher
+from triton_offload.kernels import shapes, tables
 from triton_offload.plan import Direction
 
 
@@ -55,7 +55,7 @@ def test_every_variant_is_used_and_moves_the_right_bytes(mods, layout):
     group = _group(session, workloads, name, layout, 8)
     env = Env(torch.device("cpu"), None, "none")
     vs = [(64, 1), (128, 2), (256, 1)]  # tiny tiles for tiny pages: bytes, warps
-    before = dict(cb.DEFAULT_TUNINGS)
+    before = dict(shapes.DEFAULT_TUNINGS)
     for store in (True, False):
         rows, failures, peak = tune.tune_case(group, 8, store, vs, [1, 2], env, StandInTimer(timing, lambda i: 1.0), 1)
         assert failures == [] and len(rows) == 6
@@ -66,28 +66,28 @@ def test_every_variant_is_used_and_moves_the_right_bytes(mods, layout):
         for r in rows:
             assert r["rows"] * r["chunk_bytes"] == r["tile_bytes"], r
         assert len({r["rows"] for r in rows}) > 1
-    assert dict(cb.DEFAULT_TUNINGS) == before
+    assert dict(shapes.DEFAULT_TUNINGS) == before
     # A launcher built afterwards, without tunings, launches with the defaults' shapes.
     host = torch.zeros(8, group.spec.host_block_bytes(1), dtype=torch.uint8)
-    width = cb.access_width(group.spec, host)
+    width = tables.access_width(group.spec, host)
     for d in Direction:
-        assert CopyLauncher(group.spec, host, 1).config(d) == cb.launch_config(group.spec, width, before[d])
+        assert CopyLauncher(group.spec, host, 1).config(d) == shapes.launch_config(group.spec, width, before[d])
 
 
 def test_a_variant_that_moves_wrong_bytes_is_reported_and_not_timed(mods, monkeypatch):
     tune, case, session, timing, workloads = mods
     group = _group(session, workloads, "small-page", "block_first", 8)
     env = Env(torch.device("cpu"), None, "none")
-    real = cb.launch_config
+    real = shapes.launch_config
 
     def broken(spec, width, tuning):  # the 16-byte tile (two chunks per 32-byte segment) drops the last chunk
         cfg = real(spec, width, tuning)
         if tuning.tile_bytes == 16:
             assert cfg.n_chunks == 2, cfg
-            return cb.LaunchConfig(cfg.elem, cfg.vec, cfg.rows, cfg.chunk, cfg.n_chunks - 1, cfg.num_warps)
+            return shapes.LaunchConfig(cfg.elem, cfg.vec, cfg.rows, cfg.chunk, cfg.n_chunks - 1, cfg.num_warps)
         return cfg
 
-    monkeypatch.setattr(cb, "launch_config", broken)
+    monkeypatch.setattr(shapes, "launch_config", broken)
     timer = StandInTimer(timing, lambda i: 1.0)
     assert group.spec.max_segment_bytes == 32
     rows, failures, _ = tune.tune_case(group, 8, True, [(16, 1), (128, 1)], [1, 2], env, timer, 1)

@@ -579,7 +579,7 @@ def test_both_summaries_give_the_same_verdicts_from_the_same_rows(m, tmp_path, f
     run's rows and extras, and the GPU run's over the JSON that run wrote, give every target the same text, verdict
     and worst case."""
     from bench.transfer import summary as bench_summary
-    from triton_offload.kernels.copy_blocks import DEFAULT_NUM_CTAS
+    from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
     doc = _transfer(m.results, frac_4=frac_4, auto_ms=auto_ms, native_ms=native_ms)
     assert doc["default_num_ctas"] == DEFAULT_NUM_CTAS

@@ -17,7 +17,7 @@ from triton_offload import integrity
 from triton_offload.engine import TransferEngine
 from triton_offload.host.cache import checksum_table
 from triton_offload.issuers import CopyLauncher, KernelIssuer
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import shapes
 from triton_offload.kernels.reference import checksums_ref
 from triton_offload.layouts import HostSlots
 from triton_offload.plan import Direction, TransferPlanner
@@ -310,7 +310,7 @@ def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
     for tile, ctas in [(64, 1), (256, 5), (1024, 2), (4096, 3), (128, 4)]:
         host = host_buffer(spec, rows, f)
         table = checksum_table(rows, f, pin=False, regions=spec.num_regions)
-        tunings = {d: copy_blocks.LaunchTuning(tile, 4) for d in Direction}
+        tunings = {d: shapes.LaunchTuning(tile, 4) for d in Direction}
         launcher = CopyLauncher(spec, host, f, Direction.STORE, tunings, checksums=table)
         KernelIssuer(launcher, None, ctas).issue(plan)
         results.append((host, table, launcher.config(Direction.STORE)))

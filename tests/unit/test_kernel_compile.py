@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import triton_offload as to
-from triton_offload.kernels import copy_blocks, tables
+from triton_offload.kernels import copy_blocks, shapes, tables
 from triton_offload.plan import Direction
 
 from kv_factory import host_buffer, make_caches
@@ -34,7 +34,7 @@ CHECK_SCALARS = ("tab_row", "mark")
 
 
 def compile_ptx(
-    cfg: copy_blocks.LaunchConfig, store: bool, grouped: bool, integrity: bool = False, copy=True, kernel=None
+    cfg: shapes.LaunchConfig, store: bool, grouped: bool, integrity: bool = False, copy=True, kernel=None
 ) -> str:
     """The kernel lowered to sm_90 PTX; ``kernel``: another version of it (same arguments, without the checks')."""
     # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
@@ -81,8 +81,8 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
     spec = to.KVCacheSpec(caches, layout)
     host = host_buffer(spec, 2, 1)
     assert tables.access_width(spec, host) == width
-    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, width, tuning)
+    tuning = shapes.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = shapes.launch_config(spec, width, tuning)
     assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
     ptx = compile_ptx(cfg, store, grouped)
     data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
@@ -104,8 +104,8 @@ def test_real_pages_split_into_whole_chunks(layout, page, dtype, store):
     """Every step of a real model's page moves a full chunk: no step runs partly masked (the 72 KiB MLA page once
     took 3 steps of 32 KiB, the last a quarter full)."""
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
-    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    tuning = shapes.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = shapes.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     assert cfg.n_chunks * cfg.chunk * cfg.elem == spec.max_segment_bytes, cfg
     assert cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
 
@@ -125,8 +125,8 @@ def test_without_the_integrity_checks_the_kernel_is_the_same_code_as_before_them
     import golden_copy_kernel
 
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
-    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    tuning = shapes.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = shapes.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     ours = compile_ptx(cfg, store, grouped)
     before = compile_ptx(cfg, store, grouped, kernel=golden_copy_kernel._copy_blocks_kernel)
     assert "atom" not in ours
@@ -140,8 +140,8 @@ def test_with_the_integrity_checks_the_data_path_keeps_its_access_width(layout, 
     """The checked kernel still moves 16-byte words, sums with integer atomics, and the checksum-only launch (the
     copy-engine path's check) writes no data."""
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
-    tuning = copy_blocks.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
-    cfg = copy_blocks.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
+    tuning = shapes.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
+    cfg = shapes.launch_config(spec, tables.access_width(spec, host_buffer(spec, 2, 1)), tuning)
     ptx = compile_ptx(cfg, store, False, integrity=True, copy=copy)
     assert len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) >= 1
     assert re.search(r"atom\.global(?:\.[a-z_]+)*\.add\.[us]64", ptx)

@@ -11,7 +11,7 @@ import torch
 import triton_offload as to
 from triton_offload.engine import TransferEngine
 from triton_offload.issuers.launcher import CopyLauncher
-from triton_offload.kernels import copy_blocks
+from triton_offload.kernels import copy_blocks, shapes
 
 from kv_factory import make_caches
 
@@ -42,10 +42,10 @@ def _host(spec, rows):
 
 
 def test_programs_follow_the_page_runs_and_never_exceed_num_ctas():
-    ctas = copy_blocks.size_aware_ctas
+    ctas = shapes.size_aware_ctas
     assert [ctas(b) for b in (32, 1024, 4095, 4096, 8191, 8192, 72 * 1024)] == [16, 16, 16, 8, 8, 4, 4]
     assert [ctas(1024, n) for n in (1, 4, 8, 16, 32)] == [1, 4, 8, 16, 16]
-    assert ctas(16 * 1024, 2) == 2 and ctas(16 * 1024, 32) == copy_blocks.DEFAULT_NUM_CTAS
+    assert ctas(16 * 1024, 2) == 2 and ctas(16 * 1024, 32) == shapes.DEFAULT_NUM_CTAS
     small, large = _spec(SMALL, num_blocks=2), _spec(LARGE, num_blocks=2)
     host_s, host_l = _host(small, 2), _host(large, 2)
     assert CopyLauncher(small, host_s, 1).segment_bytes == 2048
@@ -53,7 +53,7 @@ def test_programs_follow_the_page_runs_and_never_exceed_num_ctas():
     assert CopyLauncher(small, host_s, 1).ctas(None, "size-aware") == 16
     assert CopyLauncher(small, host_s, 1).ctas(None, "fixed") is None  # the kernel's default, as before
     assert CopyLauncher(small, host_s, 1).ctas(6, "fixed") == 6
-    assert CopyLauncher(large, host_l, 1).ctas(None, "size-aware") == copy_blocks.DEFAULT_NUM_CTAS
+    assert CopyLauncher(large, host_l, 1).ctas(None, "size-aware") == shapes.DEFAULT_NUM_CTAS
 
 
 @pytest.mark.parametrize("num_ctas,want", [(None, 16), (8, 8), (2, 2)])
@@ -65,7 +65,7 @@ def test_a_size_aware_launch_moves_the_same_bytes_with_its_programs(launches, nu
     fixed, sized = _host(spec, 100), _host(spec, 100)
     to.gather_blocks(spec, g, fixed, h, num_ctas=num_ctas)
     to.gather_blocks(spec, g, sized, h, num_ctas=num_ctas, launch_shape="size-aware")
-    assert launches == [num_ctas or copy_blocks.DEFAULT_NUM_CTAS, want]
+    assert launches == [num_ctas or shapes.DEFAULT_NUM_CTAS, want]
     assert torch.equal(fixed, sized)
     back = _spec(SMALL, seed=9)  # other bytes, same geometry: the load must overwrite exactly the stored blocks
     to.scatter_blocks(sized, h, back, g, num_ctas=num_ctas, launch_shape="size-aware")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from triton_offload import integrity
-from triton_offload.kernels import copy_blocks, packing, tables
+from triton_offload.kernels import copy_blocks, packing, shapes, tables
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
@@ -29,7 +29,7 @@ class _SpecKernelState:
     def __init__(self) -> None:
         # Segment tables by (element size, f key); the integrity checks' tables by ("checks", element size).
         self.tables: dict[tuple, torch.Tensor] = {}
-        self.configs: dict[tuple[int, copy_blocks.LaunchTuning], copy_blocks.LaunchConfig] = {}
+        self.configs: dict[tuple[int, shapes.LaunchTuning], shapes.LaunchConfig] = {}
         # By CopyLauncher.variant_key: a proven direct runner (triton_offload/fast_launch.py), or why that variant
         # keeps Triton's launch.
         self.direct: dict[tuple, object] = {}
@@ -80,8 +80,8 @@ class CopyLauncher:
             :func:`triton_offload.plan.check_host_buffer`).
         blocks_per_host_block: GPU blocks per host block.
         direction: the one direction this launcher serves (a single public call); None for both (an engine).
-        tunings: per direction, the :class:`~triton_offload.kernels.copy_blocks.LaunchTuning` to launch with; None
-            for :data:`~triton_offload.kernels.copy_blocks.DEFAULT_TUNINGS`.
+        tunings: per direction, the :class:`~triton_offload.kernels.shapes.LaunchTuning` to launch with; None
+            for :data:`~triton_offload.kernels.shapes.DEFAULT_TUNINGS`.
         configs: launch shapes to use instead of those the tunings give, per direction (see :meth:`twin`).
         checksums: the checksum table of the integrity checks (:func:`check_checksum_table`); with it, every launch
             also checksums the blocks it moves: a store writes their checksums, a load checks them
@@ -94,8 +94,8 @@ class CopyLauncher:
         host_buffer: torch.Tensor,
         blocks_per_host_block: int,
         direction: Direction | None = None,
-        tunings: Mapping[Direction, copy_blocks.LaunchTuning] | None = None,
-        configs: Mapping[Direction, copy_blocks.LaunchConfig] | None = None,
+        tunings: Mapping[Direction, shapes.LaunchTuning] | None = None,
+        configs: Mapping[Direction, shapes.LaunchConfig] | None = None,
         checksums: torch.Tensor | None = None,
     ):
         self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
@@ -107,7 +107,7 @@ class CopyLauncher:
         if state is None:
             state = _STATE[spec] = _SpecKernelState()
         self._state = state
-        tunings = copy_blocks.DEFAULT_TUNINGS if tunings is None else tunings
+        tunings = shapes.DEFAULT_TUNINGS if tunings is None else tunings
         width = tables.access_width(spec, host_buffer)
         self.directions = tuple(Direction) if direction is None else (direction,)
         self._launch_args = {}
@@ -121,7 +121,7 @@ class CopyLauncher:
             if cfg is None:
                 cfg = state.configs.get((width, tunings[d]))
             if cfg is None:
-                cfg = state.configs[(width, tunings[d])] = copy_blocks.launch_config(spec, width, tunings[d])
+                cfg = state.configs[(width, tunings[d])] = shapes.launch_config(spec, width, tunings[d])
             assert cfg.elem * cfg.vec <= width, "a launch shape may not access wider than the buffers allow"
             key = (cfg.elem, tables.table_key(spec, blocks_per_host_block))
             table = state.tables.get(key)
@@ -170,7 +170,7 @@ class CopyLauncher:
     @property
     def segment_bytes(self) -> float:
         """Mean bytes of the spec's segments (a page's runs, one kernel row each): what the "size-aware" launch
-        shape reads (:func:`~triton_offload.kernels.copy_blocks.size_aware_ctas`). Computed once per spec."""
+        shape reads (:func:`~triton_offload.kernels.shapes.size_aware_ctas`). Computed once per spec."""
         if self._state.segment_bytes is None:
             segments = self.spec.segments
             self._state.segment_bytes = sum(s.nbytes for s in segments) / len(segments)
@@ -181,9 +181,9 @@ class CopyLauncher:
         as given; ``"size-aware"``: by :attr:`segment_bytes`, never above the user's)."""
         if shape == "fixed":
             return num_ctas
-        return copy_blocks.size_aware_ctas(self.segment_bytes, num_ctas)
+        return shapes.size_aware_ctas(self.segment_bytes, num_ctas)
 
-    def config(self, direction: Direction) -> copy_blocks.LaunchConfig:
+    def config(self, direction: Direction) -> shapes.LaunchConfig:
         return self._launch_args[direction][0]
 
     def variant_key(self, direction: Direction, copy: bool = True) -> tuple:
