@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from triton_offload.connector import CONNECTOR_NAME, SPEC_NAME, TIERING_SPEC_NAME
+from triton_offload.connector.compat import check_multi_connector
 from triton_offload.connector.config import did_you_mean
 
 __all__ = [
@@ -35,9 +36,7 @@ __all__ = [
     "check_vllm_config",
     "check_block_size",
     "check_memory",
-    "check_multi_connector",
     "MemoryFacts",
-    "MULTI_CONNECTOR_MIN_VLLM",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,53 +46,6 @@ _CONNECTOR = "OffloadingConnector"
 # The connectors whose spec configuration is ours to check: vLLM's, and ours that reports load errors.
 _CONNECTORS = (_CONNECTOR, CONNECTOR_NAME)
 GiB = 2**30
-# The first vLLM whose offloading scheduler records every block allocation (vLLM #46951): before it, our spec under
-# MultiConnector can store KV another connector is already writing over.
-MULTI_CONNECTOR_MIN_VLLM = (0, 33)
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``(major, minor, ...)`` of a version string such as ``0.33.0``, ``0.32.0+cpu`` or ``0.33.1rc1.dev5``."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release
-    except InvalidVersion:
-        return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-
-
-def check_multi_connector(kv_connector: str | None, version: str | None = None) -> None:
-    """Refuses our specs under ``MultiConnector`` on a vLLM older than 0.33.
-
-    vLLM 0.32's offloading scheduler returns from ``update_state_after_alloc`` before recording a request's new
-    blocks when the offloading connector has no hit for it (``num_external_tokens == 0``), and records only scheduled
-    requests' blocks elsewhere. Under ``MultiConnector`` a request that waits for another connector's KV (not
-    scheduled) can then be given a block whose store is still pending: the store is not flushed, the other
-    connector writes the block while the store reads it, and the host block holds a mix of two requests' KV, loaded
-    later as a hit. vLLM 0.33 records the allocation whatever the hit (vLLM #46951).
-
-    Args:
-        kv_connector: the configured ``kv_connector`` (only ``"MultiConnector"`` is checked).
-        version: vLLM's version; None: the installed one.
-
-    Raises:
-        ValueError: ``MultiConnector`` on vLLM < 0.33, naming the version, the defect and the fix.
-    """
-    if kv_connector != "MultiConnector":
-        return
-    if version is None:
-        import vllm
-
-        version = vllm.__version__
-    if _release(version)[:2] >= MULTI_CONNECTOR_MIN_VLLM:
-        return
-    raise ValueError(
-        f"triton-offload under MultiConnector needs vLLM >= 0.33; this is vLLM {version}, whose offloading scheduler "
-        "does not record a request's blocks when the offloading connector has no hit for it, so another connector "
-        "can write a block whose store is still reading it and the host cache keeps the mix as a hit (vLLM #46951, "
-        "fixed in vLLM 0.33). Upgrade vLLM to 0.33 or later, or use OffloadingConnector alone (kv_connector = "
-        "'OffloadingConnector')"
-    )
 
 
 def install() -> bool:
@@ -192,7 +144,7 @@ def _check_ours(spec_cls, extra: Mapping[str, Any], vllm_config, connector: str 
     f = check_block_size(extra, gpu_block)
     if issubclass(spec_cls, TritonTieringOffloadingSpec):
         from triton_offload.connector.network_tiers import check_reachable
-        from triton_offload.connector.tiering import TritonTieringConfig
+        from triton_offload.connector.tiering_config import TritonTieringConfig
 
         cfg = TritonTieringConfig.from_extra_config(extra)
         check_reachable(cfg.object_stores)
@@ -339,20 +291,4 @@ def check_memory(budget: int, what: str, facts: MemoryFacts) -> None:
         f"cpu_bytes_to_use = {budget} bytes ({budget / GiB:.2f} GiB) for {what} does not fit in this machine's host "
         f"memory{theirs}: "
         f"{facts.available / GiB:.2f} GiB are available (MemAvailable in /proc/meminfo). {fix[0].upper()}{fix[1:]}"
-    )
-
-
-def host_memory_note(kv_caches) -> str:
-    """For a failed host-memory check in a worker: how much host memory vLLM's own KV cache took already, and which
-    flag sets it ("" where the KV cache is in device memory). ``kv_caches``: vLLM's ``CanonicalKVCaches``."""
-    tensors = [t.tensor for t in kv_caches.tensors]
-    if not tensors or tensors[0].device.type != "cpu":
-        return ""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    taken = sum(storages.values())
-    return (
-        f". vLLM's own KV cache took {taken} bytes ({taken / GiB:.2f} GiB) of host memory in this process: on "
-        "vLLM's CPU build it is set by --kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB); without either, "
-        "vLLM reserves --gpu-memory-utilization (default 0.92) of MemTotal for itself and its KV cache takes what "
-        "the model leaves"
     )

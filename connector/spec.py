@@ -25,11 +25,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from triton_offload.connector import route_logs_through_vllm
+from triton_offload.connector.compat import check_multi_connector, host_memory_note
 from triton_offload.connector.config import TritonOffloadConfig
 from triton_offload.connector.geometry import KVGeometry, geometry_for, host_regions, region_bytes
 from triton_offload.connector.load_errors import check_reporting, integrity_metric_definitions, reporting_connector
 from triton_offload.connector.manager import METRICS, TritonOffloadingManager
-from triton_offload.connector.preflight import check_multi_connector, host_memory_note
 from triton_offload.host.budget import check_host_memory, host_blocks_for_budget
 
 __all__ = ["TritonOffloadingSpec"]

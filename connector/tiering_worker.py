@@ -104,45 +104,16 @@ class TritonTieringWorker(TritonOffloadingWorker):
             )
         num_chunks = region.num_chunks
         row = region.total_size_bytes // num_chunks
-        base = region.base_tensor
-        self.host = torch.as_strided(base, (num_chunks, used), (row, 1), storage_offset=slot_offset)
-        self.checksums = None
-        if trailer_bytes:
-            # The slot's trailer, as int64 rows of 1 + f (the row marker, then each sub-block's checksum).
-            start = slot_offset + slot_bytes - trailer_bytes
-            assert start % 8 == 0 and row % 8 == 0, "the spec aligns trailers to 16 bytes"
-            words = base.view(torch.int64)
-            self.checksums = torch.as_strided(words, (num_chunks, 1 + f), (row // 8, 1), storage_offset=start // 8)
+        self._slot_views(slot_offset, slot_bytes, trailer_bytes, used, row)
         if not packed:  # vLLM's worker slot: placed exactly as vLLM's own worker would place its views
             self._check_against_vllm_views(kv_caches, slot_offset, row)
         # Read back before registration: until then this process maps only the pages it touched, its own slots
         # (registration faults in every worker's).
-        self.placement = read_placement(base.data_ptr(), region.total_size_bytes)
+        self.placement = read_placement(region.base_tensor.data_ptr(), region.total_size_bytes)
         t0 = time.perf_counter()
         self.pinned = self.kv.device.type == "cuda" if pin is None else pin
         if self.pinned:
-            # The kernels dereference the region from the GPU, so pageable memory is not an option (vLLM's DMA worker
-            # can fall back; we cannot). Chunks of whole rows: no transfer straddles two registrations.
-            chunk = max(1, REGISTER_CHUNK_BYTES // row) * row
-            try:
-                ranges = register_host_range(
-                    base.data_ptr(),
-                    region.total_size_bytes,
-                    chunk_bytes=chunk,
-                    what="shared offload region",
-                    cpus=self.numa.cpus,
-                    device=self.kv.device.index if self.kv.device.type == "cuda" else None,
-                )
-            except RegistrationError as e:
-                # Never a crash loop of retries: one clear stop at startup.
-                raise RuntimeError(
-                    f"{e}. TritonTieringOffloadingSpec cannot run without it: its kernels read the region through "
-                    "the registration, and memory pinned at allocation (cudaHostAlloc, what TritonOffloadingSpec "
-                    "falls back to with pinning = 'auto') cannot be shared with the scheduler's tiers. Where "
-                    "cudaHostRegister is refused (Confidential Computing mode, some containers), use "
-                    "spec_name TritonOffloadingSpec"
-                ) from e
-            self._registered.extend(ranges)
+            self._register_region(row)
         try:
             self._start_engine(self.host, num_ctas, transfer_path, self.checksums)
         except BaseException:
@@ -166,6 +137,44 @@ class TritonTieringWorker(TritonOffloadingWorker):
             "kernel default" if num_ctas is None else num_ctas,
             self.engine.path,
         )
+
+    def _slot_views(self, slot_offset: int, slot_bytes: int, trailer_bytes: int, used: int, row: int) -> None:
+        """This worker's slot of every chunk row as the host buffer (``host``: rows of ``used`` bytes) and, with the
+        integrity checks, the slot's trailer as the checksum table (``checksums``: int64 rows of 1 + f, the row
+        marker then each sub-block's checksum; None without)."""
+        region, f = self.region, self.blocks_per_host_block
+        base = region.base_tensor
+        self.host = torch.as_strided(base, (region.num_chunks, used), (row, 1), storage_offset=slot_offset)
+        self.checksums = None
+        if trailer_bytes:
+            start = slot_offset + slot_bytes - trailer_bytes
+            assert start % 8 == 0 and row % 8 == 0, "the spec aligns trailers to 16 bytes"
+            words = base.view(torch.int64)
+            shape, strides = (region.num_chunks, 1 + f), (row // 8, 1)
+            self.checksums = torch.as_strided(words, shape, strides, storage_offset=start // 8)
+
+    def _register_region(self, row: int) -> None:
+        """Registers the whole region with CUDA, from threads on this worker's node, in chunks of whole rows (no
+        transfer straddles two registrations). The kernels dereference the region from the GPU, so pageable memory is
+        not an option (vLLM's DMA worker can fall back; we cannot): a refusal stops the startup, once."""
+        region = self.region
+        try:
+            ranges = register_host_range(
+                region.base_tensor.data_ptr(),
+                region.total_size_bytes,
+                chunk_bytes=max(1, REGISTER_CHUNK_BYTES // row) * row,
+                what="shared offload region",
+                cpus=self.numa.cpus,
+                device=self.kv.device.index if self.kv.device.type == "cuda" else None,
+            )
+        except RegistrationError as e:
+            raise RuntimeError(
+                f"{e}. TritonTieringOffloadingSpec cannot run without it: its kernels read the region through the "
+                "registration, and memory pinned at allocation (cudaHostAlloc, what TritonOffloadingSpec falls back "
+                "to with pinning = 'auto') cannot be shared with the scheduler's tiers. Where cudaHostRegister is "
+                "refused (Confidential Computing mode, some containers), use spec_name TritonOffloadingSpec"
+            ) from e
+        self._registered.extend(ranges)
 
     def _identities(self, spec):
         # Each rank's slot of a chunk is its own: its identity is the chunk's key's, mixed with the slot.

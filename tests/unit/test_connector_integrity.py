@@ -30,12 +30,8 @@ from triton_offload import integrity  # noqa: E402
 from triton_offload.connector import load_errors, preflight  # noqa: E402
 from triton_offload.connector.config import TritonOffloadConfig  # noqa: E402
 from triton_offload.connector.manager import TritonOffloadingManager  # noqa: E402
-from triton_offload.connector.tiering import (  # noqa: E402
-    INTEGRITY_NAMESPACE,
-    IdentifiedChunks,
-    TritonTieringConfig,
-    trailer_bytes,
-)
+from triton_offload.connector.tiering import INTEGRITY_NAMESPACE, IdentifiedChunks, trailer_bytes  # noqa: E402
+from triton_offload.connector.tiering_config import TritonTieringConfig  # noqa: E402
 from triton_offload.connector.worker import host_index_of_blocks  # noqa: E402
 from triton_offload.manager import OffloadManager  # noqa: E402
 from triton_offload.plan import Direction  # noqa: E402

@@ -12,7 +12,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.p2p.manager", reason="needs vLLM
 from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager  # noqa: E402
 
 from triton_offload.connector import network_tiers  # noqa: E402
-from triton_offload.connector.tiering import TritonTieringConfig  # noqa: E402
+from triton_offload.connector.tiering_config import TritonTieringConfig  # noqa: E402
 
 VLLM_P2P_KEYS = ["host", "port", "backends", "num_threads", "unbound_store_timeout_s"]
 

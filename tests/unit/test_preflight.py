@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM >= 0.32 (pip install 'triton-offload[vllm]')")
 
 import triton_offload.connector as plugin  # noqa: E402
-from triton_offload.connector import preflight  # noqa: E402
+from triton_offload.connector import compat, preflight  # noqa: E402
 from triton_offload.connector.preflight import MemoryFacts, check_block_size, check_memory  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -151,8 +151,8 @@ def test_multiconnector_needs_vllm_033(monkeypatch, version, refused):
             preflight.check_vllm_config(_multi(PACKED))
     else:
         preflight.check_vllm_config(_multi(PACKED))
-    preflight.check_multi_connector("OffloadingConnector", "0.32.0")
-    preflight.check_multi_connector("MultiConnector", "0.33.1rc1.dev5+gabcdef")
+    compat.check_multi_connector("OffloadingConnector", "0.32.0")
+    compat.check_multi_connector("MultiConnector", "0.33.1rc1.dev5+gabcdef")
 
 
 class _Config:
@@ -282,7 +282,7 @@ def test_the_tiering_config_refuses_it_before_anything_is_built(open_dir):
     (open_dir / "kv").mkdir(mode=0o755)
     extra = {**TIERING, "secondary_tiers": [{"type": "fs", "root_dir": str(open_dir / "kv")}]}
     out = _as_nobody(
-        "import json\nfrom triton_offload.connector.tiering import TritonTieringConfig\n",
+        "import json\nfrom triton_offload.connector.tiering_config import TritonTieringConfig\n",
         f"""
         try:
             TritonTieringConfig.from_extra_config(json.loads({json.dumps(extra)!r}))

@@ -46,7 +46,8 @@ from vllm_configs import finished, submit_load  # noqa: E402
 from vllm_harness import free_port  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
-from triton_offload.connector.tiering import TritonTieringConfig, TritonTieringOffloadingSpec  # noqa: E402
+from triton_offload.connector.tiering import TritonTieringOffloadingSpec  # noqa: E402
+from triton_offload.connector.tiering_config import TritonTieringConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 plugin.register()  # what vLLM's plugin loader does in each of its processes
