@@ -21,6 +21,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+from triton_offload.checksums import Checksums
 from triton_offload.connector.shm_region import RegionName
 from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
 from triton_offload.host.numa import NodeChoice
@@ -151,7 +152,8 @@ class TritonTieringWorker(TritonOffloadingWorker):
             assert start % 8 == 0 and row % 8 == 0, "the spec aligns trailers to 16 bytes"
             words = base.view(torch.int64)
             shape, strides = (region.num_chunks, 1 + f), (row // 8, 1)
-            self.checksums = torch.as_strided(words, shape, strides, storage_offset=start // 8)
+            table = torch.as_strided(words, shape, strides, storage_offset=start // 8)
+            self.checksums = Checksums(self.integrity, table, f)
 
     def _register_region(self, row: int) -> None:
         """Registers the whole region with CUDA, from threads on this worker's node, in chunks of whole rows (no

@@ -61,15 +61,6 @@ class LoadError:
     key_slots: tuple[int, ...] = ()
 
 
-def host_index_of_blocks(sizes, skips, f: int) -> np.ndarray:
-    """For a job's GPU blocks (group by group), the index of each one's host id in the job's host ids."""
-    out, h0 = [], 0
-    for n, s in zip(sizes, skips):
-        out.append(h0 + (s + np.arange(n)) // f)
-        h0 += -(-(s + n) // f) if n else 0
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-
-
 logger = logging.getLogger(__name__)
 
 
@@ -258,7 +249,8 @@ class TritonOffloadingWorker(OffloadingWorker):
             huge_pages=huge_pages,
             pinning=pinning,
             device=self.kv.device,
-            checksums=f if integrity != OFF else 0,
+            integrity=integrity,
+            checksum_blocks=f,
             checksum_regions=self.kv.num_regions,
         )
         try:
@@ -285,8 +277,8 @@ class TritonOffloadingWorker(OffloadingWorker):
         self, host_buffer: torch.Tensor, num_ctas: int | None, transfer_path: str | None, checksums=None
     ) -> None:
         """The transfer engine between ``self.kv`` and ``host_buffer`` (with the integrity checks, ``checksums`` is
-        their table), and the counters :meth:`get_finished` keeps."""
-        checks = {} if self.integrity == OFF else {"integrity": self.integrity, "checksums": checksums}
+        their :class:`~triton_offload.checksums.Checksums`), and the counters :meth:`get_finished` keeps."""
+        checks = {} if checksums is None else {"checksums": checksums}
         self.engine = self.engine_class(
             self.kv,
             host_buffer,
@@ -299,8 +291,6 @@ class TritonOffloadingWorker(OffloadingWorker):
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
         if self.integrity != OFF:
             self.stats |= {"failed_checks": 0, "unchecked_blocks": 0}
-        # With the checks: per load job in flight, what naming its failed blocks needs.
-        self._loads: dict[int, tuple] = {}
         self._load_errors: list[LoadError] = []
         self._unchecked = 0
 
@@ -346,8 +336,6 @@ class TritonOffloadingWorker(OffloadingWorker):
             self.engine.submit_load(
                 job_id, gpu.block_ids, host_ids, skip=skips, group_sizes=sizes, expedited=expedited, **checks
             )
-            if identities is not None:
-                self._loads[job_id] = (gpu.block_ids, host_ids, identities, sizes, skips)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -382,28 +370,25 @@ class TritonOffloadingWorker(OffloadingWorker):
         return out
 
     def _checked(self, result) -> None:
-        """Keeps the blocks of a finished load that failed their integrity check, for :meth:`take_load_errors`."""
-        gpu, host_ids, identities, sizes, skips = self._loads.pop(result.job_id)
+        """Keeps the blocks of a finished load that failed their integrity check, for :meth:`take_load_errors`: the
+        engine's result names each one's GPU block, host block and identity."""
         failed, unchecked = self.engine.load_failures(result)
         self._unchecked += unchecked
         self.stats["unchecked_blocks"] += unchecked
-        if not failed.size:
+        if not failed.positions.size:
             return
-        self.stats["failed_checks"] += int(failed.size)
-        where = host_index_of_blocks(sizes, skips, self.blocks_per_host_block)[failed]
-        hosts = np.asarray(host_ids)[where]
+        self.stats["failed_checks"] += int(failed.positions.size)
         regions, slots = (), ()
         if self.kv.group_regions is not None:  # a row holds one key per region: the scheduler names it by both
-            group = np.repeat(np.arange(len(sizes)), sizes)[failed]
-            region = np.asarray(self.kv.group_regions)[group]
+            region = np.asarray(self.kv.group_regions)[failed.groups]
             regions = tuple(int(r) for r in region)
-            slots = tuple(int(k) for k in region * self.engine.host_buffer.shape[0] + hosts)
+            slots = tuple(int(k) for k in region * self.engine.host_buffer.shape[0] + failed.host_ids)
         self._load_errors.append(
             LoadError(
                 result.job_id,
-                tuple(int(b) for b in np.asarray(gpu)[failed]),
-                tuple(int(h) for h in hosts),
-                tuple(int(i) for i in np.asarray(identities)[where]),
+                tuple(int(b) for b in failed.gpu_ids),
+                tuple(int(h) for h in failed.host_ids),
+                tuple(int(i) for i in failed.identities),
                 self.tier,
                 regions,
                 slots,

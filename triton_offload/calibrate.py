@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from triton_offload._checks import DMA, KERNEL
+from triton_offload.checksums import Checksums
 from triton_offload.fast_launch import canary_spec
 from triton_offload.issuers.base import Issuer, IssuerContext
 from triton_offload.issuers.factory import PATHS, build_issuers
@@ -107,8 +108,8 @@ def canary_issuers(
     def issuers_for(canary: KVCacheSpec, host: torch.Tensor, stream: torch.cuda.Stream) -> dict[str, Issuer]:
         checksums = None
         if launcher.integrity:  # measured with the checks, as live jobs run (the canary's own, empty, table)
-            f = launcher.blocks_per_host_block
-            checksums = torch.zeros(host.shape[0], 1 + f, dtype=torch.int64, pin_memory=canary.device.type == "cuda")
+            checksums = Checksums.allocate(launcher.checksums.setting, host.shape[0], launcher.blocks_per_host_block,
+                                           pin=canary.device.type == "cuda", regions=canary.num_regions)  # fmt: skip
         kernel = launcher.twin(canary, host, checksums=checksums)
         for d in kernel.directions:
             kernel.set_direct(d, launcher.direct(d))

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from triton_offload import integrity as _integrity
 from triton_offload._checks import AUTO, KERNEL, int_in_range, transfer_path
 from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.calibrate import calibrate, canary_issuers
+from triton_offload.checksums import NO_BLOCKS, BlockRefs, Checksums
 from triton_offload.issuers.base import Issuer, IssuerContext
 from triton_offload.issuers.factory import PATHS, PathUnavailable, describe_launch_paths, kernel_launcher
 from triton_offload.jobs import JobResult, JobTracker
@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 # The directions by their short names, as the connector and the benchmarks spell them.
 STORE, LOAD = Direction.STORE, Direction.LOAD
-_NO_BLOCKS = np.zeros(0, dtype=np.int64)
 # The lane of expedited loads (vLLM 0.33's synchronous loads, which the step waits for): a stream of their own, so
 # they never queue behind asynchronous loads submitted earlier (as vLLM's own worker gives them a handler and stream of
 # their own).
@@ -61,11 +60,10 @@ class TransferEngine:
             ``"auto"`` on CUDA, ``"kernel"`` on CPU.
         calibration: for ``"auto"``, use this :class:`~triton_offload.path_choice.Calibration` instead of measuring
             one (required on CPU, where nothing can be measured).
-        integrity: ``"off"`` (the default), ``"verify"`` or ``"require"`` (:data:`triton_offload.integrity.
-            INTEGRITY_SETTINGS`): with the checks, a store writes each block's checksum into ``checksums`` and a load
-            checks it; a load's result says which blocks failed (:meth:`load_failures`). docs/integrity.md.
-        checksums: the checksum table, int64 host memory ``(num_host_blocks, 1 + blocks_per_host_block)`` (pinned on
-            CUDA; e.g. :attr:`triton_offload.host.cache.HostCache.checksums`); required with the checks.
+        checksums: the integrity checks (:class:`~triton_offload.checksums.Checksums`: ``"verify"`` or
+            ``"require"`` and a checksum table beside the host buffer, e.g. :attr:`triton_offload.host.cache.HostCache.
+            checksums`); None (the default): none. With them, a store writes each block's checksum and a load checks
+            it; a load's result says which blocks failed (:meth:`load_failures`). docs/integrity.md.
         issuers: the transfer paths by name, each a builder of its issuer from an
             :class:`~triton_offload.issuers.base.IssuerContext` (one per lane); None:
             :data:`triton_offload.issuers.factory.PATHS`. ``auto`` chooses among those that can run here.
@@ -88,18 +86,14 @@ class TransferEngine:
         fast_launch: bool | None = None,
         path: str | None = None,
         calibration: Calibration | None = None,
-        integrity: str = _integrity.OFF,
-        checksums: torch.Tensor | None = None,
+        checksums: Checksums | None = None,
         issuers: Mapping[str, Callable[[IssuerContext], Issuer]] | None = None,
         tracker: JobTracker | None = None,
     ):
         self.kv = kv
         self.host_buffer = host_buffer
-        self.integrity = _integrity.integrity_setting(integrity)
-        if self.integrity == _integrity.OFF:
-            checksums = None
-        elif checksums is None:
-            raise ValueError(f"integrity = {self.integrity!r} needs a checksum table (checksums=...)")
+        if checksums is not None and not isinstance(checksums, Checksums):
+            raise TypeError(f"checksums must be a triton_offload.checksums.Checksums or None, got {checksums!r}")
         self.checksums = checksums
         # Fixed for the engine's life, so checked once here; a job then checks only its ids.
         self.blocks_per_host_block = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
@@ -234,16 +228,14 @@ class TransferEngine:
         lane = EXPEDITED if expedited else LOAD
         self._submit(job_id, LOAD, gpu_block_ids, host_block_ids, skip, group_sizes, lane, identities)
 
-    def load_failures(self, result: JobResult) -> tuple[np.ndarray, int]:
-        """(positions in the job's GPU ids of the blocks whose integrity check failed, blocks loaded without a
-        checksum to check) of a finished load. ``"require"`` counts a block stored without a checksum as failed;
-        ``"verify"`` loads it unchecked. Nothing failed without the checks."""
-        check = result.check
-        if check is None:
-            return _NO_BLOCKS, 0
-        if self.integrity == _integrity.REQUIRE:
-            return (np.union1d(check.failed, check.absent) if check.absent.size else check.failed), 0
-        return check.failed, int(check.absent.size)
+    def load_failures(self, result: JobResult) -> tuple[BlockRefs, int]:
+        """(the blocks of a finished load whose integrity check failed, blocks loaded without a checksum to check):
+        each failed block with its GPU block, the host block it came from and the identity it was checked under
+        (:meth:`~triton_offload.checksums.Checksums.failures`: ``"require"`` counts a block stored without a checksum
+        as failed, ``"verify"`` loads it unchecked). None failed without the checks."""
+        if self.checksums is None:
+            return NO_BLOCKS, 0
+        return self.checksums.failures(result.check)
 
     def _submit(
         self, job_id, direction: Direction, gpu_block_ids, host_block_ids, skip, group_sizes, lane, identities=None

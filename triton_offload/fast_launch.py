@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from triton_offload.checksums import Checksums
 from triton_offload.kernels import packing, reference
 from triton_offload.kernels._triton_compat import DirectRunner
 from triton_offload.layouts import KVCacheSpec
@@ -167,7 +168,10 @@ def prove_direct(
         table, identities, expected_table, expected_results = _canary_checks(launcher, canary, host, plan, direction)
         plan = plan._replace(identities=identities)
         checks = table
-    canary_launcher = launcher.twin(canary, host, direction, checksums=checks)
+    twin_checks = None
+    if checks is not None:  # the canary's own table, under the launcher's setting
+        twin_checks = Checksums(launcher.checksums.setting, checks, launcher.blocks_per_host_block, canary.num_regions)
+    canary_launcher = launcher.twin(canary, host, direction, checksums=twin_checks)
     size = packing.packed_size(plan, launcher.integrity)
     packed = np.zeros(size, dtype=np.int64)
     packing.pack_ids(plan, packed)

@@ -37,7 +37,7 @@ class JobResult:
             None where no choice was made.
         check: for a load with the integrity checks, what they found (positions in the job's GPU ids of the blocks
             whose checksum did not match, and of those stored without one: ``failed`` and ``absent`` of a
-            :class:`~triton_offload.issuers.base.LoadCheck`); None otherwise. A failed check is not a failed job:
+            :class:`~triton_offload.checksums.LoadCheck`); None otherwise. A failed check is not a failed job:
             the job moved its bytes, the caller decides what the failed blocks mean.
     """
 

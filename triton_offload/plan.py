@@ -71,6 +71,18 @@ class TransferPlan(NamedTuple):
     num_bytes: int
     identities: np.ndarray | None = None
 
+    def host_index(self, blocks_per_host_block: int) -> np.ndarray:
+        """For each GPU block (group by group), the index in ``host_ids`` of the host block it is in: the position
+        rule (block ``i`` of a group at position ``skip + i``, host id ``first + (skip + i) // f`` of its group)."""
+        f = blocks_per_host_block
+        if len(self.sizes) == 1:
+            return (self.skips[0] + np.arange(self.n_blocks, dtype=np.int64)) // f
+        out, first = [], 0
+        for size, skip, count in zip(self.sizes, self.skips, self.host_counts):
+            out.append(first + (skip + np.arange(size, dtype=np.int64)) // f)
+            first += count
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
     def groups(self) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
         """(GPU ids, host ids, skip) of each KV-cache group, in order."""
         if len(self.sizes) == 1:

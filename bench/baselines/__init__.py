@@ -52,7 +52,7 @@ METHODS: dict[str, Method] = {
         ours.triton_size_aware_engine,
     ),
     "triton_integrity": Method(
-        "TransferEngine(path='kernel', integrity='verify'): triton with the integrity checks fused into its "
+        "TransferEngine(path='kernel') with 'verify' Checksums: triton with the integrity checks fused into its "
         "launches (a checksum per block, written by stores, checked by loads; docs/integrity.md)",
         ours.prepare_triton_integrity,
         ours.triton_integrity_engine,

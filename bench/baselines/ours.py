@@ -14,8 +14,8 @@ from bench.common.case import OffloadTarget, Prepared, TransferCase
 from bench.common.env import Env
 from triton_offload import integrity
 from triton_offload._checks import AUTO, DMA
+from triton_offload.checksums import Checksums
 from triton_offload.engine import TransferEngine
-from triton_offload.host.cache import checksum_table
 from triton_offload.issuers import CopyLauncher, IssuerContext
 from triton_offload.issuers.factory import build_kernel, kernel_launcher
 from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
@@ -72,7 +72,7 @@ def triton_size_aware_engine(target: OffloadTarget, num_ctas: int | None) -> Tra
 
 
 def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:
-    """The kernel with the integrity checks (``integrity="verify"``), issued as the public call issues ``triton``'s
+    """The kernel with the integrity checks (``"verify"``), issued as the public call issues ``triton``'s
     launch (a plan, the ids packed into a pinned slot and uploaded, one launch, the slot given back behind an event),
     with the checks added: each host block named by its id, a checksum table, and one launch that copies and
     checksums, its last program writing a store's checksums into the table or checking a load's. So the two rows
@@ -83,10 +83,10 @@ def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None 
     then compared with the table's entry or found to have none). On CPU a launch's outcome is read at once, and a
     block it flags fails the method's byte check."""
     direction = Direction.STORE if case.store else Direction.LOAD
-    table = checksum_table(case.host.shape[0], case.f, pin=env.cuda)
+    checks = Checksums.allocate(integrity.VERIFY, case.host.shape[0], case.f, pin=env.cuda)
     # The direct launch where a canary proves it, as the public call makes it.
     kernel = kernel_launcher(
-        case.spec, case.host, case.f, direction=direction, checksums=table, num_ctas=_ctas(num_ctas)
+        case.spec, case.host, case.f, direction=direction, checksums=checks, num_ctas=_ctas(num_ctas)
     )
     stager = IdStager(case.device) if env.cuda else None
     issuer = build_kernel(IssuerContext(case.spec, case.host, case.f, kernel.launcher, stager, kernel.num_ctas))
@@ -110,12 +110,14 @@ def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None 
 
 
 def triton_integrity_engine(target: OffloadTarget, num_ctas: int | None) -> TransferEngine:
-    """``triton``'s engine with the integrity checks: ``TransferEngine(path="kernel", integrity="verify")`` and a
-    checksum table beside the host cache (its own, where the cache was made with one)."""
-    table = target.host_cache.checksums
-    if table is None:
-        table = checksum_table(target.host_buffer.shape[0], 1, pin=target.kv.device.type == "cuda")
-    return triton_engine(target, num_ctas, path="kernel", integrity=integrity.VERIFY, checksums=table)
+    """``triton``'s engine with the integrity checks: ``TransferEngine(path="kernel", checksums=...)``, ``"verify"``
+    with a checksum table beside the host cache (its own, where the cache was made with one)."""
+    checks = target.host_cache.checksums
+    if checks is None:
+        checks = Checksums.allocate(
+            integrity.VERIFY, target.host_buffer.shape[0], 1, pin=target.kv.device.type == "cuda"
+        )
+    return triton_engine(target, num_ctas, path="kernel", checksums=checks)
 
 
 def prepare_auto(case: TransferCase, env: Env, num_ctas: int | None = None) -> Prepared:

@@ -38,9 +38,10 @@ from bench.common.grid import CALL_COST_CALLS
 from bench.common.results import machine_info, write_json
 from bench.common.timing import stats_us
 from bench.common.workloads import WORKLOADS, make_caches
+from triton_offload.checksums import Checksums
 from triton_offload.engine import TransferEngine
 from triton_offload.fast_launch import DIRECT, FAST_LAUNCH_ENV, enable_fast_launch
-from triton_offload.host.cache import HostCache, checksum_table
+from triton_offload.host.cache import HostCache
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.kernels.packing import pack_ids
@@ -193,11 +194,11 @@ def public_steps(s: Setup, calls: int, launches: bool) -> dict[str, dict]:
 
 def engine_calls(s: Setup, calls: int, fast: bool, integrity: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
     """Both submits, whole; and the steps of each, from the trace of the same calls. ``integrity``: with the integrity
-    checks (``integrity="verify"``, a checksum table, each host block named by its id), labelled so. Each row's
+    checks (``"verify"`` Checksums: a checksum table, each host block named by its id), labelled so. Each row's
     ``launch`` comes from the engine's verdict for its direction (``launch_paths``)."""
     checks = {}
     if integrity:
-        checks = {"integrity": "verify", "checksums": checksum_table(s.host.shape[0], 1, pin=s.device.type == "cuda")}
+        checks = {"checksums": Checksums.allocate("verify", s.host.shape[0], 1, pin=s.device.type == "cuda")}
     eng = TransferEngine(s.spec, s.host, fast_launch=fast, path="kernel", **checks)
     job, queued = [0], []
     marks: list[tuple[str, int]] = []

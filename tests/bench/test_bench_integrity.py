@@ -17,8 +17,8 @@ from bench.serving import cli as serving
 from bench.transfer import cli as transfer
 from bench.transfer import summary
 from bench.transfer.session import method_specs
+from triton_offload.checksums import LoadCheck
 from triton_offload.engine import LOAD
-from triton_offload.issuers.base import LoadCheck
 from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS
 
 

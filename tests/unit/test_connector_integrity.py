@@ -32,7 +32,6 @@ from triton_offload.connector.config import TritonOffloadConfig  # noqa: E402
 from triton_offload.connector.manager import TritonOffloadingManager  # noqa: E402
 from triton_offload.connector.tiering import INTEGRITY_NAMESPACE, IdentifiedChunks, trailer_bytes  # noqa: E402
 from triton_offload.connector.tiering_config import TritonTieringConfig  # noqa: E402
-from triton_offload.connector.worker import host_index_of_blocks  # noqa: E402
 from triton_offload.manager import OffloadManager  # noqa: E402
 from triton_offload.plan import Direction  # noqa: E402
 
@@ -179,7 +178,7 @@ def test_the_worker_checks_each_host_region_of_a_row_on_its_own():
         kv, num_host_blocks=4, blocks_per_host_block=1, group_regions=(0, 1), integrity="verify", numa_node="off"
     )
     try:
-        assert worker.host_cache.checksums.shape == (4, 2 * 2), "a marker and a checksum per region of each row"
+        assert worker.host_cache.checksums.table.shape == (4, 2 * 2), "a marker and a checksum per region of each row"
         ident = integrity.identities_of_keys([key(1, 0), key(1, 1)])
         assert worker.submit_store(0, GPULoadStoreSpec([1], [1, 0], [0, 0]), HostBlocksSpec([2], ident[:1]))
         assert worker.submit_store(1, GPULoadStoreSpec([2], [0, 1], [0, 0]), HostBlocksSpec([2], ident[1:]))
@@ -224,12 +223,6 @@ def test_worker_metadata_adds_up_across_workers():
     assert isinstance(merged, load_errors.IntegrityWorkerMetadata)
     assert merged.completed_jobs == {1: 2, 2: 2}
     assert merged.failed_host_blocks == {1: [3, 4, 5]} and merged.failed_blocks == 4 and merged.unchecked_blocks == 1
-
-
-def test_host_index_of_each_block_follows_the_position_rule():
-    # Two groups: 3 blocks from sub-block 1 of f=2 (host ids 0, 1), then 2 blocks from sub-block 0 (host id 2).
-    assert host_index_of_blocks([3, 2], [1, 0], 2).tolist() == [0, 1, 1, 2, 2]
-    assert host_index_of_blocks([0, 2], [0, 1], 3).tolist() == [0, 0]
 
 
 # -- the tiering layout ----------------------------------------------------------------------------------------------
@@ -305,7 +298,7 @@ def test_blocks_written_without_a_trailer_load_unchecked_under_verify_and_fail_u
         assert worker.submit_store(0, GPULoadStoreSpec([1, 2, 3], [3], [0]), IdentifiedChunks([4, 1], ident))
         assert all(r.success for r in finished(worker))
         mark = integrity.marker(f, worker.engine._launcher.config(Direction.STORE).elem)
-        assert worker.checksums[4, 0].item() == worker.checksums[1, 0].item() == mark
+        assert worker.checksums.table[4, 0].item() == worker.checksums.table[1, 0].item() == mark
         submit_load(worker, 1, IdentifiedChunks([4, 1], ident), GPULoadStoreSpec([5, 6, 7], [3], [0]), expedited=False)
         assert finished(worker)[0].success
         assert worker.take_load_errors() == ([], 0)
@@ -316,7 +309,7 @@ def test_blocks_written_without_a_trailer_load_unchecked_under_verify_and_fail_u
         gen = torch.Generator().manual_seed(9)
         for v in views:
             v[2:4] = torch.randint(-128, 128, v[2:4].shape, dtype=torch.int8, generator=gen)
-        worker.checksums[2:4] = 0
+        worker.checksums.table[2:4] = 0
         other = integrity.identities_of_keys([key(9), key(10)])
         submit_load(worker, 2, IdentifiedChunks([2, 3], other), GPULoadStoreSpec([0, 8, 9], [3], [1]), expedited=False)
         assert finished(worker)[0].success

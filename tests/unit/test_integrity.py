@@ -6,6 +6,8 @@ misplaced, truncated or stale block, for every layout, factor and skip, and flag
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,8 @@ from hypothesis import strategies as st
 
 import triton_offload as to
 from triton_offload import integrity
+from triton_offload.checksums import Checksums
 from triton_offload.engine import TransferEngine
-from triton_offload.host.cache import checksum_table
 from triton_offload.issuers import CopyLauncher, KernelIssuer
 from triton_offload.kernels import shapes
 from triton_offload.kernels.reference import checksums_ref
@@ -52,11 +54,9 @@ def make_spec(fmt: str, seed: int = 0, num_blocks: int = 14) -> to.KVCacheSpec:
 
 def make_engine(spec, f, rows, integrity_setting="verify", path="kernel", num_ctas=None):
     host = host_buffer(spec, rows, f)
-    table = checksum_table(rows, f, pin=False, regions=spec.num_regions)
-    engine = TransferEngine(
-        spec, host, blocks_per_host_block=f, path=path, integrity=integrity_setting, checksums=table, num_ctas=num_ctas
-    )
-    return engine, host, table
+    checks = Checksums.allocate(integrity_setting, rows, f, pin=False, regions=spec.num_regions)
+    engine = TransferEngine(spec, host, blocks_per_host_block=f, path=path, checksums=checks, num_ctas=num_ctas)
+    return engine, host, checks.table
 
 
 def block_columns(spec: to.KVCacheSpec, f: int, sub: int, group: int = 0) -> np.ndarray:
@@ -96,9 +96,19 @@ def finished(engine, job_id):
 
 
 def load(engine, job_id, g, h, skip, sizes, identities):
+    """(positions of the failed blocks, blocks loaded unchecked); each failed block is named by the result as the
+    position rule names it: its GPU block, the host block it came from, the identity it was loaded under."""
     engine.submit_load(job_id, g, h, skip=skip, group_sizes=sizes, identities=identities)
     failed, unchecked = engine.load_failures(finished(engine, job_id))
-    return sorted(failed.tolist()), unchecked
+    idx, _, _ = positions(len(g), engine.blocks_per_host_block, skip, sizes)
+    at = failed.positions
+    assert failed.gpu_ids.tolist() == np.asarray(g)[at].tolist()
+    assert failed.host_ids.tolist() == np.asarray(h)[idx[at]].tolist()
+    named = np.asarray(h) if identities is None else np.asarray(identities)
+    assert failed.identities.tolist() == named[idx[at]].tolist()
+    group_of = np.repeat(np.arange(len(sizes or [len(g)])), sizes or [len(g)])
+    assert failed.groups.tolist() == group_of[at].tolist()
+    return sorted(at.tolist()), unchecked
 
 
 CASES = [
@@ -187,7 +197,7 @@ def test_a_load_finds_every_corrupted_misplaced_truncated_or_stale_block(fmt, f,
     table[row[0], 0] = 0
     absent = [i for i in range(n) if row[i] == row[0]]
     assert load(engine, 7, dst, h, skip, sizes, ident) == ([], len(absent))
-    engine.integrity = integrity.REQUIRE
+    engine.checksums = dataclasses.replace(engine.checksums, setting=integrity.REQUIRE)  # the same table, required
     assert load(engine, 8, dst, h, skip, sizes, ident) == (absent, 0)
     engine.shutdown()
 
@@ -283,12 +293,12 @@ def test_the_direct_launch_of_the_checked_variants_is_proven_on_the_canary(fmt):
 
     spec = make_spec(fmt, seed=1)
     host = host_buffer(spec, 10, 2)
-    table = checksum_table(10, 2, pin=False, regions=spec.num_regions)
-    launcher = CopyLauncher(spec, host, 2, checksums=table)
+    checks = Checksums.allocate("verify", 10, 2, pin=False, regions=spec.num_regions)
+    launcher = CopyLauncher(spec, host, 2, checksums=checks)
     assert fast_launch.enable_fast_launch(launcher, make_runner=runners()) == {d: "direct" for d in Direction}
     for d in Direction:  # the copy-engine path's checksum-only launch too
         assert fast_launch.prove_direct(launcher, d, runners()(launcher, d), copy=False) is None
-    refused = CopyLauncher(make_spec(fmt, seed=2), host, 2, checksums=table)
+    refused = CopyLauncher(make_spec(fmt, seed=2), host, 2, checksums=checks)
     verdicts = fast_launch.enable_fast_launch(refused, make_runner=runners(corrupt=True))
     assert all(v != "direct" for v in verdicts.values()), verdicts
 
@@ -309,9 +319,10 @@ def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
     results = []
     for tile, ctas in [(64, 1), (256, 5), (1024, 2), (4096, 3), (128, 4)]:
         host = host_buffer(spec, rows, f)
-        table = checksum_table(rows, f, pin=False, regions=spec.num_regions)
+        checks = Checksums.allocate("verify", rows, f, pin=False, regions=spec.num_regions)
+        table = checks.table
         tunings = {d: shapes.LaunchTuning(tile, 4) for d in Direction}
-        launcher = CopyLauncher(spec, host, f, Direction.STORE, tunings, checksums=table)
+        launcher = CopyLauncher(spec, host, f, Direction.STORE, tunings, checksums=checks)
         KernelIssuer(launcher, None, ctas).issue(plan)
         results.append((host, table, launcher.config(Direction.STORE)))
     word = results[0][2].elem
@@ -361,13 +372,21 @@ def test_settings_and_markers():
     assert integrity.key_identity(k) == integrity.key_identity(bytes(k)) != integrity.key_identity(k[:-1] + b"\x08")
 
 
-def test_the_engine_refuses_checks_without_a_table_and_bad_identities():
+def test_the_checks_are_one_value_checked_once_and_identities_are_checked_per_call():
     spec = make_spec("mla")
     host = host_buffer(spec, 4, 1)
-    with pytest.raises(ValueError, match="integrity = 'verify' needs a checksum table"):
-        TransferEngine(spec, host, path="kernel", integrity="verify")
-    with pytest.raises(ValueError, match=r"the checksum table must be int64 of shape \(4, 2\)"):
-        TransferEngine(spec, host, path="kernel", integrity="verify", checksums=checksum_table(4, 2, pin=False))
+    table = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(TypeError, match="checksums must be a triton_offload.checksums.Checksums or None"):
+        TransferEngine(spec, host, path="kernel", checksums=table)
+    with pytest.raises(ValueError, match="integrity = 'off' has no checksums: pass checksums=None"):
+        Checksums("off", table, 1)
+    with pytest.raises(ValueError, match="is not one of"):
+        Checksums("strict", table, 1)
+    with pytest.raises(ValueError, match=r"the checksum table must be int64 of shape \(host blocks, 3\)"):
+        Checksums("verify", table, 2)
+    with pytest.raises(ValueError, match="the checksum table has 3 rows, the host buffer 4"):
+        TransferEngine(spec, host, path="kernel", checksums=Checksums("verify", table[:3], 1))
+    assert Checksums("VERIFY", table, 1).setting == "verify" and Checksums("require", table, 1).require
     engine, _, _ = make_engine(spec, 1, 4)
     with pytest.raises(ValueError, match=r"identities has shape \(3,\), expected one per host block id: \(2,\)"):
         engine.submit_store(1, [0, 1], [0, 1], identities=[1, 2, 3])
@@ -465,11 +484,9 @@ def test_on_a_gpu_the_compiled_checks_agree_with_the_reference(make_host_cache, 
     f, skip, n = 2, 1, 16
     sizes, group_of = group_layout(spec, n)
     idx, sub, m = positions(n, f, skip, sizes)
-    cache = make_host_cache(spec.host_block_bytes(f), num_blocks=m + 2, pin=True, checksums=f)
+    cache = make_host_cache(spec.host_block_bytes(f), num_blocks=m + 2, pin=True, integrity="verify", checksum_blocks=f)
     try:
-        engine = TransferEngine(
-            spec, cache.buffer, blocks_per_host_block=f, path=path, integrity="verify", checksums=cache.checksums
-        )
+        engine = TransferEngine(spec, cache.buffer, blocks_per_host_block=f, path=path, checksums=cache.checksums)
     except ValueError as e:  # the copy engines need cuMemcpyBatchAsync (CUDA >= 12.8)
         if path == "dma" and isinstance(e.__cause__, CudaError):
             pytest.skip(str(e))
@@ -485,17 +502,39 @@ def test_on_a_gpu_the_compiled_checks_agree_with_the_reference(make_host_cache, 
     word = engine._launcher.config(Direction.STORE).elem
     kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
     rr, cols, rc = checksums_ref([t.cpu() for t in caches], layout, g, h, identities=ident, **kw)
-    assert torch.equal(cache.checksums[rr, cols], torch.from_numpy(rc))
+    assert torch.equal(cache.checksums.table[rr, cols], torch.from_numpy(rc))
     dst = spec.num_blocks // 2 + rng.permutation(spec.num_blocks // 2)[:n]
 
     def checked_load(job):
         engine.submit_load(job, dst, h, skip=skip, group_sizes=sizes, identities=ident)
         engine.wait([job])
         failed, unchecked = engine.load_failures(finished(engine, job))
-        return sorted(failed.tolist()), unchecked
+        return sorted(failed.positions.tolist()), unchecked
 
     assert checked_load(2) == ([], 0)
     cols = block_columns(spec, f, int(sub[5]), int(group_of[5]))
     cache.buffer[int(h[idx[5]]), cols[len(cols) // 2]] ^= 0x04
     assert checked_load(3) == ([5], 0)
     engine.shutdown()
+
+
+def test_a_plan_names_the_host_block_of_each_gpu_block_by_the_position_rule():
+    """TransferPlan.host_index, which a failed load's blocks are named by: two groups, 3 blocks from sub-block 1 of
+    f=2 (host ids 0, 1), then 2 blocks from sub-block 0 (host id 2); a group that moves nothing has no host id."""
+    from triton_offload.plan import TransferPlan
+
+    def zeros(n):
+        return np.zeros(n, dtype=np.int64)
+
+    plan = TransferPlan(Direction.LOAD, zeros(5), zeros(3), 5, 3, (3, 2), (1, 0), (2, 1), 0)
+    assert plan.host_index(2).tolist() == [0, 1, 1, 2, 2]
+    assert TransferPlan(Direction.LOAD, zeros(2), zeros(1), 2, 1, (0, 2), (0, 1), (0, 1), 0).host_index(3).tolist() == [
+        0,
+        0,
+    ]
+    assert TransferPlan(Direction.LOAD, zeros(4), zeros(2), 4, 2, (4,), (3,), (2,), 0).host_index(4).tolist() == [
+        0,
+        1,
+        1,
+        1,
+    ]

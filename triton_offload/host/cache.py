@@ -20,30 +20,21 @@ import numpy as np
 import torch
 
 from triton_offload._checks import positive_int
+from triton_offload.checksums import Checksums
 from triton_offload.host import numa, pages, registration
 from triton_offload.host.budget import host_blocks_for_budget
 from triton_offload.host.numa import NodeChoice, choose_node
 from triton_offload.host.pages import HugePageShortage, huge_pages_setting, pinning_setting
 from triton_offload.host.placement import read_placement, size_text
 from triton_offload.host.registration import RegistrationError, unregister_host_ranges
+from triton_offload.integrity import OFF, integrity_setting
 
-__all__ = ["HostCache", "checksum_table"]
+__all__ = ["HostCache"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
 _EHWPOISON = getattr(errno, "EHWPOISON", 133)  # Linux's; what MADV_POPULATE_WRITE returns for a missing huge page
-
-
-def checksum_table(num_blocks: int, blocks_per_host_block: int, pin: bool, regions: int = 1) -> torch.Tensor:
-    """A zeroed checksum table of the integrity checks for ``num_blocks`` host blocks of ``blocks_per_host_block``
-    GPU blocks: int64 ``(num_blocks, regions x (1 + f))``, per host region of a row (``KVCacheSpec.num_regions``: a
-    row holds one key per region) a marker then one checksum per sub-block (zero: no checksum yet), page-locked when
-    ``pin`` (the kernels read and write it from the GPU)."""
-    positive_int(num_blocks, "num_blocks")
-    positive_int(blocks_per_host_block, "checksums (blocks per host block)")
-    positive_int(regions, "checksum regions (host regions of a row)")
-    return torch.zeros((num_blocks, regions * (1 + blocks_per_host_block)), dtype=torch.int64, pin_memory=pin)
 
 
 def _address(region: mmap.mmap) -> int:
@@ -88,10 +79,10 @@ class HostCache:
         sysfs: the root the NUMA topology and huge-page pools are read from.
         host_alloc: what pins memory at allocation (``alloc(nbytes) -> address``, ``free(address)``); None:
             :class:`~triton_offload.host.pages.CudaHostAlloc`.
-        checksums: 0 (no integrity checks), or the GPU blocks per host block (f) of a checksum table kept beside the
-            blocks: :attr:`checksums`, int64 ``(num_blocks, regions x (1 + f))``, zeroed, pinned where the cache is
-            (per region of a row a marker, then one checksum per sub-block; docs/integrity.md). A separate small
-            allocation (``8 * regions * (1 + f)`` bytes per host block), not part of the blocks' rows.
+        integrity: ``"off"`` (the default), ``"verify"`` or ``"require"``: with the checks, :attr:`checksums` is
+            their :class:`~triton_offload.checksums.Checksums`, its table kept beside the blocks (zeroed, pinned where
+            the cache is; docs/integrity.md); None without.
+        checksum_blocks: the GPU blocks per host block (f) the checksums are for.
         checksum_regions: the host regions of a row (``KVCacheSpec.num_regions``: each holds a key of its own).
 
     Attributes besides the arguments': ``numa`` (the NodeChoice), ``huge_pages`` (the setting in effect; None for
@@ -116,7 +107,8 @@ class HostCache:
         device: torch.device | str | None = None,
         sysfs: str = numa.SYSFS,
         host_alloc=None,
-        checksums: int = 0,
+        integrity: str = "off",
+        checksum_blocks: int = 1,
         checksum_regions: int = 1,
     ):
         if (cpu_bytes_to_use is None) == (num_blocks is None):
@@ -125,6 +117,7 @@ class HostCache:
             register_threads = min(registration.REGISTER_THREADS, os.cpu_count() or 1)
         positive_int(register_threads, "register_threads")  # before the allocation, not after it
         huge_pages, pinning = huge_pages_setting(huge_pages), pinning_setting(pinning)
+        integrity = integrity_setting(integrity)  # before the allocation, not after it
         pages.check_settings(huge_pages, pinning)
         if num_blocks is not None:
             # An exact count: a worker whose scheduler already divided the budget must match it block for block.
@@ -159,9 +152,10 @@ class HostCache:
                 if flat is None:
                     flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
             self.buffer = flat[: self.nbytes].view(self.num_blocks, host_block_bytes)
-            self.checksums = (
-                checksum_table(self.num_blocks, checksums, self.pinned, checksum_regions) if checksums else None
-            )
+            self.checksums = None
+            if integrity != OFF:
+                self.checksums = Checksums.allocate(integrity, self.num_blocks, checksum_blocks, pin=self.pinned,
+                                                    regions=checksum_regions)  # fmt: skip
         self.alloc_seconds = self.map_seconds + self.touch_seconds
         # The whole mapping (reserved huge pages round it up): it is ours alone.
         self.placement = read_placement(self.buffer.data_ptr(), len(self._mmap) if self._mmap else self.nbytes)

@@ -8,25 +8,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
-import numpy as np
 import torch
 
+from triton_offload.checksums import LoadCheck
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import TransferPlan
 
-__all__ = ["Issuer", "LoadCheck", "IssuerContext"]
-
-
-class LoadCheck(NamedTuple):
-    """What the integrity check of one load found (docs/integrity.md).
-
-    Attributes:
-        failed: positions in the plan's GPU ids of the blocks whose bytes do not match their stored checksum.
-        absent: positions of the blocks whose host row holds no checksum (stored without the checks).
-    """
-
-    failed: np.ndarray
-    absent: np.ndarray
+__all__ = ["Issuer", "IssuerContext"]
 
 
 class Issuer(Protocol):

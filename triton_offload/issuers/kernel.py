@@ -12,7 +12,7 @@ import torch
 
 from triton_offload import integrity
 from triton_offload._checks import KERNEL
-from triton_offload.issuers.base import LoadCheck
+from triton_offload.checksums import LoadCheck
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import packing
 from triton_offload.plan import Direction, TransferPlan
@@ -23,12 +23,12 @@ __all__ = ["KernelIssuer", "load_check"]
 
 class _Checked(NamedTuple):
     """What a launch with the integrity checks holds until it completes: its id slot (CUDA), where its results are
-    written, and what reading them needs."""
+    written, and what reading them needs (the plan names each block of a load's outcome)."""
 
     slot: IdSlot | None
     res: np.ndarray
-    n_blocks: int
-    load: bool
+    plan: TransferPlan
+    blocks_per_host_block: int
 
 
 def load_check(keep) -> LoadCheck | None:
@@ -38,15 +38,16 @@ def load_check(keep) -> LoadCheck | None:
     Raises:
         RuntimeError: the launch completed without writing its results (no program finalised the checks).
     """
-    if not isinstance(keep, _Checked) or not keep.load:
+    if not isinstance(keep, _Checked) or keep.plan.direction is Direction.STORE:
         return None
-    res = keep.res
+    res, plan, f = keep.res, keep.plan, keep.blocks_per_host_block
     if res[0] < 0:
         raise RuntimeError("the integrity check of a load completed without its results")
     if res[0] == 0 and res[1] == 0:
-        return LoadCheck(_NONE, _NONE)
-    status = res[2 : 2 + keep.n_blocks]
-    return LoadCheck(np.flatnonzero(status == integrity.FAILED), np.flatnonzero(status == integrity.ABSENT))
+        return LoadCheck(_NONE, _NONE, plan, f)
+    status = res[2 : 2 + plan.n_blocks]
+    failed, absent = np.flatnonzero(status == integrity.FAILED), np.flatnonzero(status == integrity.ABSENT)
+    return LoadCheck(failed, absent, plan, f)
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -85,7 +86,6 @@ class KernelIssuer:
         """:meth:`issue`, or with ``copy`` False the checksum-only launch of the same plan (the copy-engine path's
         check, :class:`~triton_offload.issuers.dma.DmaIssuer`)."""
         checks = self.launcher.integrity
-        load = plan.direction is not Direction.STORE
         if self.stager is None:
             size = packing.packed_size(plan, checks)
             buf = np.empty(size + (packing.result_size(plan) if checks else 0), dtype=np.int64)
@@ -97,7 +97,7 @@ class KernelIssuer:
             res = buf[size:]
             res[0] = -1  # until the last program writes the results
             self.launcher.launch(plan, torch.from_numpy(buf[:size]), self.num_ctas, torch.from_numpy(res), copy)
-            return _Checked(None, res, plan.n_blocks, load)
+            return _Checked(None, res, plan, self.launcher.blocks_per_host_block)
         size = packing.packed_size(plan, checks)
         slot = self.stager.take(size)
         try:
@@ -114,7 +114,7 @@ class KernelIssuer:
         else:
             with torch.cuda.stream(stream):
                 self._upload_and_launch(plan, slot, size, trace, res if checks else None, copy)
-        return _Checked(slot, res_np, plan.n_blocks, load) if checks else slot
+        return _Checked(slot, res_np, plan, self.launcher.blocks_per_host_block) if checks else slot
 
     def _upload_and_launch(self, plan: TransferPlan, slot: IdSlot, size: int, trace, res, copy) -> None:
         # The slot is pinned, so this copy is truly asynchronous; it is not reused before its reader's guard.

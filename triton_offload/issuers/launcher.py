@@ -13,13 +13,13 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from triton_offload import integrity
+from triton_offload.checksums import Checksums
 from triton_offload.kernels import copy_blocks, packing, shapes, tables
 from triton_offload.kernels._triton_compat import launch_hooks_idle
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
 
-__all__ = ["CopyLauncher", "check_checksum_table"]
+__all__ = ["CopyLauncher"]
 
 
 class _SpecKernelState:
@@ -41,30 +41,6 @@ class _SpecKernelState:
 _STATE: weakref.WeakKeyDictionary[KVCacheSpec, _SpecKernelState] = weakref.WeakKeyDictionary()
 
 
-def check_checksum_table(
-    table: torch.Tensor, num_host_blocks: int, blocks_per_host_block: int, cuda: bool, regions: int = 1
-) -> None:
-    """Checks a checksum table against the host buffer it describes: int64 host memory, one row per host block of
-    ``regions x (1 + f)`` (per host region of the row, ``KVCacheSpec.num_regions``: its marker, then one checksum per
-    sub-block), contiguous within rows, pinned where the kernel runs on CUDA (it is read and written from the GPU).
-
-    Raises:
-        TypeError / ValueError: naming what differs.
-    """
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"the checksum table must be a torch.Tensor, got {type(table).__name__}")
-    want = (num_host_blocks, regions * (1 + blocks_per_host_block))
-    if table.dtype != torch.int64 or tuple(table.shape) != want:
-        raise ValueError(f"the checksum table must be int64 of shape {want}, got {table.dtype} {tuple(table.shape)}")
-    if table.device.type != "cpu" or table.stride(1) != 1 or (want[0] > 1 and table.stride(0) < want[1]):
-        raise ValueError(
-            f"the checksum table must be host memory with contiguous, disjoint rows, got {table.device} with strides "
-            f"{table.stride()}"
-        )
-    if cuda and not table.is_pinned():
-        raise ValueError("the checksum table must be pinned (page-locked) memory when the KV caches are on CUDA")
-
-
 class CopyLauncher:
     """Launches the copy kernel between one spec's KV caches and one host buffer.
 
@@ -83,9 +59,10 @@ class CopyLauncher:
         tunings: per direction, the :class:`~triton_offload.kernels.shapes.LaunchTuning` to launch with; None
             for :data:`~triton_offload.kernels.shapes.DEFAULT_TUNINGS`.
         configs: launch shapes to use instead of those the tunings give, per direction (see :meth:`twin`).
-        checksums: the checksum table of the integrity checks (:func:`check_checksum_table`); with it, every launch
-            also checksums the blocks it moves: a store writes their checksums, a load checks them
-            (docs/integrity.md). None: no checks (the kernel compiled exactly as without them).
+        checksums: the integrity checks (:class:`~triton_offload.checksums.Checksums`, checked here against the
+            host buffer); with them, every launch also checksums the blocks it moves: a store writes their
+            checksums, a load checks them (docs/integrity.md). None: no checks (the kernel compiled exactly as
+            without them).
     """
 
     def __init__(
@@ -96,7 +73,7 @@ class CopyLauncher:
         direction: Direction | None = None,
         tunings: Mapping[Direction, shapes.LaunchTuning] | None = None,
         configs: Mapping[Direction, shapes.LaunchConfig] | None = None,
-        checksums: torch.Tensor | None = None,
+        checksums: Checksums | None = None,
     ):
         self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
         self.checksums = checksums
@@ -115,7 +92,7 @@ class CopyLauncher:
         # By (direction, copy): copy False is the checksum-only launch of the copy-engine path.
         self._direct: dict[tuple[Direction, bool], object] = {}
         if checksums is not None:
-            check_checksum_table(checksums, host_buffer.shape[0], blocks_per_host_block, self.cuda, spec.num_regions)
+            checksums.check_for(host_buffer.shape[0], blocks_per_host_block, spec.num_regions, self.cuda)
         for d in self.directions:
             cfg = None if configs is None else configs[d]
             if cfg is None:
@@ -138,9 +115,9 @@ class CopyLauncher:
                 ck = state.tables.get(("checks", cfg.elem))
                 if ck is None:
                     ck = state.tables[("checks", cfg.elem)] = tables.build_integrity_table(spec, cfg.elem)
-                mark = integrity.marker(blocks_per_host_block, cfg.elem)
                 # The table stays a tensor in a direct launch too (host memory, translated as the host buffer is).
-                self._checks[d] = (ck, ck.data_ptr(), checksums, checksums.stride(0), mark)
+                tab = checksums.table
+                self._checks[d] = (ck, ck.data_ptr(), tab, tab.stride(0), checksums.marker(cfg.elem))
         self._current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def twin(
@@ -148,11 +125,11 @@ class CopyLauncher:
         spec: KVCacheSpec,
         host_buffer: torch.Tensor,
         direction: Direction | None = None,
-        checksums: torch.Tensor | None = None,
+        checksums: Checksums | None = None,
     ) -> CopyLauncher:
         """A launcher over other tensors of the same geometry (a canary's), for ``direction`` (None: this one's), that
         launches with this one's launch shapes, so both use the same compiled variants; with the integrity checks
-        where this one has them (``checksums``: the twin's own table, required then)."""
+        where this one has them (``checksums``: the twin's own, required then)."""
         if direction is None and len(self.directions) == 1:
             direction = self.directions[0]
         if (checksums is None) != (self.checksums is None):
