@@ -78,7 +78,7 @@ def launch_shape(value, name: str = "launch_shape") -> str:
 def _one_of(value, name: str, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``; else a ``ValueError`` naming ``name`` and listing them."""
     if value not in choices:
-        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(c) for c in choices)}")
+        raise ValueError(f"{name} = {value!r} must be one of {', '.join(repr(str(c)) for c in choices)}")
     return value
 
 

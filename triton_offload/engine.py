@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from triton_offload._checks import AUTO, KERNEL, int_in_range, transfer_path
+from triton_offload._checks import int_in_range, transfer_path
 from triton_offload._checks import launch_shape as check_launch_shape
 from triton_offload.calibrate import calibrate, canary_issuers
 from triton_offload.checksums import NO_BLOCKS, BlockRefs, Checksums
@@ -22,7 +22,7 @@ from triton_offload.issuers.factory import PATHS, PathUnavailable, describe_laun
 from triton_offload.jobs import JobResult, JobTracker
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.path_choice import Calibration, cheapest
-from triton_offload.plan import BlockIds, Direction, TransferPlan, TransferPlanner, check_host_buffer
+from triton_offload.plan import BlockIds, Direction, TransferPath, TransferPlan, TransferPlanner, check_host_buffer
 from triton_offload.staging import IdStager
 
 __all__ = ["TransferEngine", "JobResult", "STORE", "LOAD", "EXPEDITED", "LANES"]
@@ -37,6 +37,7 @@ STORE, LOAD = Direction.STORE, Direction.LOAD
 EXPEDITED = "expedited load"
 # The engine's lanes, one side stream each.
 LANES = (STORE, LOAD, EXPEDITED)
+_BUILT_IN = {p.value for p in TransferPath}
 
 
 class TransferEngine:
@@ -102,9 +103,10 @@ class TransferEngine:
         self.launch_shape = check_launch_shape(launch_shape)
         self.cuda = kv.device.type == "cuda"
         builders = dict(PATHS if issuers is None else issuers)
-        self.path = transfer_path(
-            path if path is not None else AUTO if self.cuda else KERNEL, choices=(AUTO, *builders)
-        )
+        default = TransferPath.AUTO if self.cuda else TransferPath.KERNEL
+        self.path = transfer_path(default if path is None else path, choices=(TransferPath.AUTO, *builders))
+        if self.path in _BUILT_IN:  # a path added to PATHS keeps its str name
+            self.path = TransferPath(self.path)
         self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
         # Test and profiling hook: trace(step) is called at each step of a submission (bench/micro/call_cost.py).
         self.trace = None
@@ -132,9 +134,9 @@ class TransferEngine:
         self._tracker = JobTracker(kv.device, LANES, name="the transfer engine") if tracker is None else tracker
         # Paths that cannot run here (auto goes on without them), with why.
         self._unavailable: dict[str, str] = {}
-        paths = tuple(builders) if self.path == AUTO else (self.path,)
+        paths = tuple(builders) if self.path is TransferPath.AUTO else (self.path,)
         self._issuers = {lane: self._lane_issuers(lane, paths, builders) for lane in LANES}
-        self.calibration = self._calibration(calibration, builders) if self.path == AUTO else None
+        self.calibration = self._calibration(calibration, builders) if self.path is TransferPath.AUTO else None
         # Per GPU block, the sequence number of the last store that reads it (0: none); the pending stores by number;
         # the highest number reported complete (a lane completes in order, so every lower one is complete too).
         self._store_reads = np.zeros(kv.num_blocks, dtype=np.int64)
@@ -160,7 +162,7 @@ class TransferEngine:
             try:
                 out[path] = builders[path](ctx)
             except PathUnavailable as e:
-                if self.path != AUTO:
+                if self.path is not TransferPath.AUTO:
                     raise ValueError(f"transfer path {path!r} cannot run here: {e}") from e
                 logger.warning("triton-offload engine: no %r path (%s): 'auto' goes on without it", path, e)
                 self._unavailable[path] = f"no {path!r} path: {e}"

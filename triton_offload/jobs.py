@@ -17,9 +17,8 @@ from numbers import Integral
 
 import torch
 
-from triton_offload._checks import KERNEL
 from triton_offload.issuers.base import Issuer
-from triton_offload.plan import Direction
+from triton_offload.plan import Direction, TransferPath
 
 __all__ = ["JobResult", "JobTracker"]
 
@@ -47,7 +46,7 @@ class JobResult:
     num_bytes: int
     seconds: float
     error: str | None = None
-    path: str = KERNEL
+    path: TransferPath | str = TransferPath.KERNEL
     predicted: Mapping[str, float] | None = None
     check: object | None = None
 

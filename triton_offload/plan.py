@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from triton_offload._checks import int_in_range
+from triton_offload._checks import AUTO, DMA, KERNEL, int_in_range
 from triton_offload.layouts import KVCacheSpec
 
 __all__ = ["Direction", "BlockIds", "TransferPlan", "TransferPlanner", "check_host_buffer"]
@@ -40,6 +40,24 @@ class Direction(str, enum.Enum):
 
 
 _STORE = Direction.STORE  # a module global is read faster than the class attribute, on every call
+
+
+class TransferPath(str, enum.Enum):
+    """How a transfer moves: the Triton kernel, the copy engines, or per call the one ``auto``'s calibration predicts
+    cheaper (triton_offload/path_choice.py). A ``str``, as :class:`Direction` is: it compares equal to, and prints
+    as, its name; a path added to :data:`triton_offload.issuers.factory.PATHS` is named by a plain ``str``."""
+
+    AUTO = AUTO
+    KERNEL = KERNEL
+    DMA = DMA
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__  # the engine's issuers are keyed by path
 
 
 # A NamedTuple: immutable, and built on every call several times faster than a frozen dataclass.

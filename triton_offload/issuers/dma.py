@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from triton_offload._checks import DMA
 from triton_offload.cuda_driver import FLAG_PREFER_OVERLAP_WITH_COMPUTE, BatchIssuer
 from triton_offload.layouts import KVCacheSpec, Segment
-from triton_offload.plan import Direction, TransferPlan
+from triton_offload.plan import Direction, TransferPath, TransferPlan
 
 __all__ = ["GroupRuns", "group_runs", "DmaPlanner", "DmaIssuer"]
 
@@ -162,7 +161,7 @@ class DmaIssuer:
         CudaError: on CUDA, the driver has no ``cuMemcpyBatchAsync`` (before 12.8).
     """
 
-    path = DMA
+    path = TransferPath.DMA
 
     def __init__(
         self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int, coalesce=True, checker=None

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import torch
 
-from triton_offload._checks import DMA, KERNEL
 from triton_offload.cuda_driver import CudaError
 from triton_offload.fast_launch import DIRECT, enable_fast_launch, fast_launch_default
 from triton_offload.issuers.base import Issuer, IssuerContext
@@ -21,7 +20,7 @@ from triton_offload.issuers.dma import DmaIssuer
 from triton_offload.issuers.kernel import KernelIssuer
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.layouts import KVCacheSpec
-from triton_offload.plan import Direction
+from triton_offload.plan import Direction, TransferPath
 
 __all__ = ["PATHS", "PathUnavailable", "build_kernel", "build_dma", "build_issuers", "KernelSetup", "kernel_launcher"]
 
@@ -53,7 +52,7 @@ def build_dma(ctx: IssuerContext) -> DmaIssuer:
 
 
 # The paths by name, the kernel first (``auto`` gives it ties).
-PATHS: dict[str, Callable[[IssuerContext], Issuer]] = {KERNEL: build_kernel, DMA: build_dma}
+PATHS: dict[str, Callable[[IssuerContext], Issuer]] = {TransferPath.KERNEL: build_kernel, TransferPath.DMA: build_dma}
 
 
 def build_issuers(

@@ -11,11 +11,10 @@ import numpy as np
 import torch
 
 from triton_offload import integrity
-from triton_offload._checks import KERNEL
 from triton_offload.checksums import LoadCheck
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import packing
-from triton_offload.plan import Direction, TransferPlan
+from triton_offload.plan import Direction, TransferPath, TransferPlan
 from triton_offload.staging import IdSlot, IdStager
 
 __all__ = ["KernelIssuer", "load_check"]
@@ -68,7 +67,7 @@ class KernelIssuer:
             (:meth:`CopyLauncher.ctas`); None for the kernel's default.
     """
 
-    path = KERNEL
+    path = TransferPath.KERNEL
 
     def __init__(self, launcher: CopyLauncher, stager: IdStager | None, num_ctas: int | None = None):
         self.launcher, self.stager, self.num_ctas = launcher, stager, num_ctas
