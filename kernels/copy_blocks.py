@@ -87,8 +87,10 @@ def _finalize_checksums_fn(
         fblk = i * FIN + fins
         flive = fblk < n_blocks
         # Read through the atomics' own path (L2), never a cache line of this program's.
-        lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
-        lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive).to(tl.uint64) & 0xFFFFFFFF
+        lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive, sem="acq_rel", scope="gpu")
+        lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive, sem="acq_rel", scope="gpu")
+        lane_a = lane_a.to(tl.uint64) & 0xFFFFFFFF
+        lane_b = lane_b.to(tl.uint64) & 0xFFFFFFFF
         if MULTI_GROUP:
             fgroup = tl.load(ids_ptr + n_blocks + n_host + fblk, mask=flive, other=0)
             fgroup_row = ids_ptr + 2 * n_blocks + n_host + fgroup * 3
@@ -175,31 +177,35 @@ def _copy_blocks_kernel(
     ``p % blocks_per_host_block``; segment ``s`` of sub-block ``j`` starts at ``j * host stride + host offset``
     from its table row (the packed format: the stride is the packed sub-block).
     """
-    # int64 from the start: the loop variable inherits it, so item indices never wrap.
-    pid = tl.program_id(0).to(tl.int64)
+    # The row indices (item, block, segment, position, host index) are int32: the planner refuses a transfer of
+    # 2**31 rows or more (plan.MAX_ROWS), and 32-bit division and registers are what small pages' tiles spend most on
+    # (docs/compiler.md). Addresses and offsets in elements stay int64.
+    pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    rows = tl.arange(0, ROWS).to(tl.int64)
+    rows = tl.arange(0, ROWS)
     cols = tl.arange(0, CHUNK)
-    n_items = n_blocks.to(tl.int64) * n_segs
+    n_segs32 = n_segs.to(tl.int32)
+    f32 = blocks_per_host_block.to(tl.int32)
+    n_items = (n_blocks * n_segs).to(tl.int32)
     # A fixed trip count rather than range(pid, n_tiles, nprog): older Triton interpreters cannot take a program id
     # as a Python range bound, and a round past the last tile is simply all masked.
     for i in range(0, tiles_per_program):
-        tile = pid + i * nprog
+        tile = (pid + i * nprog).to(tl.int32)  # i is int64 compiled (its bound is), a Python int interpreted
         item = tile * ROWS + rows  # [ROWS]
         live = item < n_items  # [ROWS]
-        blk = item // n_segs
-        seg = item - blk * n_segs
+        blk = item // n_segs32
+        seg = item - blk * n_segs32
         gpu_id = tl.load(ids_ptr + blk, mask=live, other=0)
         if MULTI_GROUP:
-            group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0)
+            group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0).to(tl.int32)
             group_row = ids_ptr + 2 * n_blocks + n_host + group * 3
-            first_block = tl.load(group_row, mask=live, other=0)
-            pos = blk - first_block + tl.load(group_row + 1, mask=live, other=0)
-            host_idx = tl.load(group_row + 2, mask=live, other=0) + pos // blocks_per_host_block
-            seg_row = table_ptr + (group * n_segs + seg) * 5
+            first_block = tl.load(group_row, mask=live, other=0).to(tl.int32)
+            pos = blk - first_block + tl.load(group_row + 1, mask=live, other=0).to(tl.int32)
+            host_idx = tl.load(group_row + 2, mask=live, other=0).to(tl.int32) + pos // f32
+            seg_row = table_ptr + (group * n_segs32 + seg) * 5
         else:
-            pos = blk + skip
-            host_idx = pos // blocks_per_host_block
+            pos = blk + skip.to(tl.int32)
+            host_idx = pos // f32
             seg_row = table_ptr + seg * 5
         host_id = tl.load(ids_ptr + n_blocks + host_idx, mask=live, other=0)
         seg_base = tl.load(seg_row, mask=live, other=0)
@@ -209,13 +215,13 @@ def _copy_blocks_kernel(
         seg_host = tl.load(seg_row + 4, mask=live, other=0)
         gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)  # [ROWS], elements from the anchor
         host_off = tl.multiple_of(  # [ROWS], elements from the host buffer's start
-            host_id * host_row_stride + (pos % blocks_per_host_block) * seg_host_stride + seg_host, VEC
+            host_id * host_row_stride + (pos % f32).to(tl.int64) * seg_host_stride + seg_host, VEC
         )
-        seg_len = tl.multiple_of(seg_len, VEC)
+        seg_len = tl.multiple_of(seg_len.to(tl.int32), VEC)  # a segment is < 2**31 elements (the planner checks)
         if INTEGRITY:
             # Word positions in the block's stream are 32-bit (a block of 16 GiB would wrap them).
             if MULTI_GROUP:
-                seg_word = tl.load(ck_ptr + (group * n_segs + seg) * 3, mask=live, other=0).to(tl.uint32)
+                seg_word = tl.load(ck_ptr + (group * n_segs32 + seg) * 3, mask=live, other=0).to(tl.uint32)
             else:
                 seg_word = tl.load(ck_ptr + seg * 3, mask=live, other=0).to(tl.uint32)
             # Per thread, its VEC words of a step are summed at once (no exchange between threads), so the running
@@ -241,14 +247,14 @@ def _copy_blocks_kernel(
             # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order.
             part_a = tl.reduce(acc_a, 1, _SUM).to(tl.int64)
             part_b = tl.reduce(acc_b, 1, _SUM).to(tl.int64)
-            tl.atomic_add(sums_ptr + 2 * blk, part_a, mask=live)
-            tl.atomic_add(sums_ptr + 2 * blk + 1, part_b, mask=live)
+            tl.atomic_add(sums_ptr + 2 * blk, part_a, mask=live, sem="acq_rel", scope="gpu")
+            tl.atomic_add(sums_ptr + 2 * blk + 1, part_b, mask=live, sem="acq_rel", scope="gpu")
     if INTEGRITY:
         # The last program to finish finalises every block's checksum: each program's sums are complete before its
         # count (every thread's atomics precede the barrier, and the count is an acquire-release atomic), so the
         # program that counts last sees all of them.
         tl.debug_barrier()
-        done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1)
+        done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
         if done == nprog - 1:
             _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks,
                                 n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP)  # fmt: skip

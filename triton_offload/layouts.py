@@ -304,6 +304,8 @@ class KVCacheSpec:
         self.region_bytes = _region_bytes(self.group_bytes, self.group_regions)
         self.num_regions = len(self.region_bytes)
         self.max_segment_bytes = max(s.nbytes for s in self.segments)
+        if self.max_segment_bytes >= 2**31:  # the kernel masks a row's elements with 32-bit lengths
+            raise ValueError(f"a page of {self.max_segment_bytes} bytes is too large: the kernel moves pages < 2 GiB")
         self._layer_page_bytes = tuple(pages)
         # Largest power of two (at most MAX_ACCESS_BYTES) dividing every GPU address, stride, size and host position:
         # the widest access the kernel may use. Computed once: the per-call path must not loop over layers.

@@ -21,6 +21,8 @@ __all__ = ["Direction", "BlockIds", "TransferPlan", "TransferPlanner", "check_ho
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 _INT64_MAX = int(np.iinfo(np.int64).max)
+# Rows (GPU block x segment) one transfer may move: the copy kernel indexes them in 32 bits.
+MAX_ROWS = 2**31 - 1
 
 
 class Direction(str, enum.Enum):
@@ -238,6 +240,8 @@ class TransferPlanner:
         self._scratch = np.empty(2048, dtype=np.int64)  # a call's GPU and host ids side by side (under the lock)
         self._bounds = np.zeros(2, dtype=np.intp)  # [0, n]: where each starts in the scratch
         self._lock = threading.Lock()
+        # The kernel indexes a transfer's rows (block x segment) in 32 bits.
+        self.max_blocks = MAX_ROWS // max(1, spec.segments_per_group)
 
     def plan(
         self,
@@ -258,12 +262,18 @@ class TransferPlanner:
 
         Raises:
             TypeError: ids that are not integers.
-            ValueError: any id out of range, a duplicated destination, a host id count other than
-                ``ceil((skip + n) / blocks_per_host_block)`` (per group), ``skip >= blocks_per_host_block``, or group
-                sizes that do not match the spec or the ids. The message names the value.
+            ValueError: more than :attr:`max_blocks` blocks, any id out of range, a duplicated destination, a host
+                id count other than ``ceil((skip + n) / blocks_per_host_block)`` (per group), ``skip >=
+                blocks_per_host_block``, or group sizes that do not match the spec or the ids. The message names the
+                value.
         """
         spec, f = self.spec, self.blocks_per_host_block
         g = _as_ids(gpu_block_ids, "gpu_block_ids", spec.num_blocks)
+        if g.size > self.max_blocks:
+            raise ValueError(
+                f"len(gpu_block_ids) = {g.size} is more than one transfer moves: at most {self.max_blocks} blocks of "
+                f"{spec.segments_per_group} segments ({MAX_ROWS} rows); split it"
+            )
         h = _as_ids(host_block_ids, "host_block_ids", self.num_host_blocks)
         if group_sizes is None and spec.num_groups == 1 and type(skip) is int:
             # The call every single-group engine makes, kept free of the per-group tuples' work (this path is held

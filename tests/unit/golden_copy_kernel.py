@@ -1,7 +1,7 @@
-"""The copy kernel as it was before the integrity checks (commit c8f7726, kernels/copy_blocks.py, verbatim): the
-kernel without checks must compile to the same PTX (tests/unit/test_kernel_compile.py). A change to the kernel's data
-path changes both on purpose: update this copy with it, in the same commit.
-"""
+"""The copy kernel without the integrity checks (as at commit c8f7726, kernels/copy_blocks.py, with the data path's
+changes since: its row indices int32, issue 58): the kernel without checks must compile to the same PTX
+(tests/unit/test_kernel_compile.py). A change to the kernel's data path changes both on purpose: update this copy with
+it, in the same commit."""
 
 import triton.language as tl
 
@@ -36,31 +36,35 @@ def _copy_blocks_kernel(
     ``p % blocks_per_host_block``; segment ``s`` of sub-block ``j`` starts at ``j * host stride + host offset``
     from its table row (the packed format: the stride is the packed sub-block).
     """
-    # int64 from the start: the loop variable inherits it, so item indices never wrap.
-    pid = tl.program_id(0).to(tl.int64)
+    # The row indices (item, block, segment, position, host index) are int32: the planner refuses a transfer of
+    # 2**31 rows or more (plan.MAX_ROWS), and 32-bit division and registers are what small pages' tiles spend most on
+    # (docs/compiler.md). Addresses and offsets in elements stay int64.
+    pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    rows = tl.arange(0, ROWS).to(tl.int64)
+    rows = tl.arange(0, ROWS)
     cols = tl.arange(0, CHUNK)
-    n_items = n_blocks.to(tl.int64) * n_segs
+    n_segs32 = n_segs.to(tl.int32)
+    f32 = blocks_per_host_block.to(tl.int32)
+    n_items = (n_blocks * n_segs).to(tl.int32)
     # A fixed trip count rather than range(pid, n_tiles, nprog): older Triton interpreters cannot take a program id
     # as a Python range bound, and a round past the last tile is simply all masked.
     for i in range(0, tiles_per_program):
-        tile = pid + i * nprog
+        tile = (pid + i * nprog).to(tl.int32)  # i is int64 compiled (its bound is), a Python int interpreted
         item = tile * ROWS + rows  # [ROWS]
         live = item < n_items  # [ROWS]
-        blk = item // n_segs
-        seg = item - blk * n_segs
+        blk = item // n_segs32
+        seg = item - blk * n_segs32
         gpu_id = tl.load(ids_ptr + blk, mask=live, other=0)
         if MULTI_GROUP:
-            group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0)
+            group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0).to(tl.int32)
             group_row = ids_ptr + 2 * n_blocks + n_host + group * 3
-            first_block = tl.load(group_row, mask=live, other=0)
-            pos = blk - first_block + tl.load(group_row + 1, mask=live, other=0)
-            host_idx = tl.load(group_row + 2, mask=live, other=0) + pos // blocks_per_host_block
-            seg_row = table_ptr + (group * n_segs + seg) * 5
+            first_block = tl.load(group_row, mask=live, other=0).to(tl.int32)
+            pos = blk - first_block + tl.load(group_row + 1, mask=live, other=0).to(tl.int32)
+            host_idx = tl.load(group_row + 2, mask=live, other=0).to(tl.int32) + pos // f32
+            seg_row = table_ptr + (group * n_segs32 + seg) * 5
         else:
-            pos = blk + skip
-            host_idx = pos // blocks_per_host_block
+            pos = blk + skip.to(tl.int32)
+            host_idx = pos // f32
             seg_row = table_ptr + seg * 5
         host_id = tl.load(ids_ptr + n_blocks + host_idx, mask=live, other=0)
         seg_base = tl.load(seg_row, mask=live, other=0)
@@ -70,9 +74,9 @@ def _copy_blocks_kernel(
         seg_host = tl.load(seg_row + 4, mask=live, other=0)
         gpu_off = tl.multiple_of(seg_base + gpu_id * seg_stride, VEC)  # [ROWS], elements from the anchor
         host_off = tl.multiple_of(  # [ROWS], elements from the host buffer's start
-            host_id * host_row_stride + (pos % blocks_per_host_block) * seg_host_stride + seg_host, VEC
+            host_id * host_row_stride + (pos % f32).to(tl.int64) * seg_host_stride + seg_host, VEC
         )
-        seg_len = tl.multiple_of(seg_len, VEC)
+        seg_len = tl.multiple_of(seg_len.to(tl.int32), VEC)  # a segment is < 2**31 elements (the planner checks)
         for k in range(0, n_chunks):
             col = k * CHUNK + cols  # [CHUNK]
             mask = col[None, :] < seg_len[:, None]  # [ROWS, CHUNK]

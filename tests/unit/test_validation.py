@@ -310,3 +310,18 @@ def test_huge_and_negative_ids_are_out_of_range(setup):
     for bad in (-(2**63), -1, 2**62):
         with pytest.raises(ValueError, match=rf"gpu_block_ids\[1\] = {bad} is out of range"):
             to.plan_transfer(spec, host, [0, bad, 1], [0, 1], blocks_per_host_block=2, skip=1, direction=STORE)
+
+
+def test_a_transfer_of_more_rows_than_the_kernel_indexes_in_32_bits_is_refused():
+    """The kernel's row indices (block x segment) are int32: the planner refuses, naming the limit, a transfer of
+    more than 2**31 - 1 rows, before anything is moved."""
+    from triton_offload.plan import MAX_ROWS
+
+    caches = [torch.zeros(2, 8, 2, 1, 4, dtype=torch.float16) for _ in range(3)]
+    spec = to.KVCacheSpec(caches, "kv_first")
+    planner = TransferPlanner(spec, 8, 1)
+    assert planner.max_blocks == MAX_ROWS // spec.segments_per_group == (2**31 - 1) // 6
+    planner.max_blocks = 3  # the same check at a size a test can build
+    with pytest.raises(ValueError, match=r"len\(gpu_block_ids\) = 4 is more than one transfer moves: at most 3 blocks"):
+        planner.plan(np.arange(4), np.arange(4), direction=to.Direction.STORE)
+    assert planner.plan(np.arange(3), np.arange(3), direction=to.Direction.STORE).n_blocks == 3

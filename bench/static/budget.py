@@ -1,0 +1,84 @@
+"""The budgets CI holds the copy kernel to (tests/unit/test_kernel_static.py), from a static report: per gated variant
+(pages whose addresses allow 16-byte accesses, on sm_90) the most instructions per 16 bytes its loops may take, the
+barriers its copy loop may hold, its stack, and the exact atomics of its PTX with their semantics; every variant
+without the checks (the default path) must not spill and must move its data in 16-byte accesses. :func:`make` writes
+them from a report with slack for other Tritons; :func:`problems` says what a measured variant breaks."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+from bench.static.variants import Variant
+
+__all__ = ["BUDGET_PATH", "SLACK", "gated", "make", "problems"]
+
+BUDGET_PATH = pathlib.Path(__file__).with_name("budget.json")
+# Instructions may grow by this much over the report the budget was made from (Tritons differ by a few percent) and
+# by at least 2 per 16 bytes: a change that adds real work to a loop does not fit.
+SLACK = 1.15
+# The global accesses a plain variant may make: its 64-bit id and table loads, and 16-byte data loads and stores.
+PLAIN_ACCESSES = {"LDG.E.64", "LDG.E.128", "STG.E.128"}
+
+
+def gated(v: Variant) -> bool:
+    """The variants CI compiles: 16-byte pages; every mode with one KV-cache group, the plain copy with several."""
+    return v.width == 16 and (not v.grouped or v.mode == "plain")
+
+
+def _ceil(value: float) -> float:
+    return math.ceil(max(value * SLACK, value + 2) * 100) / 100
+
+
+def make(rows: list[dict], arch: str = "sm_90") -> dict:
+    """Budgets from a (merged) report's rows of ``arch``: the worst over its Tritons, with :data:`SLACK`."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["arch"] == arch and r["width"] == 16 and (not r["grouped"] or r["mode"] == "plain"):
+            by.setdefault(r["variant"], []).append(r)
+    budgets = {}
+    for vid, rs in sorted(by.items()):
+        loops = [r["loop"] for r in rs if r.get("loop")]
+        tiles = [r["tile_loop"] for r in rs if r.get("tile_loop")]
+        atomics = {k for r in rs for k in r["ptx"]["atomics"]}
+        budgets[vid] = {
+            "max_loop_instructions_per_16B": _ceil(max(lp["instructions_per_16B"] for lp in loops)),
+            "max_tile_instructions_per_16B": _ceil(max(t["instructions_per_16B"] for t in tiles)),
+            "max_loop_barriers": max(sum(lp["barriers"].values()) for lp in loops),
+            "max_stack_bytes": max(r["stack_bytes"] for r in rs),
+            "ptx_atomics": {k: max(r["ptx"]["atomics"].get(k, 0) for r in rs) for k in sorted(atomics)},
+        }
+    return {
+        "about": "per variant: what tests/unit/test_kernel_static.py holds the kernel to (bench/static/budget.py)",
+        "arch": arch,
+        "made_from": sorted({r.get("triton", "?") for r in rows}),
+        "slack": SLACK,
+        "variants": budgets,
+    }
+
+
+def problems(row: dict, budget: dict) -> list[str]:
+    """What a measured variant (a report row) breaks in its budget (and, without the checks, the default path's
+    rules: no spill, 16-byte data accesses)."""
+    out = []
+    name = row["variant"]
+    if row["mode"] == "plain":
+        if row["stack_bytes"] or row["spill_stores"] or row["spill_loads"]:
+            out.append(f"{name}: spills ({row['stack_bytes']} stack bytes, {row['spill_stores']} STL, "
+                       f"{row['spill_loads']} LDL)")  # fmt: skip
+        odd = sorted(set(row["global_accesses"]) - PLAIN_ACCESSES)
+        if odd or not {"LDG.E.128", "STG.E.128"} <= set(row["global_accesses"]):
+            out.append(f"{name}: global accesses {row['global_accesses']}: data must move in 16-byte loads and stores")
+    loop, tile = row.get("loop"), row.get("tile_loop")
+    if loop is None or tile is None:
+        return out + [f"{name}: no copy loop found in its SASS"]
+    checks = (
+        ("loop instructions per 16 B", loop["instructions_per_16B"], budget["max_loop_instructions_per_16B"]),
+        ("tile instructions per 16 B", tile["instructions_per_16B"], budget["max_tile_instructions_per_16B"]),
+        ("barriers in the copy loop", sum(loop["barriers"].values()), budget["max_loop_barriers"]),
+        ("stack bytes", row["stack_bytes"], budget["max_stack_bytes"]),
+    )
+    out += [f"{name}: {what} {got} > budget {limit}" for what, got, limit in checks if got > limit]
+    if row["ptx"]["atomics"] != budget["ptx_atomics"]:
+        out.append(f"{name}: PTX atomics {row['ptx']['atomics']} != budget {budget['ptx_atomics']}")
+    return out
