@@ -1,15 +1,12 @@
 """The vLLM plugin (installed as ``triton_offload.connector``): ``TritonOffloadingSpec`` for vLLM's
 ``OffloadingConnector``, and ``TritonTieringOffloadingSpec``, vLLM's tiering (fs / obj / p2p secondary tiers) with our
 worker as its GPU <-> CPU step (docs/tiering.md); ``TritonOffloadingConnector``, vLLM's connector reporting blocks that
-fail their integrity check as load errors (docs/integrity.md).
-
-Use it with ``kv_connector_extra_config={"spec_name": "TritonOffloadingSpec", "cpu_bytes_to_use": "8GiB", ...}``.
-The name resolves through :func:`register`, which vLLM calls in each of its processes through the
-``vllm.general_plugins`` entry point of this package; ``"spec_module_path": "triton_offload.connector"`` also works
-without the entry point.
-
-Importing this package does not import vLLM: the core never needs it, and the configuration parser
-(:mod:`triton_offload.connector.config`) works without it. The spec classes import vLLM when first used.
+fail their integrity check as load errors (docs/integrity.md). Use it with ``kv_connector_extra_config={"spec_name":
+"TritonOffloadingSpec", "cpu_bytes_to_use": "8GiB", ...}``: the name resolves through :func:`register`, which vLLM calls
+in each of its processes through the ``vllm.general_plugins`` entry point of this package, and ``"spec_module_path":
+"triton_offload.connector"`` also works without the entry point. Importing this package does not import vLLM (the core
+never needs it, and the configuration parser, :mod:`triton_offload.connector.config`, works without it); the spec
+classes import vLLM when first used.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The plugin's configuration: ``kv_connector_extra_config`` parsed once into a frozen dataclass.
-
-No vLLM import here: the parsing is plain Python so it can be tested and reused without vLLM installed.
-
-Keys are checked as vLLM checks its own configuration: an unknown key is an error (vLLM's config classes forbid
-extra fields, and an unknown engine argument stops ``vllm serve``), with a "did you mean" from the keys the spec
-reads; ``"unknown_keys": "warn"`` turns that into a warning, for keys a newer vLLM may add.
+"""The plugin's configuration: ``kv_connector_extra_config`` parsed once into a frozen dataclass
+(:class:`TritonOffloadConfig`), in plain Python with no vLLM import, so it can be tested and reused without vLLM
+installed. Keys are checked as vLLM checks its own configuration (:func:`check_keys`): an unknown key is an error
+(vLLM's config classes forbid extra fields, and an unknown engine argument stops ``vllm serve``), with a "did you mean"
+from the keys the spec reads; ``"unknown_keys": "warn"`` turns that into a warning, for keys a newer vLLM may add.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""The ``fs`` tier's ``root_dir``: checked when the configuration is, and private before vLLM's tier writes to it.
-
-KV bytes reveal the prompts they were computed from, and a block file of the right size is loaded without question.
-vLLM's ``fs`` tier creates a missing ``root_dir`` and the directories below it with the process umask (0755 under
-the usual 022) and writes its block files 0644, so any local user could read other tenants' conversations. Here a
-missing ``root_dir`` (and every directory created on the way to it) is created 0700 first: nothing below it is
-reachable by anyone but its owner, whatever modes vLLM uses inside. An existing ``root_dir`` is left as it is, with a
-warning when its group or others have access; one this process cannot write is refused, naming the permission,
-before anything is built. No vLLM import: plain paths.
+"""The ``fs`` tier's ``root_dir``: checked when the configuration is (:func:`check_root_dir`), and private before vLLM's
+tier writes to it (:func:`make_private_root_dir`, :func:`warn_if_shared`). KV bytes reveal the prompts they were
+computed from, and a block file of the right size is loaded without question. vLLM's ``fs`` tier creates a missing
+``root_dir`` and the directories below it with the process umask (0755 under the usual 022) and writes its block files
+0644, so any local user could read other tenants' conversations. Here a missing ``root_dir`` (and every directory
+created on the way to it) is created 0700 first: nothing below it is reachable by anyone but its owner, whatever modes
+vLLM uses inside. An existing ``root_dir`` is left as it is, with a warning when its group or others have access; one
+this process cannot write is refused, naming the permission, before anything is built. No vLLM import: plain paths.
 """
 
 from __future__ import annotations

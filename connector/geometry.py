@@ -1,23 +1,13 @@
-"""What the scheduler and every worker know identically about the KV caches they offload, and the host rows built
-from it.
-
-vLLM builds an ``OffloadingConfig`` in each process that runs an ``OffloadingConnector`` (the engine core's scheduler
-and every worker) and hands the spec only that. It carries vLLM's bytes per GPU block (``worker_kv_bytes_per_block``:
-the whole backing allocation, or the sum of the groups') but not what one block of each KV-cache group holds, which
-is what a key of that group costs. The spec cannot see tensors on the scheduler side, so the two sides must agree on
-the host rows from something else they both receive: vLLM's ``KVCacheConfig``, which the connector gets with the
-``VllmConfig`` right where it builds the ``OffloadingConfig`` (vLLM 0.32 and 0.33; vLLM's own fix, #56953, carries
-per-group bytes in the offloading config instead). :func:`install` wraps that one call
-(``offloading_connector.build_offloading_config``) so that :func:`geometry_for` gives the spec a
+"""What the scheduler and every worker know identically about the KV caches they offload (:class:`KVGeometry`), and the
+host rows built from it (:func:`host_regions`, :func:`region_bytes`). vLLM builds an ``OffloadingConfig`` in each
+process that runs an ``OffloadingConnector`` (the engine core's scheduler and every worker) and hands the spec only
+that: it carries vLLM's bytes per GPU block (``worker_kv_bytes_per_block``: the whole backing allocation, or the sum of
+the groups') but not what one block of each KV-cache group holds, which is what a key of that group costs. The spec
+cannot see tensors on the scheduler side, so the two sides must agree on the host rows from something else they both
+receive: vLLM's ``KVCacheConfig``, which the connector gets with the ``VllmConfig`` right where it builds the
+``OffloadingConfig``. :func:`install` wraps that one call so that :func:`geometry_for` gives the spec a
 :class:`KVGeometry` of the config it is built from; without the plugin's entry point (``spec_module_path`` alone) there
 is none, and the spec sizes its rows from vLLM's figure as before (with a warning for several groups).
-
-Host regions (docs/vllm.md, "Hybrid models"): a host row holds one key per *region*, and a region is sized for the
-largest of its groups. Every offloaded group of vLLM stores keys at its own rate: a full-attention group one key per
-chunk of every request; a sliding-window or Mamba group, by default (``--prefix-cache-retention-interval 0``), only
-at a request's replay boundary and shared-prefix junctions, so a few keys per request. Giving such a group a region in
-every row would reserve bytes its few keys never fill, so ``"auto"`` gives each *dense* group (one key per chunk) a
-region of its own and lets each sparse group borrow the region of the smallest dense group that holds it.
 """
 
 from __future__ import annotations
@@ -197,6 +187,14 @@ def kv_geometry(kv_cache_config, vllm_config=None) -> KVGeometry:
 def host_regions(geometry: KVGeometry, mode: str = "auto") -> tuple[int, ...]:
     """The host region of each offloaded group (``KVCacheSpec(group_regions=...)``).
 
+    Host regions (docs/vllm.md, "Hybrid models"): a host row holds one key per *region*, and a region is sized for the
+    largest of its groups. Every offloaded group of vLLM stores keys at its own rate: a full-attention group one key
+    per chunk of every request; a sliding-window or Mamba group, by default (``--prefix-cache-retention-interval 0``),
+    only at a request's replay boundary and shared-prefix junctions, so a few keys per request. Giving such a group a
+    region in every row would reserve bytes its few keys never fill, so ``"auto"`` gives each *dense* group (one key
+    per chunk) a region of its own and lets each sparse group borrow the region of the smallest dense group that holds
+    it.
+
     ``"per_group"``: a region each. ``"shared"``: one region for all (a row per key, sized for the largest group;
     vLLM's own layout since its #56953). ``"auto"``: a region for each dense group, in order; each sparse group
     shares the region of the smallest dense group at least its size (the largest dense group's if none is); no dense
@@ -271,7 +269,9 @@ def geometry_for(config) -> KVGeometry | None:
 def install() -> bool:
     """Wraps vLLM's ``offloading_connector.build_offloading_config`` so that every ``OffloadingConfig`` has its
     :class:`KVGeometry` (:func:`geometry_for`), and ``MultiConnector.__init__`` so that it says its children run
-    under it; idempotent. Returns whether the first is installed."""
+    under it; idempotent. Returns whether the first is installed. That call gets the ``KVCacheConfig`` with the
+    ``VllmConfig`` in vLLM 0.32 and 0.33 (vLLM's own fix, #56953, carries per-group bytes in the offloading config
+    instead)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
     except ImportError as e:  # pragma: no cover - vLLM >= 0.32 has it

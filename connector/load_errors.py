@@ -1,14 +1,9 @@
 """``TritonOffloadingConnector``: vLLM's ``OffloadingConnector`` that reports blocks failing their integrity check
-(docs/integrity.md) to vLLM as load errors, so that ``kv_load_failure_policy`` decides: ``"recompute"`` recomputes
-them (the tokens of an engine without offloading), ``"fail"`` fails the request. vLLM's own connector cannot: it
-asserts that every transfer succeeded.
-
-Worker side, a load whose blocks failed still completes (its other blocks are good); the failed GPU blocks go to
-vLLM through ``get_block_ids_with_load_errors`` in the same step (one KV-cache group; vLLM maps block ids to requests
-only then), or the request through ``failed_recving`` (several groups, asynchronous loads). The host blocks they came
-from travel to the scheduler in the worker metadata, where ``TritonOffloadingSpec``'s manager drops their keys (a
-later lookup misses them) and the connector counts the failed and unchecked blocks
-(``vllm:triton_offload_integrity_{failed,unchecked}_blocks``).
+(docs/integrity.md) to vLLM as load errors, so that ``kv_load_failure_policy`` decides: ``"recompute"`` recomputes them
+(the tokens of an engine without offloading), ``"fail"`` fails the request. vLLM's own connector cannot: it asserts that
+every transfer succeeded. Also here: the integrity counters (:data:`INTEGRITY_METRICS`), the worker metadata that
+carries the failed host blocks to the scheduler (:class:`IntegrityWorkerMetadata`), and the spec's refusal of the checks
+under any other connector (:func:`check_reporting`).
 """
 
 from __future__ import annotations
@@ -119,6 +114,13 @@ class TritonOffloadingConnector(OffloadingConnector):
     Use it in place of ``OffloadingConnector`` (``"kv_connector": "TritonOffloadingConnector"``; the package's vLLM
     plugin registers the name) with ``TritonOffloadingSpec`` or ``TritonTieringOffloadingSpec``; without the checks
     (``integrity = 'off'``) it behaves exactly as vLLM's.
+
+    Worker side, a load whose blocks failed still completes (its other blocks are good); the failed GPU blocks go to
+    vLLM through ``get_block_ids_with_load_errors`` in the same step (one KV-cache group; vLLM maps block ids to
+    requests only then), or the request through ``failed_recving`` (several groups, asynchronous loads). The host
+    blocks they came from travel to the scheduler in the worker metadata, where ``TritonOffloadingSpec``'s manager
+    drops their keys (a later lookup misses them) and the connector counts the failed and unchecked blocks
+    (``vllm:triton_offload_integrity_{failed,unchecked}_blocks``).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):

@@ -1,17 +1,8 @@
-"""Scheduler side: our :class:`~triton_offload.manager.OffloadManager` behind vLLM's ``OffloadingManager`` API.
-
-vLLM's keys (``OffloadKey`` bytes: a block hash plus the KV-cache group index) are used as they are; each names one
-host block. The load and store specs handed back to vLLM carry host block ids in the order of the keys, which is
-the order vLLM walks the request's GPU blocks (group by group, chunk by chunk) when it builds the matching
-``GPULoadStoreSpec``.
-
-Each request's uses go through one :class:`~triton_offload.manager.RequestUse` kept in vLLM's ``ReqContext``, so a
-request reading or offering again blocks it stored itself, or reusing a block twice, counts one use (vLLM's rule;
-it matters for ARC). A context without a request id (``req_id=""``) is anonymous: each of its calls counts as a use
-of its own, as every touch does in vLLM. The policy sees each call's keys in prefix order (by the end token vLLM
-records for each key, group-interleaved), while the specs keep vLLM's order; without recorded positions, the order
-vLLM passed them in. A job's completion changes no recency (vLLM reports a job's keys as a set, whose order varies
-from run to run).
+"""Scheduler side: our :class:`~triton_offload.manager.OffloadManager` behind vLLM's ``OffloadingManager`` API
+(:class:`TritonOffloadingManager`). vLLM's keys (``OffloadKey`` bytes: a block hash plus the KV-cache group index) are
+used as they are; each names one host block. The load and store specs handed back to vLLM (:class:`HostBlocksSpec`)
+carry host block ids in the order of the keys, which is the order vLLM walks the request's GPU blocks (group by group,
+chunk by chunk) when it builds the matching ``GPULoadStoreSpec``.
 """
 
 from __future__ import annotations
@@ -81,6 +72,14 @@ class TritonOffloadingManager(OffloadingManager):
     """Adapts :class:`~triton_offload.manager.OffloadManager` to vLLM's scheduler-side manager API.
 
     Single-threaded, like vLLM's own CPU manager: the 0.33 ``lock`` stays the default no-op.
+
+    Each request's uses go through one :class:`~triton_offload.manager.RequestUse` kept in vLLM's ``ReqContext``, so a
+    request reading or offering again blocks it stored itself, or reusing a block twice, counts one use (vLLM's rule;
+    it matters for ARC). A context without a request id (``req_id=""``) is anonymous: each of its calls counts as a
+    use of its own, as every touch does in vLLM. The policy sees each call's keys in prefix order (by the end token
+    vLLM records for each key, group-interleaved), while the specs keep vLLM's order; without recorded positions, the
+    order vLLM passed them in. A job's completion changes no recency (vLLM reports a job's keys as a set, whose order
+    varies from run to run).
 
     Args:
         num_blocks: host blocks (rows) in the cache (identical to every worker's host cache).

@@ -1,12 +1,11 @@
-"""What vLLM's network tiers need, checked before anything is built: ``p2p`` (peers over NIXL + ZMQ) and ``obj`` (an
-S3 object store through NIXL), out-of-tree subclasses of either included; and, at startup, whether each object store
-answers at all.
-
-vLLM reports these late or not at all: its p2p tier takes ``**kwargs`` and ignores keys it does not know (a misspelt
-``prot`` silently binds the default port 5710); its obj tier hands ``store_config`` to a dataclass (a misspelt key is a
-bare ``TypeError``); without NIXL the p2p tier fails at its first peer and the obj tier with ``'NoneType' object is
-not callable``; an unreachable object store costs about 25 s of retries in its startup probe, whose error does not name
-the endpoint; and vLLM 0.32's obj tier dies at its first finished transfer (see :mod:`.obj_tier`).
+"""What vLLM's network tiers need, checked before anything is built (:func:`check_network_tier`): ``p2p`` (peers over
+NIXL + ZMQ) and ``obj`` (an S3 object store through NIXL), out-of-tree subclasses of either included; and, at startup,
+whether each object store answers at all (:func:`check_reachable`). vLLM reports these late or not at all: its p2p tier
+takes ``**kwargs`` and ignores keys it does not know (a misspelt ``prot`` silently binds the default port 5710); its obj
+tier hands ``store_config`` to a dataclass (a misspelt key is a bare ``TypeError``); without NIXL the p2p tier fails at
+its first peer and the obj tier with ``'NoneType' object is not callable``; an unreachable object store costs about 25 s
+of retries in its startup probe, whose error does not name the endpoint; and vLLM 0.32's obj tier dies at its first
+finished transfer (see :mod:`.obj_tier`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""vLLM's ``obj`` tier (KV chunks as S3 objects, through NIXL's OBJ plugin) as vLLM 0.33 builds it, for vLLM 0.32.
-
-vLLM 0.32's ``ObjectStoreSecondaryTierManager`` creates its NIXL agent without ``capture_telemetry=True`` and then
-reads every finished transfer's telemetry, which NIXL refuses (``NIXL_ERR_NO_TELEMETRY``): the scheduler dies at the
-first chunk stored or loaded. Its object names also leave the chunk size out (``blocks_per_file`` stays 1), so
-instances with different ``block_size`` would read each other's objects as if they were their own size. vLLM 0.33
-fixes both; :class:`ObjectStoreTier` is vLLM 0.32's class with the same two changes, and nothing else:
-
-    "secondary_tiers": [{"type": "ObjectStoreTier", "module_path": "triton_offload.connector.obj_tier",
-                         "store_config": {"bucket": "kv", "endpoint_override": "s3.example:9000", ...}}]
-
-It takes exactly the keys of vLLM's ``obj`` tier. On vLLM 0.33 it behaves as ``"type": "obj"`` does, and writes the
-same object names. (``TritonTieringOffloadingSpec`` refuses ``"type": "obj"`` on vLLM < 0.33, naming this class.)
+"""vLLM's ``obj`` tier (KV chunks as S3 objects, through NIXL's OBJ plugin) as vLLM 0.33 builds it, for vLLM 0.32. vLLM
+0.32's ``ObjectStoreSecondaryTierManager`` creates its NIXL agent without ``capture_telemetry=True`` and then reads
+every finished transfer's telemetry, which NIXL refuses (``NIXL_ERR_NO_TELEMETRY``): the scheduler dies at the first
+chunk stored or loaded. Its object names also leave the chunk size out (``blocks_per_file`` stays 1), so instances with
+different ``block_size`` would read each other's objects as if they were their own size. vLLM 0.33 fixes both;
+:class:`ObjectStoreTier` is vLLM 0.32's class with the same two changes, and nothing else
+(``TritonTieringOffloadingSpec`` refuses ``"type": "obj"`` on vLLM < 0.33, naming this class).
 """
 
 from __future__ import annotations
@@ -41,7 +35,16 @@ def _agents_capture_telemetry():
 
 
 class ObjectStoreTier(vllm_obj.ObjectStoreSecondaryTierManager):
-    """vLLM's object-store tier with NIXL telemetry on and object names that include the chunk size (vLLM 0.33)."""
+    """vLLM's object-store tier with NIXL telemetry on and object names that include the chunk size (vLLM 0.33).
+
+    Use it as an out-of-tree tier class::
+
+        "secondary_tiers": [{"type": "ObjectStoreTier", "module_path": "triton_offload.connector.obj_tier",
+                             "store_config": {"bucket": "kv", "endpoint_override": "s3.example:9000", ...}}]
+
+    It takes exactly the keys of vLLM's ``obj`` tier. On vLLM 0.33 it behaves as ``"type": "obj"`` does, and writes
+    the same object names.
+    """
 
     @functools.wraps(vllm_obj.ObjectStoreSecondaryTierManager.__init__)  # same keys, same checks of them
     def __init__(self, *args, **kwargs):

@@ -1,21 +1,8 @@
 """vLLM's ``p2p`` tier (an instance fetches a prefix from another instance's CPU tier over NIXL), with the two settings
-that make it usable on vLLM 0.32 where cores are few:
-
-- **NIXL's progress thread pauses between polls** (``progress_pause_us``, default 100). nixl 1.5.1's Python agent
-  starts that thread with no pause (``pthrDelay = 0``, hard-coded), so every p2p instance keeps one core busy, idle
-  or not: 0.94 of a core for an idle agent on this project's 2-core VM, 0.02 with a 100 us pause. The pause applies
-  to polls that made no progress; transfers complete as before (the p2p end-to-end tests run with it).
-- **Its ZMQ sockets linger at most 500 ms** (vLLM 0.33's setting). vLLM 0.32 keeps ZMQ's default (forever): once it
-  has closed a connection with a message still queued for a peer that is gone, closing the tier at shutdown waits
-  forever.
-
-Use it as an out-of-tree tier class, with vLLM's keys plus ``progress_pause_us``::
-
-    "secondary_tiers": [{"type": "P2PTier", "module_path": "triton_offload.connector.p2p_tier",
-                         "host": "10.0.0.5", "port": 5710, "backends": ["UCX"]}]
-
-Everything else (handshake, lookups, fetches, NIXL transfers, failure handling) is vLLM's code. What this does not
-change: a p2p tier always reports pending work, so vLLM's engine core steps back to back for as long as it lives
+that make it usable on vLLM 0.32 where cores are few (:class:`P2PTier`): NIXL's progress thread pauses between polls
+(``progress_pause_us``, default 100), and its ZMQ sockets linger at most 500 ms (vLLM 0.33's setting). Everything else
+(handshake, lookups, fetches, NIXL transfers, failure handling) is vLLM's code. What this does not change: a p2p tier
+always reports pending work, so vLLM's engine core steps back to back for as long as it lives
 (docs/tiering.md, "What it costs").
 """
 
@@ -65,7 +52,21 @@ def _progress_threads_pausing(pause_us: int):
 
 class P2PTier(P2PSecondaryTierManager):
     """vLLM's p2p tier with NIXL's progress thread pausing ``progress_pause_us`` microseconds between idle polls (0:
-    NIXL's own busy polling) and its ZMQ sockets lingering at most 500 ms."""
+    NIXL's own busy polling) and its ZMQ sockets lingering at most 500 ms.
+
+    - **NIXL's progress thread pauses between polls** (``progress_pause_us``, default 100). nixl 1.5.1's Python agent
+      starts that thread with no pause (``pthrDelay = 0``, hard-coded), so every p2p instance keeps one core busy,
+      idle or not: 0.94 of a core for an idle agent on this project's 2-core VM, 0.02 with a 100 us pause. The pause
+      applies to polls that made no progress; transfers complete as before (the p2p end-to-end tests run with it).
+    - **Its ZMQ sockets linger at most 500 ms** (vLLM 0.33's setting). vLLM 0.32 keeps ZMQ's default (forever): once
+      it has closed a connection with a message still queued for a peer that is gone, closing the tier at shutdown
+      waits forever.
+
+    Use it as an out-of-tree tier class, with vLLM's keys plus ``progress_pause_us``::
+
+        "secondary_tiers": [{"type": "P2PTier", "module_path": "triton_offload.connector.p2p_tier",
+                             "host": "10.0.0.5", "port": 5710, "backends": ["UCX"]}]
+    """
 
     def __init__(self, *args, progress_pause_us: int = DEFAULT_PROGRESS_PAUSE_US, **kwargs):
         if progress_pause_us != 0:

@@ -1,23 +1,15 @@
-"""The plugin's configuration checked before vLLM loads the model.
-
-vLLM builds an offloading spec only once the model is loaded and its KV cache sized (0.32 and 0.33 alike): the
-engine core builds the executor (the workers load the weights), then the KV caches, then the scheduler, whose
-connector builds the spec; each worker builds its connector after loading and profiling. A mistake found by the
-spec therefore costs a model load (52-90 s of a 2-core machine) and ends in a long traceback. vLLM offers no hook
-that hands a plugin the configuration earlier: its general plugins are called with no arguments (in
-``EngineArgs.__post_init__`` in the front-end process, in ``EngineCore.__init__`` and in each worker before anything
-is loaded), and the spec's only earlier classmethod, ``build_metric_definitions``, runs in the front end after the
-engine has started.
-
-So :func:`install` (called by the package's ``register()``, the general plugin) wraps
+"""The plugin's configuration checked before vLLM loads the model. vLLM builds an offloading spec only once the model is
+loaded and its KV cache sized (0.32 and 0.33 alike): the engine core builds the executor (the workers load the weights),
+then the KV caches, then the scheduler, whose connector builds the spec; each worker builds its connector after loading
+and profiling. A mistake found by the spec therefore costs a model load (52-90 s of a 2-core machine) and ends in a long
+traceback. vLLM offers no hook that hands a plugin the configuration earlier: its general plugins are called with no
+arguments (in ``EngineArgs.__post_init__`` in the front-end process, in ``EngineCore.__init__`` and in each worker
+before anything is loaded), and the spec's only earlier classmethod, ``build_metric_definitions``, runs in the front end
+after the engine has started. So :func:`install` (called by the package's ``register()``, the general plugin) wraps
 ``EngineArgs.create_engine_config``: once vLLM has built and checked its own ``VllmConfig`` in the front-end process,
-and before any engine process starts, :func:`check_vllm_config` checks our specs' whole configuration as the spec
-will (every key, a misspelt one with its closest match, the block size against vLLM's when vLLM has fixed it
-already, an ``fs`` tier's ``root_dir``, the object stores), that ``spec_name`` names a spec vLLM can build, and the
-budget against the host memory available (with vLLM's own KV cache on its CPU build). The spec still checks
-everything again when it is built (the packed budget to the block, per rank), so nothing depends on the wrapper;
-without it (``VLLM_PLUGINS`` excluding this plugin, a vLLM whose ``EngineArgs`` has no ``create_engine_config``) the
-errors come as before, from the spec.
+and before any engine process starts, :func:`check_vllm_config` checks our specs' whole configuration as the spec will.
+The spec still checks everything again when it is built (the packed budget to the block, per rank), so nothing depends
+on the wrapper.
 """
 
 from __future__ import annotations
@@ -50,7 +42,9 @@ GiB = 2**30
 
 def install() -> bool:
     """Makes ``EngineArgs.create_engine_config`` run :func:`check_vllm_config` on the config it returns; idempotent.
-    Returns whether the check is installed (False, with a debug line, on a vLLM without that method)."""
+    Returns whether the check is installed (False, with a debug line, on a vLLM without that method). Without it
+    (``VLLM_PLUGINS`` excluding this plugin, a vLLM whose ``EngineArgs`` has no ``create_engine_config``) the errors
+    come as before, from the spec."""
     try:
         from vllm.engine.arg_utils import EngineArgs
     except ImportError:  # pragma: no cover - vLLM >= 0.32 has it
@@ -90,6 +84,10 @@ def _offloading_configs(kv_transfer_config) -> Iterator[tuple[str, Mapping[str, 
 def check_vllm_config(vllm_config) -> None:
     """Checks every ``OffloadingConnector`` configuration of ``vllm_config`` that names one of our specs, and that
     each names a spec vLLM can build.
+
+    It checks our specs' whole configuration as the spec will: every key, a misspelt one with its closest match, the
+    block size against vLLM's when vLLM has fixed it already, an ``fs`` tier's ``root_dir``, the object stores, and
+    the budget against the host memory available (with vLLM's own KV cache on its CPU build).
 
     Raises:
         ValueError: naming the key: an unknown ``spec_name`` (listing the registered ones, with the closest), our

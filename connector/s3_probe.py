@@ -1,19 +1,12 @@
-"""An ``obj`` tier's object store asked once, at startup, with the tier's own credentials: does it let us in?
-
-vLLM's obj tier (NIXL's OBJ plugin, the AWS SDK) reports a store that refuses its credentials only per request,
-later, as ``NIXL_ERR_BACKEND`` / "HeadObject requests failed", and a bucket that does not exist not at all. Here, one
-``GET`` of an object that does not exist, signed with AWS Signature Version 4 (stdlib only: no boto3 in vLLM's
-environment), tells them apart before the tier is built: ``404 NoSuchKey`` is a store that lets us in; ``403`` is a
-credentials problem (the keys are refused, or lack ``s3:GetObject`` / ``s3:ListBucket`` on the bucket, which the
+"""An ``obj`` tier's object store asked once, at startup, with the tier's own credentials: does it let us in
+(:func:`probe_store`)? vLLM's obj tier (NIXL's OBJ plugin, the AWS SDK) reports a store that refuses its credentials
+only per request, later, as ``NIXL_ERR_BACKEND`` / "HeadObject requests failed", and a bucket that does not exist not at
+all. Here, one ``GET`` of an object that does not exist, signed with AWS Signature Version 4 (stdlib only: no boto3 in
+vLLM's environment), tells them apart before the tier is built: ``404 NoSuchKey`` is a store that lets us in; ``403`` is
+a credentials problem (the keys are refused, or lack ``s3:GetObject`` / ``s3:ListBucket`` on the bucket, which the
 tier's lookups need too); ``404 NoSuchBucket`` is a bucket to create. Requests go path-style
-(``scheme://endpoint/bucket/key``), as S3-compatible stores (MinIO, Ceph, moto) take them.
-
-Credentials are those NIXL will use: ``store_config``'s ``access_key`` / ``secret_key`` (and ``session_token``), else
-the environment's ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (``AWS_SESSION_TOKEN``). Where they come from
-another source of the AWS SDK's default chain (a profile or credentials file, web identity, a container or instance
-role), this probe cannot sign as the SDK will, and leaves the store to vLLM's own probe. With no credentials at all
-the tier runs anonymously: that is warned of, and an anonymous refusal is a warning too (an instance role, which the
-probe cannot see, may still let NIXL in).
+(``scheme://endpoint/bucket/key``), as S3-compatible stores (MinIO, Ceph, moto) take them; the credentials are those
+NIXL will use (:func:`credentials_for`).
 """
 
 from __future__ import annotations
@@ -61,7 +54,13 @@ class Credentials:
 def credentials_for(store_config: dict, environ: dict | None = None) -> Credentials | str | None:
     """The credentials NIXL's OBJ plugin will use for ``store_config``: :class:`Credentials` where this probe can sign
     with them, the name of another source of the AWS SDK's chain where it cannot (a string), or None for none at all
-    (anonymous requests)."""
+    (anonymous requests).
+
+    Credentials are those NIXL will use: ``store_config``'s ``access_key`` / ``secret_key`` (and ``session_token``),
+    else the environment's ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (``AWS_SESSION_TOKEN``). Where they come
+    from another source of the AWS SDK's default chain (a profile or credentials file, web identity, a container or
+    instance role), this probe cannot sign as the SDK will, and leaves the store to vLLM's own probe.
+    """
     env = os.environ if environ is None else environ
     if store_config.get("access_key") and store_config.get("secret_key"):
         return Credentials(
@@ -114,7 +113,9 @@ def _s3_error(body: bytes) -> tuple[str, str]:
 
 def probe_store(where: str, url: str, store_config: dict, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Asks the store at ``url`` (``scheme://endpoint``) for a missing object of ``store_config['bucket']`` with the
-    tier's credentials, and judges the answer (module docstring). Warns when the tier has no credentials at all.
+    tier's credentials, and judges the answer (module docstring). With no credentials at all the tier runs
+    anonymously: that is warned of, and an anonymous refusal is a warning too (an instance role, which the probe cannot
+    see, may still let NIXL in).
 
     Raises:
         PermissionError: a signed request refused (HTTP 403): a credentials problem, naming the tier, the endpoint,

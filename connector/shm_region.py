@@ -1,9 +1,8 @@
-"""The ``/dev/shm`` name of vLLM's ``SharedOffloadRegion``, removed on every exit path.
-
-The region is host memory: a file left in ``/dev/shm`` keeps its pages allocated until someone deletes it. vLLM's
-tiering maps the region by name in the scheduler and in each worker with no barrier between them, so the process
-that created it keeps the name until its own clean shutdown; one that dies, or an engine whose startup fails before
-shutdown is reached, leaves the file behind. :class:`RegionName` closes those paths. No vLLM import: plain files.
+"""The ``/dev/shm`` name of vLLM's ``SharedOffloadRegion``, removed on every exit path (:class:`RegionName`). The region
+is host memory: a file left in ``/dev/shm`` keeps its pages allocated until someone deletes it. vLLM's tiering maps the
+region by name in the scheduler and in each worker with no barrier between them, so the process that created it keeps
+the name until its own clean shutdown; one that dies, or an engine whose startup fails before shutdown is reached,
+leaves the file behind. :class:`RegionName` closes those paths. No vLLM import: plain files.
 """
 
 from __future__ import annotations

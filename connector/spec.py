@@ -1,11 +1,10 @@
-"""``TritonOffloadingSpec``: the vLLM ``OffloadingSpec`` that wires our manager and transfer engine into vLLM.
-
-vLLM builds the spec once in each process that runs an ``OffloadingConnector``: the engine core calls only
-:meth:`~TritonOffloadingSpec.get_manager`, each worker only :meth:`~TritonOffloadingSpec.get_worker`. Both sides
-must agree on the host rows without talking to each other, so they are computed here, in ``__init__``, from values
-both receive identically: the budget, the world size and the bytes one GPU block of each KV-cache group moves (read
-from vLLM's ``KVCacheConfig``, :mod:`~triton_offload.connector.geometry`; vLLM's own bytes per GPU block where that
-is not available).
+"""``TritonOffloadingSpec``: the vLLM ``OffloadingSpec`` that wires our manager and transfer engine into vLLM. vLLM
+builds the spec once in each process that runs an ``OffloadingConnector``: the engine core calls only
+:meth:`~TritonOffloadingSpec.get_manager`, each worker only :meth:`~TritonOffloadingSpec.get_worker`. Both sides must
+agree on the host rows without talking to each other, so they are computed here, in ``__init__``, from values both
+receive identically: the budget, the world size and the bytes one GPU block of each KV-cache group moves (read from
+vLLM's ``KVCacheConfig``, :mod:`~triton_offload.connector.geometry`; vLLM's own bytes per GPU block where that is not
+available).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """``TritonTieringOffloadingSpec``: vLLM's tiering (CPU primary tier plus ``fs`` / ``obj`` / ``p2p`` / ... secondary
-tiers) with our Triton worker as its GPU <-> CPU step.
-
-Scheduler side, everything is vLLM's ``TieringOffloadingSpec``, unchanged: its ``TieringOffloadingManager``, its
-``SharedOffloadRegion`` and its secondary tiers. Worker side, :class:`~triton_offload.connector.tiering_worker.
-TritonTieringWorker` replaces vLLM's ``CPUOffloadingWorker`` (DMA batches, CUDA only): one kernel launch per job,
-writing exactly the bytes vLLM's worker would, in this worker's slots of the same region. So blocks that reach a
-secondary tier are byte-compatible with vLLM's native tiering: two instances, one on each, may share an ``fs``
-``root_dir`` (its namespace does not include the spec's name).
-
-Differences from vLLM's spec, all at startup: the configuration is checked before anything is allocated, with a
-``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); an ``fs`` tier's missing
-``root_dir`` is created 0700, so its KV files are private (:mod:`~triton_offload.connector.fs_root`), and a shared
-existing one is warned of; ``cpu_bytes_to_use`` also takes sizes such as ``"40GiB"`` and is checked against the
-memory available; ``num_ctas`` and ``transfer_path`` are ours; ``canonical_layout`` is refused (the Triton worker
-writes vLLM's direct worker-slot layout only); the network tiers' keys are checked too, and an object store that does
-not answer stops the startup naming it (:mod:`~triton_offload.connector.network_tiers`); the CPU platform is
-supported (the kernels run through Triton's interpreter); and the region's ``/dev/shm`` file is removed on every exit
-path (:class:`~triton_offload.connector.shm_region.RegionName`).
+tiers) with our Triton worker as its GPU <-> CPU step. Scheduler side, everything is vLLM's ``TieringOffloadingSpec``,
+unchanged: its ``TieringOffloadingManager``, its ``SharedOffloadRegion`` and its secondary tiers. Worker side,
+:class:`~triton_offload.connector.tiering_worker.TritonTieringWorker` replaces vLLM's ``CPUOffloadingWorker`` (DMA
+batches, CUDA only): one kernel launch per job, writing exactly the bytes vLLM's worker would, in this worker's slots of
+the same region. So blocks that reach a secondary tier are byte-compatible with vLLM's native tiering: two instances,
+one on each, may share an ``fs`` ``root_dir`` (its namespace does not include the spec's name). What differs from vLLM's
+spec, all at startup, is listed in the class's docstring.
 """
 
 from __future__ import annotations
@@ -84,6 +73,16 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
     ``eviction_policy``, ``cache_policy_module_path``, ``secondary_tiers``, ``backpressure``, ...; see
     :data:`TIERING_KEYS` and docs/tiering.md) plus ``num_ctas``, ``transfer_path`` and ``numa_node``
     (:data:`OUR_TIERING_KEYS`).
+
+    Differences from vLLM's spec, all at startup: the configuration is checked before anything is allocated, with a
+    ``ValueError`` naming the key (vLLM reports a bad tier late, some as a bare ``TypeError``); an ``fs`` tier's
+    missing ``root_dir`` is created 0700, so its KV files are private (:mod:`~triton_offload.connector.fs_root`), and a
+    shared existing one is warned of; ``cpu_bytes_to_use`` also takes sizes such as ``"40GiB"`` and is checked against
+    the memory available; ``num_ctas`` and ``transfer_path`` are ours; ``canonical_layout`` is refused (the Triton
+    worker writes vLLM's direct worker-slot layout only); the network tiers' keys are checked too, and an object store
+    that does not answer stops the startup naming it (:mod:`~triton_offload.connector.network_tiers`); the CPU platform
+    is supported (the kernels run through Triton's interpreter); and the region's ``/dev/shm`` file is removed on every
+    exit path (:class:`~triton_offload.connector.shm_region.RegionName`).
     """
 
     @classmethod

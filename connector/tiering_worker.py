@@ -1,13 +1,10 @@
 """Worker side of ``TritonTieringOffloadingSpec``: our Triton worker over one worker's slots of vLLM's shared region.
-
-vLLM's tiering keeps its CPU primary tier in a ``SharedOffloadRegion``: one ``/dev/shm`` file that the scheduler
-(whose secondary tiers read and write whole chunk rows) and every worker map. A chunk row holds one slot per worker
-(one slot in all for the replicated MLA layout); a slot holds, for each canonical tensor in order,
-``blocks_per_chunk`` full pages of that tensor, sub-block j at j x page. :class:`TritonTieringWorker` moves KV between
-the GPU and exactly those bytes, with the same kernel as the packed host cache (``HostSlots`` in its segment table),
-one launch per job for all groups and layers.
-
-The region's file name is handled by :class:`~triton_offload.connector.shm_region.RegionName`.
+vLLM's tiering keeps its CPU primary tier in a ``SharedOffloadRegion``: one ``/dev/shm`` file that the scheduler (whose
+secondary tiers read and write whole chunk rows) and every worker map. A chunk row holds one slot per worker (one slot
+in all for the replicated MLA layout); a slot holds, for each canonical tensor in order, ``blocks_per_chunk`` full pages
+of that tensor, sub-block j at j x page. :class:`TritonTieringWorker` moves KV between the GPU and exactly those bytes,
+with the same kernel as the packed host cache (``HostSlots`` in its segment table), one launch per job for all groups
+and layers; the region's file name is handled by :class:`~triton_offload.connector.shm_region.RegionName`.
 """
 
 from __future__ import annotations

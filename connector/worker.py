@@ -1,12 +1,11 @@
-"""Worker side: vLLM's ``OffloadingWorker`` over our :class:`~triton_offload.engine.TransferEngine` and host cache.
-
-vLLM hands the worker its KV caches once, canonicalised (``CanonicalKVCaches``): a list of int8 tensors
-``(num_blocks, page_size_bytes)`` (stride(0) may exceed the page) and, per offloaded KV-cache group, one ref per
-layer naming a tensor and the un-padded bytes to move. They become one grouped ``canonical``
-:class:`~triton_offload.layouts.KVCacheSpec`; after that every job is one engine submission, so one kernel launch
-for all groups, layers and blocks. For a packed allocation (vLLM's DeepSeek-V4 path hands every group the whole
-block of every layer) the groups' own pages are found from vLLM's config (:mod:`~triton_offload.connector.geometry`),
-so a key stores and moves only its group's bytes.
+"""Worker side: vLLM's ``OffloadingWorker`` over our :class:`~triton_offload.engine.TransferEngine` and host cache
+(:class:`TritonOffloadingWorker`). vLLM hands the worker its KV caches once, canonicalised (``CanonicalKVCaches``): a
+list of int8 tensors ``(num_blocks, page_size_bytes)`` (stride(0) may exceed the page) and, per offloaded KV-cache
+group, one ref per layer naming a tensor and the un-padded bytes to move. They become one grouped ``canonical``
+:class:`~triton_offload.layouts.KVCacheSpec` (:func:`canonical_kv_spec`); after that every job is one engine submission,
+so one kernel launch for all groups, layers and blocks. For a packed allocation (vLLM's DeepSeek-V4 path hands every
+group the whole block of every layer) the groups' own pages are found from vLLM's config
+(:mod:`~triton_offload.connector.geometry`), so a key stores and moves only its group's bytes.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""The per-block checksum of the integrity checks (docs/integrity.md): its definition in plain NumPy (the reference the
-fused kernel is tested against, byte for byte), its constants (shared with the kernel), the per-host-row marker, the
-block identities derived from vLLM's keys, and the ``integrity`` setting. NumPy and the standard library only: the
-scheduler process imports it.
-
-Definition (version 1). A GPU block's *word stream* is the bytes the transfer moves for it (its KV-cache group's
-segments in order, K before V, exactly what the packed host format lays side by side), read as ``W``-byte
-little-endian unsigned words, ``W`` the kernel's element size (1, 2 or 4; the row marker records it). Word ``i``
-(position ``i`` in the stream, ``N`` words in all) contributes to two 32-bit lanes::
-
-    a_i = fmix_a(w_i ^ (i * 0x9E3779B1))        b_i = fmix_b(w_i ^ (i * 0xCC9E2D51 + 0x1B873593))
-
-(all mod 2**32), two different bijective mixers, so changing any single word always changes both terms. The lanes
-are plain sums mod 2**32: associative and commutative, so partial sums of any tiles and programs combine to the same
-value (integer atomics), under Triton's interpreter and on a GPU alike. The block's checksum mixes the lanes with its
-identity (a 64-bit value naming the block: the key's hash), its sub-block index in the host block and ``N``::
-
-    h = mix64(identity ^ mix64(sub * 0x9E3779B97F4A7C15 ^ N * 0xC2B2AE3D27D4EB4F))
-    checksum = mix64(h ^ (lane_b << 32 | lane_a))
-
-``mix64`` is SplitMix64's finaliser (a bijection). Not cryptographic: see docs/integrity.md for what it detects.
+"""The per-block checksum of the integrity checks (docs/integrity.md): its definition in plain NumPy
+(:func:`block_checksums`, whose docstring states it: the reference the fused kernel is tested against, byte for byte),
+its constants (shared with the kernel), the per-host-row marker, the block identities derived from vLLM's keys, and the
+``integrity`` setting. NumPy and the standard library only: the scheduler process imports it.
 """
 
 from __future__ import annotations
@@ -191,6 +174,24 @@ def finalize(lane_a, lane_b, identities, subs, num_words) -> np.ndarray:
 
 def block_checksums(blocks: np.ndarray, word_bytes: int, identities, subs) -> np.ndarray:
     """The checksum of each block: ``blocks`` (n, bytes) uint8 in stream order, its identity and sub-block index
-    (arrays of n, or scalars)."""
+    (arrays of n, or scalars).
+
+    Definition (version 1). A GPU block's *word stream* is the bytes the transfer moves for it (its KV-cache group's
+    segments in order, K before V, exactly what the packed host format lays side by side), read as ``W``-byte
+    little-endian unsigned words, ``W`` the kernel's element size (1, 2 or 4; the row marker records it). Word ``i``
+    (position ``i`` in the stream, ``N`` words in all) contributes to two 32-bit lanes::
+
+        a_i = fmix_a(w_i ^ (i * 0x9E3779B1))        b_i = fmix_b(w_i ^ (i * 0xCC9E2D51 + 0x1B873593))
+
+    (all mod 2**32), two different bijective mixers, so changing any single word always changes both terms. The lanes
+    are plain sums mod 2**32: associative and commutative, so partial sums of any tiles and programs combine to the same
+    value (integer atomics), under Triton's interpreter and on a GPU alike. The block's checksum mixes the lanes with
+    its identity (a 64-bit value naming the block: the key's hash), its sub-block index in the host block and ``N``::
+
+        h = mix64(identity ^ mix64(sub * 0x9E3779B97F4A7C15 ^ N * 0xC2B2AE3D27D4EB4F))
+        checksum = mix64(h ^ (lane_b << 32 | lane_a))
+
+    ``mix64`` is SplitMix64's finaliser (a bijection). Not cryptographic: see docs/integrity.md for what it detects.
+    """
     a, b = lane_sums(blocks, word_bytes)
     return finalize(a, b, identities, subs, blocks.shape[1] // word_bytes)

@@ -1,11 +1,10 @@
-"""The ``memcpy_per_block`` baseline's loop in compiled code: one ``cudaMemcpyAsync`` per descriptor, issued from C++.
-
-That is how the original design's ``swap_blocks`` issues its copies, so the baseline pays the runtime's per-copy cost
-and nothing more. The helper is a few lines of C++ built at benchmark time with
+"""The ``memcpy_per_block`` baseline's loop in compiled code: one ``cudaMemcpyAsync`` per descriptor, issued from C++
+(:class:`CompiledCopyLoop`). That is how the original design's ``swap_blocks`` issues its copies, so the baseline pays
+the runtime's per-copy cost and nothing more. The helper is a few lines of C++ built at benchmark time with
 ``torch.utils.cpp_extension.load_inline`` (a plain shared library without pybind11 or torch headers, so it builds in a
-couple of seconds) and called through ctypes: one call per transfer, over descriptor arrays built once. Where it
-cannot be built (no compiler, no CUDA headers), the baseline falls back to a Python loop and every row and table says
-so (:data:`PYTHON_ISSUED`): such a baseline is handicapped by about a microsecond of Python per copy.
+couple of seconds) and called through ctypes: one call per transfer, over descriptor arrays built once. Where it cannot
+be built (no compiler, no CUDA headers), the baseline falls back to a Python loop and every row and table says so
+(:data:`PYTHON_ISSUED`): such a baseline is handicapped by about a microsecond of Python per copy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""``vllm033``: vLLM 0.33's data path, written here from a description of its native offloading worker (no vLLM code
-is copied), once for both benchmarks (:class:`Vllm033`, an :class:`~triton_offload.issuers.base.Issuer`). Its
-descriptors are the library's, one per run and block (``DmaPlanner(coalesce=False)``), as vLLM builds them. Stores are
-one ``cuMemcpyBatchAsync`` that reads its source in stream order (the compute may still write it), no flags; loads read
+"""``vllm033``: vLLM 0.33's data path, written here from a description of its native offloading worker (no vLLM code is
+copied), once for both benchmarks (:class:`Vllm033`, an :class:`~triton_offload.issuers.base.Issuer`). Its descriptors
+are the library's, one per run and block (``DmaPlanner(coalesce=False)``), as vLLM builds them. Stores are one
+``cuMemcpyBatchAsync`` that reads its source in stream order (the compute may still write it), no flags; loads read
 theirs in any order (``srcAccessOrder = ANY``: host memory no GPU stream writes meanwhile), as vLLM's
-``swap_blocks_batch`` is called (``transfer_async``: ``is_src_access_order_any = not gpu_to_cpu``).
-
-A load where every descriptor is smaller than 28 KiB, every address and size is a multiple of 8 bytes and there are
-at least 16 descriptors is done by a Triton kernel instead of the copy engines: one (src, dst, bytes) descriptor per
-(block, layer page) -- per run where a layer's K and V of a block are apart (kv_first) --, uploaded host -> device on
-every call, and 12 persistent programs that each take every 12th descriptor and copy it in 8-byte words, at most
-8 KiB per step.
-
-Addresses are passed as word offsets from one anchor, the uploaded descriptor buffer itself, rather than as integers
-cast to pointers: under unified addressing a pinned host address and a device address live in one space, and the
-Triton interpreter (which runs this kernel on CPU in ``./dev bench``) then dereferences plain base+offset pointers.
+``swap_blocks_batch`` is called (``transfer_async``: ``is_src_access_order_any = not gpu_to_cpu``), except a load of
+many small aligned descriptors (:func:`uses_sm_copy`), which vLLM moves with a Triton kernel (:class:`SmCopy`).
 """
 
 from __future__ import annotations
@@ -94,6 +85,17 @@ _interpreted_kernel = InterpretedFunction(_sm_copy_kernel)
 
 class SmCopy:
     """One transfer's descriptors, prepared once; calling it uploads them and launches the copy.
+
+    A load where every descriptor is smaller than 28 KiB, every address and size is a multiple of 8 bytes and there
+    are at least 16 descriptors is done by a Triton kernel instead of the copy engines: one (src, dst, bytes)
+    descriptor per (block, layer page) -- per run where a layer's K and V of a block are apart (kv_first) --, uploaded
+    host -> device on every call, and 12 persistent programs that each take every 12th descriptor and copy it in
+    8-byte words, at most 8 KiB per step.
+
+    Addresses are passed as word offsets from one anchor, the uploaded descriptor buffer itself, rather than as
+    integers cast to pointers: under unified addressing a pinned host address and a device address live in one space,
+    and the Triton interpreter (which runs this kernel on CPU in ``./dev bench``) then dereferences plain base+offset
+    pointers.
 
     Args:
         srcs, dsts, sizes: (n,) uint64 byte addresses and byte counts, as :func:`uses_sm_copy` accepted them.

@@ -1,34 +1,13 @@
 """vLLM 0.33's own CPU-offloading worker (``vllm/v1/kv_offload/cpu/gpu_worker.py``) over given KV pages: the
-``vllm_native`` method of the transfer benchmark, and :class:`NativeWorker`, a wrapper other benchmarks can reuse.
-
-What runs is vLLM's code, imported from vLLM 0.33.0 (on a machine without vLLM, the bundle of tools/gpu/vllm_bundle.py,
-which ``./dev`` puts on ``PYTHONPATH``): ``CPUOffloadingWorker`` allocates its own host region (one
-``(num_chunks, f * page)`` int8 tensor per canonical KV tensor, pinned on CUDA), builds every transfer's descriptors
-in ``transfer_async`` and issues them on its own pooled streams, each ordered after the compute stream and after the
-previous transfer of its direction; loads of small pages take its Triton kernel (``swap_blocks_triton.py``). So its
-host time per call is vLLM's real cost.
-
-The one compiled op on that path, ``_C_cache_ops::swap_blocks_batch`` (``cuMemcpyBatchAsync`` in vLLM's
-``csrc/cache_kernels.cu``), is registered here where vLLM's own is missing (:func:`install_swap_op`), doing what the
-0.33.0 wheel's compiled op does (read from its ``_C_stable_libtorch.abi3.so``):
-
-* the entry point ``cuGetProcAddress("cuMemcpyBatchAsync", 12080)``: the CUDA 12.8 ABI, with ``failIdx``;
-* one attribute entry, zero but for ``srcAccessOrder``: ``ANY`` when vLLM passes ``is_src_access_order_any`` (its
-  loads), else ``STREAM`` (its stores); so no flags and no location hints;
-* a single copy is a ``cuMemcpyAsync`` (vLLM's: ``cudaMemcpyAsync``, ``cudaMemcpyDefault``); a batch is split into
-  calls of at most ``VLLM_KV_OFFLOAD_MAX_BATCH_DESCRIPTORS`` descriptors when that variable is set;
-* on the current stream (vLLM's transfer stream), reading vLLM's int64 descriptor tensors in place.
-
-vLLM calls it through PyTorch's dispatcher, as it calls its own, so vLLM's Python runs unchanged; the op's body is
-Python and ctypes (a few microseconds more per call than vLLM's C++).
-
-Without CUDA (the benchmark's CPU check, the tests) the worker runs in *host replay*: vLLM's descriptors are built by
-vLLM's code as on a GPU, and the op hands them to :class:`cuda_driver.HostBatchStandIn`, a C-callable stand-in for
-the driver that copies each with ``memmove``. For vLLM's code to run at all on CPU, while it runs (and only then)
-its device tensors are CPU tensors that report ``is_cuda`` (it asserts CUDA), its module's ``current_platform`` and
-``PIN_MEMORY`` are a host stand-in (no-op streams) and ``False`` (no pinned memory without CUDA: every copy then
-goes through ``swap_blocks_batch``, the op the stand-in replays), and ``torch.Event`` is a no-op event (CPU events
-cannot be recorded). None of this is on the GPU path.
+``vllm_native`` method of the transfer benchmark, and :class:`NativeWorker`, a wrapper other benchmarks can reuse. What
+runs is vLLM's code, imported from vLLM 0.33.0 (on a machine without vLLM, the bundle of tools/gpu/vllm_bundle.py, which
+``./dev`` puts on ``PYTHONPATH``): ``CPUOffloadingWorker`` allocates its own host region (one ``(num_chunks, f * page)``
+int8 tensor per canonical KV tensor, pinned on CUDA), builds every transfer's descriptors in ``transfer_async`` and
+issues them on its own pooled streams, each ordered after the compute stream and after the previous transfer of its
+direction; loads of small pages take its Triton kernel (``swap_blocks_triton.py``). So its host time per call is vLLM's
+real cost. The one compiled op on that path, ``_C_cache_ops::swap_blocks_batch``, is registered here where vLLM's own is
+missing (:func:`install_swap_op`, doing what :class:`SwapBlocksBatch` says); without CUDA the worker runs in *host
+replay* (:func:`_host_replay`), which is never on the GPU path.
 """
 
 from __future__ import annotations
@@ -122,8 +101,18 @@ def load_vllm() -> SimpleNamespace:
 
 
 class SwapBlocksBatch:
-    """``swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any)`` as vLLM 0.33's compiled op does it
-    (module docstring), through a ``cuMemcpyBatchAsync`` of the 12.8 ABI at ``batch_address``.
+    """``swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any)`` as vLLM 0.33's compiled op does it,
+    through a ``cuMemcpyBatchAsync`` of the 12.8 ABI at ``batch_address``.
+
+    The op (``cuMemcpyBatchAsync`` in vLLM's ``csrc/cache_kernels.cu``) does what the 0.33.0 wheel's compiled op does
+    (read from its ``_C_stable_libtorch.abi3.so``):
+
+    * the entry point ``cuGetProcAddress("cuMemcpyBatchAsync", 12080)``: the CUDA 12.8 ABI, with ``failIdx``;
+    * one attribute entry, zero but for ``srcAccessOrder``: ``ANY`` when vLLM passes ``is_src_access_order_any`` (its
+      loads), else ``STREAM`` (its stores); so no flags and no location hints;
+    * a single copy is a ``cuMemcpyAsync`` (vLLM's: ``cudaMemcpyAsync``, ``cudaMemcpyDefault``); a batch is split into
+      calls of at most ``VLLM_KV_OFFLOAD_MAX_BATCH_DESCRIPTORS`` descriptors when that variable is set;
+    * on the current stream (vLLM's transfer stream), reading vLLM's int64 descriptor tensors in place.
 
     Args:
         batch_address: the function (the driver's, or a :class:`HostBatchStandIn`'s).
@@ -210,7 +199,11 @@ def _op_exists() -> bool:
 
 def install_swap_op(impl: SwapBlocksBatch) -> str:
     """Makes ``torch.ops._C_cache_ops.swap_blocks_batch`` run ``impl``, registering the op (vLLM's schema) where
-    vLLM's compiled one is missing; where vLLM's own is registered, it is left alone. Returns how the op runs."""
+    vLLM's compiled one is missing; where vLLM's own is registered, it is left alone. Returns how the op runs.
+
+    vLLM calls it through PyTorch's dispatcher, as it calls its own, so vLLM's Python runs unchanged; the op's body is
+    Python and ctypes (a few microseconds more per call than vLLM's C++).
+    """
     if "lib" not in _OP and _op_exists():
         return "vLLM's compiled swap_blocks_batch"
     if "lib" not in _OP:
@@ -289,6 +282,13 @@ class _HostAsDevice(torch.Tensor):
 
 @contextlib.contextmanager
 def _host_replay(gpu_worker):
+    """Host replay, without CUDA (the benchmark's CPU check, the tests): vLLM's descriptors are built by vLLM's code as
+    on a GPU, and the op hands them to :class:`cuda_driver.HostBatchStandIn`, a C-callable stand-in for the driver
+    that copies each with ``memmove``. For vLLM's code to run at all on CPU, while it runs (and only then) its device
+    tensors are CPU tensors that report ``is_cuda`` (it asserts CUDA), its module's ``current_platform`` and
+    ``PIN_MEMORY`` are a host stand-in (no-op streams) and ``False`` (no pinned memory without CUDA: every copy then
+    goes through ``swap_blocks_batch``, the op the stand-in replays), and ``torch.Event`` is a no-op event (CPU events
+    cannot be recorded). None of this is on the GPU path."""
     saved = gpu_worker.current_platform, gpu_worker.PIN_MEMORY, torch.Event
     gpu_worker.current_platform, gpu_worker.PIN_MEMORY, torch.Event = _HostPlatform(), False, _HostEvent
     try:

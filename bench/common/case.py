@@ -1,14 +1,7 @@
 """What every transfer method sees: one case (:class:`TransferCase`) and what a method returns once prepared
-(:class:`Prepared`); and what the serving benchmark's engines move blocks between (:class:`OffloadTarget`).
-
-A method ``prepare``s a case once -- descriptor arrays, bound functions, everything that is not the transfer itself --
-and returns a :class:`Prepared` whose ``run()`` issues one transfer asynchronously on the current stream.
-
-Every method moves the same bytes: GPU block ``gpu_ids[i]`` of every layer to packed position ``skip + i`` of the
-host buffer (host block ``host_ids[p // f]``, sub-block ``p % f``), or back. The case is planned and its copies are
-described by the library (:class:`~triton_offload.plan.TransferPlanner`,
-:class:`~triton_offload.issuers.dma.DmaPlanner`): a block moves as a few contiguous *runs*, one per layer where the
-layer's K and V of a block are adjacent (block_first, mla), one per K and per V where they are not (kv_first).
+(:class:`Prepared`); and what the serving benchmark's engines move blocks between (:class:`OffloadTarget`). A method
+``prepare``s a case once -- descriptor arrays, bound functions, everything that is not the transfer itself -- and
+returns a :class:`Prepared` whose ``run()`` issues one transfer asynchronously on the current stream.
 """
 
 from __future__ import annotations
@@ -71,6 +64,12 @@ def byte_runs(spec: to.KVCacheSpec) -> list[Run]:
 @dataclass
 class TransferCase:
     """One transfer as every method sees it.
+
+    Every method moves the same bytes: GPU block ``gpu_ids[i]`` of every layer to packed position ``skip + i`` of the
+    host buffer (host block ``host_ids[p // f]``, sub-block ``p % f``), or back. The case is planned and its copies are
+    described by the library (:class:`~triton_offload.plan.TransferPlanner`,
+    :class:`~triton_offload.issuers.dma.DmaPlanner`): a block moves as a few contiguous *runs*, one per layer where the
+    layer's K and V of a block are adjacent (block_first, mla), one per K and per V where they are not (kv_first).
 
     Attributes:
         spec: the prepared KV caches.

@@ -1,7 +1,8 @@
 """GB/s against page size, one panel per direction, each method a line and the link's measured peak as the ceiling.
+Usable on its own to re-plot results files; several files (the GPU runner's parts) are plotted together when they come
+from one device and one default num_ctas.
 
-Usable on its own to re-plot results files: ``python -m bench.common.plot results.json [more.json ...] out.png``;
-several files (the GPU runner's parts) are plotted together when they come from one device and one default num_ctas.
+    python -m bench.common.plot results.json [more.json ...] out.png
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """What both benchmarks write: one JSON envelope, the transfer rows' schema, the relative columns, and file names.
-
-Torch-free, so :mod:`bench.micro.manager` (a scheduler-side, CPU-only benchmark) and the GPU runner (tools/gpu/)
-share it with :mod:`bench.transfer`.
-
-Every results file is one JSON object: ``benchmark`` (``transfer`` or ``manager``), ``mode``, ``complete`` (false
-while a run is still writing, or when it was killed), the machine and version fields, the ``commit`` it measured and
-whether the checkout was ``dirty`` (:func:`source_info`), ``args``, and ``rows``: a list
-of flat dicts with the same keys in every row of a file (:data:`ROW_KEYS` for the transfer benchmark). The file is
-rewritten whole (write to a temporary name, then rename) after every group of rows, so a run killed at any point
-leaves valid JSON holding everything measured up to its last completed group.
+Torch-free, so :mod:`bench.micro.manager` (a scheduler-side, CPU-only benchmark) and the GPU runner (tools/gpu/) share
+it with :mod:`bench.transfer`. Every results file is one JSON object: ``benchmark`` (``transfer`` or ``manager``),
+``mode``, ``complete`` (false while a run is still writing, or when it was killed), the machine and version fields, the
+``commit`` it measured and whether the checkout was ``dirty`` (:func:`source_info`), ``args``, and ``rows``: a list of
+flat dicts with the same keys in every row of a file (:data:`ROW_KEYS` for the transfer benchmark). The file is
+rewritten whole (:func:`write_json`: write to a temporary name, then rename) after every group of rows, so a run killed
+at any point leaves valid JSON holding everything measured up to its last completed group.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Device timing with CUDA events, the way ``triton.testing.do_bench`` does it, plus the host time of each call.
-
-Each sample is one call between two events on the benchmark's stream, after an L2 flush (a 256 MiB memset, about
-70-100 us on an H100/H200) and a GPU sleep of :data:`HIDE_US` microseconds (``torch.cuda._sleep``, calibrated once).
-The flush and the sleep keep the GPU busy while the host issues the call, so a call's host work up to about 300 us
-(validation, descriptor uploads, the launch) is hidden and the events measure what the transfer occupies on the
-device. A method whose host work is longer shows the excess, because its copies cannot run before they are issued:
+"""Device timing with CUDA events, the way ``triton.testing.do_bench`` does it, plus the host time of each call
+(:class:`GpuTimer`). Each sample is one call between two events on the benchmark's stream, after an L2 flush (a 256 MiB
+memset, about 70-100 us on an H100/H200) and a GPU sleep of :data:`HIDE_US` microseconds (``torch.cuda._sleep``,
+calibrated once). The flush and the sleep keep the GPU busy while the host issues the call, so a call's host work up to
+about 300 us (validation, descriptor uploads, the launch) is hidden and the events measure what the transfer occupies on
+the device. A method whose host work is longer shows the excess, because its copies cannot run before they are issued:
 one ``cudaMemcpyAsync`` per block is such a method at large sizes. The host time of every call is recorded separately
 (``call_cpu_us``) and never mixed into GB/s.
 """

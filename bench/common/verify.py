@@ -1,9 +1,8 @@
-"""Byte-exact checks of every method, run once on fresh destinations before anything of it is timed.
-
-The expected bytes come from ``kernels/reference.py`` (plain indexing, no address arithmetic), so they check the
-kernel and the baselines' descriptor arithmetic independently. Destinations start as a sentinel, so bytes a method
-failed to write show; bytes it wrote where it should not are caught too (the sentinel outside the addressed host
-sub-blocks, a checksum of every GPU block that was not addressed).
+"""Byte-exact checks of every method, run once on fresh destinations before anything of it is timed
+(:func:`check_method`). The expected bytes come from ``kernels/reference.py`` (plain indexing, no address arithmetic),
+so they check the kernel and the baselines' descriptor arithmetic independently. Destinations start as a sentinel
+(:data:`SENTINEL`), so bytes a method failed to write show; bytes it wrote where it should not are caught too (the
+sentinel outside the addressed host sub-blocks, a checksum of every GPU block that was not addressed).
 """
 
 from __future__ import annotations

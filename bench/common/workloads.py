@@ -1,7 +1,7 @@
-"""The benchmark's workloads: real models' KV page shapes, named once, and their cache builders.
-
-A workload fixes the page (bytes per layer per GPU block, K+V), the layer count and the layouts it is measured in;
-the number of blocks per transfer is the sweep's other axis. Shapes are built from a dict keyed by layout name.
+"""The benchmark's workloads: real models' KV page shapes, named once (:data:`WORKLOADS`), and their cache builders
+(:func:`make_caches`). A workload fixes the page (bytes per layer per GPU block, K+V), the layer count and the layouts
+it is measured in; the number of blocks per transfer is the sweep's other axis. Shapes are built from a dict keyed by
+layout name.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 #!/usr/bin/env python3
 """Where the host time of one transfer call goes, at 1024 blocks x 80 layers (Llama-3-70B TP8 pages, kv_first): the
-whole public ``gather_blocks`` / ``scatter_blocks`` call and ``TransferEngine.submit_store`` / ``submit_load`` (the
-vLLM plugin's path), each with the direct launch (triton_offload/fast_launch.py) and with Triton's dispatch, in one
-run; the steps of a submit as timed *inside* real calls (the engine's trace hook), so they add up to the whole; and
-the steps of a public call timed alone.
+whole public ``gather_blocks`` / ``scatter_blocks`` call and ``TransferEngine.submit_store`` / ``submit_load`` (the vLLM
+plugin's path), each with the direct launch (triton_offload/fast_launch.py) and with Triton's dispatch, in one run; the
+steps of a submit as timed *inside* real calls (the engine's trace hook), so they add up to the whole; and the steps of
+a public call timed alone. Medians, p99 and minimum over ``--calls`` calls (:func:`timed`); each row says what its
+launches went through (:func:`launch_used`), and the JSON is rewritten after each measurement (:func:`main`).
 
     python -m bench.micro.call_cost [--json PATH]     # on a GPU
     python -m bench.micro.call_cost --tiny            # any machine: a tiny shape (on CPU the launch is the interpreter)
-
-Calls are issued in bursts of 8 after a drain (a synchronize, or waiting for the engine's jobs) outside the timing,
-so the GPU's queue stays short. Medians, p99 and minimum over ``--calls`` calls. On CPU only the steps before the
-launch mean anything (the kernel runs in Triton's interpreter), and they are reported alone: planning (validation
-and packing) is the part the CPU target is set on.
-
-Every row says what its launches went through (``launch``): ``direct``, ``triton dispatch`` (the row did not ask for
-the direct launch) or ``direct refused: <why>`` (it asked, and the canary refused it, or it cannot apply: on CPU); None
-for a step that launches nothing. A row's name says what it asked for. The run is a series of measurements
-(:func:`phases` names them); the JSON is rewritten after each, ``complete`` false and ``done`` / ``left`` naming
-the measurements finished and still to run (and ``error`` where one raised), so a run killed part-way leaves what it
-measured; the last write sets ``complete``.
 """
 
 from __future__ import annotations
@@ -70,7 +59,11 @@ def launch_used(asked: bool, verdict) -> str:
     """A row's ``launch``: :data:`TRITON_DISPATCH` where the direct launch was not asked for, else ``verdict``
     (:func:`~triton_offload.fast_launch.enable_fast_launch`'s, per direction: DIRECT or why not) as DIRECT or
     :data:`REFUSED` with the reason. A launch hook (a profiler's) also keeps Triton's launch
-    (CopyLauncher.launch)."""
+    (CopyLauncher.launch).
+
+    Every row says what its launches went through (``launch``): ``direct``, ``triton dispatch`` (the row did not ask
+    for the direct launch) or ``direct refused: <why>`` (it asked, and the canary refused it, or it cannot apply: on
+    CPU); None for a step that launches nothing. A row's name says what it asked for."""
     if not asked:
         return TRITON_DISPATCH
     if verdict != DIRECT:
@@ -98,8 +91,9 @@ def _sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, calls: int, drain=None) -> dict:
-    """Host time of ``fn()``, called in bursts of BURST; ``drain()`` (default: a device synchronize) runs before
-    each burst and at the end, outside the timing. Returns :func:`timing.stats_us` plus p99."""
+    """Host time of ``fn()``, called in bursts of BURST; ``drain()`` (default: a device synchronize, or waiting for
+    the engine's jobs) runs before each burst and at the end, outside the timing, so the GPU's queue stays short.
+    Returns :func:`timing.stats_us` plus p99."""
     drain = drain or (lambda: _sync(device))
     ts = []
     for i in range(calls):
@@ -261,7 +255,9 @@ def _engine_phase(fast: bool, integrity: bool, whole: bool) -> Callable[[Setup, 
 
 
 def phases(tiny: bool, integrity: bool, cuda: bool) -> list[tuple[str, Callable[[Setup, int], Sections]]]:
-    """The run's measurements, in order: (name, ``fn(setup, calls)`` -> the rows it measured, by section)."""
+    """The run's measurements, in order: (name, ``fn(setup, calls)`` -> the rows it measured, by section). On CPU only
+    the steps before the launch mean anything (the kernel runs in Triton's interpreter), and they are reported alone:
+    planning (validation and packing) is the part the CPU target is set on."""
     out = [(PUBLIC_STEPS, lambda s, calls: {PUBLIC_STEPS: public_steps(s, calls, cuda)})]
     if cuda:
         public = lambda s, calls: {PUBLIC_CALLS: {**public_calls(s, calls, True), **public_calls(s, calls, False)}}  # noqa: E731
@@ -312,6 +308,9 @@ def print_rows(new: Sections) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The run is a series of measurements (:func:`phases` names them); the JSON is rewritten after each,
+    ``complete`` false and ``done`` / ``left`` naming the measurements finished and still to run (and ``error`` where
+    one raised), so a run killed part-way leaves what it measured; the last write sets ``complete``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (any machine; CPU runs the interpreter)")
     ap.add_argument("--calls", type=int, default=CALL_COST_CALLS)

@@ -1,22 +1,11 @@
-"""What a large host cache costs to set up, per placement and page size, and what its NUMA node costs to read and
-write from the GPU: allocation (mapping and binding), first touch, CUDA registration, and the transfer rate from the
-GPU's own node against another node.
+"""What a large host cache costs to set up, per placement and page size, and what its NUMA node costs to read and write
+from the GPU: allocation (mapping and binding), first touch, CUDA registration (:func:`measure_setup`), and the transfer
+rate from the GPU's own node against another node (:func:`measure_transfer`). Placements: ``auto`` (the GPU's node),
+``off`` (not bound), a node number, or ``each`` (every node with memory). The JSON is rewritten after every row and
+records the machine's node layout (:func:`topology`).
 
     python -m bench.micro.host_cache --sizes-gib 8 32 64 --threads 1 4 16 --json out.json
     python -m bench.micro.host_cache --sizes-gib 16 --placements auto off each --huge-pages thp 2MiB 1GiB off
-
-Each (size, placement, page size) is one ``HostCache(pin=False)``: ``map_s`` (the mapping and its ``mbind``),
-``touch_s`` (its parallel first touch from threads on the node's CPUs) and where its pages are, read back from
-``/proc/self/numa_maps`` (not assumed). On CUDA that memory is then registered and unregistered once per thread count
-(``register_host_range``, 1 GiB chunks, threads on the node's CPUs). A reserved page size the machine lacks falls back
-to transparent huge pages: the row says so (``pages`` shows what was used, ``warning`` why). Placements: ``auto``
-(the GPU's node), ``off`` (not bound), a node number, or ``each`` (every node with memory).
-
-Near vs far (CUDA, two nodes or more, a GPU that reports its node): a pinned buffer of ``--transfer-gib`` on the GPU's
-node and one on another node, each copied to and from the GPU ``--repeats`` times (copy engine, one copy per
-registered chunk); GB/s is the median. Where that cannot be measured (no CUDA, one node, no node for the GPU) the
-output and the JSON say so and why. Without CUDA nothing is registered: the registration lists are empty and the
-output says so. The JSON is rewritten after every row and records the machine's node layout.
 """
 
 from __future__ import annotations
@@ -89,7 +78,15 @@ def near_far(layout: dict, cuda: bool) -> tuple[int, int] | str:
 
 
 def measure_setup(nbytes: int, placement: str | int, pages: str, threads: list[int], cuda: bool) -> dict:
-    """One cache: mapping, first touch and read-back once, then register + unregister per thread count."""
+    """One cache: mapping, first touch and read-back once, then register + unregister per thread count.
+
+    Each (size, placement, page size) is one ``HostCache(pin=False)``: ``map_s`` (the mapping and its ``mbind``),
+    ``touch_s`` (its parallel first touch from threads on the node's CPUs) and where its pages are, read back from
+    ``/proc/self/numa_maps`` (not assumed). On CUDA that memory is then registered and unregistered once per thread
+    count (``register_host_range``, 1 GiB chunks, threads on the node's CPUs). A reserved page size the machine lacks
+    falls back to transparent huge pages: the row says so (``pages`` shows what was used, ``warning`` why). Without
+    CUDA nothing is registered: the registration lists are empty and the output says so.
+    """
     cache = HostCache(
         BLOCK_BYTES,
         nbytes,
@@ -147,7 +144,13 @@ def measure_setup(nbytes: int, placement: str | int, pages: str, threads: list[i
 
 def measure_transfer(node: int, nbytes: int, repeats: int) -> dict:
     """GB/s of copies between the GPU and a pinned buffer bound to ``node`` (median of ``repeats``), each direction
-    one copy per registered chunk (a copy-engine copy must lie inside one registration)."""
+    one copy per registered chunk (a copy-engine copy must lie inside one registration).
+
+    Near vs far (CUDA, two nodes or more, a GPU that reports its node): a pinned buffer of ``--transfer-gib`` on the
+    GPU's node and one on another node, each copied to and from the GPU ``--repeats`` times (copy engine, one copy per
+    registered chunk); GB/s is the median. Where that cannot be measured (no CUDA, one node, no node for the GPU) the
+    output and the JSON say so and why (:func:`near_far`).
+    """
     cache = HostCache(BLOCK_BYTES, nbytes, numa_node=node, pin=True, device=torch.device("cuda"))
     try:
         dev = torch.empty(cache.nbytes, dtype=torch.uint8, device="cuda")

@@ -1,11 +1,8 @@
-"""Throughput of the scheduler-side :class:`~triton_offload.manager.OffloadManager` on a large, full host cache.
-
-The manager runs in the serving scheduler's critical path, once per request per step, so what matters is the cost
-of one call with a request's worth of keys. Each operation is timed over ``--ops`` calls of ``--keys-per-call``
-keys on a cache of ``--blocks`` blocks that is full before timing starts; batches are drawn at random (fixed seed)
-and built before the clock starts. CPU only: no GPU, torch or vLLM involved.
-
-Usage::
+"""Throughput of the scheduler-side :class:`~triton_offload.manager.OffloadManager` on a large, full host cache. The
+manager runs in the serving scheduler's critical path, once per request per step, so what matters is the cost of one
+call with a request's worth of keys. Each operation is timed over ``--ops`` calls of ``--keys-per-call`` keys on a cache
+of ``--blocks`` blocks that is full before timing starts; batches are drawn at random (fixed seed) and built before the
+clock starts. CPU only: no GPU, torch or vLLM involved.
 
     python -m bench.micro.manager                      # 1M blocks, both policies
     python -m bench.micro.manager --policy arc --ops 20000 --json bench/results/manager.json

@@ -1,16 +1,12 @@
 #!/usr/bin/env python3
-"""Tunes the copy kernel's launch constants on a GPU: tile bytes (the bytes one program has in flight per step),
-warps per program and programs per launch, per direction, on the pages that matter, against the same run's
-contiguous pinned peak.
+"""Tunes the copy kernel's launch constants on a GPU: tile bytes (the bytes one program has in flight per step), warps
+per program and programs per launch, per direction, on the pages that matter (:data:`CASES`), against the same run's
+contiguous pinned peak. Each variant (:func:`variants`) is byte-checked once on every case, then timed at every num_ctas
+(:func:`tune_case`); the summary ranks the variants of each direction by their worst fraction of peak over the cases at
+each num_ctas (:func:`summarize`), which is the number the targets are about (>= 90 % of peak on every page, with <= 8
+CTAs).
 
     python -m bench.micro.tune --json tune.json [--budget-ms 20]
-
-For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant, passed to the
-library as a ``LaunchTuning`` (``kernels/shapes.py``), is byte-checked once on the case
-(``verify.check_method``, as the benchmark does), then timed at every num_ctas with the benchmark's timer. A variant
-whose check fails (or that does not compile) is reported and never timed. The summary ranks the variants of each
-direction by their worst fraction of peak over the cases at each num_ctas, which is the number the targets are about
-(>= 90 % of peak on every page, with <= 8 CTAs).
 """
 
 from __future__ import annotations
@@ -95,7 +91,13 @@ def best(summary: list[dict], direction: str, max_ctas: int, cases: int) -> dict
 
 def tune_case(group, n: int, store: bool, vs, ctas_list, env: Env, timer, budget_ms: float, stream=None):
     """One case and direction: the peak, then every variant checked once and timed at every num_ctas. Returns
-    (rows, failures, peak GB/s). ``timer(fn, budget_ms)`` returns a :class:`timing.Timing`."""
+    (rows, failures, peak GB/s). ``timer(fn, budget_ms)`` returns a :class:`timing.Timing`.
+
+    For every case (a workload, layout and block count; f=1) and direction, each (tile, warps) variant, passed to the
+    library as a ``LaunchTuning`` (``kernels/shapes.py``), is byte-checked once on the case (``verify.check_method``,
+    as the benchmark does), then timed at every num_ctas with the benchmark's timer. A variant whose check fails (or
+    that does not compile) is reported and never timed.
+    """
     stream_ctx = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
     w, layout = group.workload, group.layout
     case = make_case(group, n, 1, 0, store)

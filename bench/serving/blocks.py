@@ -1,14 +1,7 @@
-"""Which blocks each step of the serving loop writes, stores and loads, and what each must hold at the end.
-
-GPU blocks ``[0, gpu_ring)`` are the ring the steps write, allocated round-robin in a random order (so a store's
-blocks are scattered, as in a real cache); ``[gpu_ring, gpu_blocks)`` are the regions loads write, one prefix each.
-Host blocks ``[0, host_ring)`` are the store ring, taken round-robin in a random order; the rest hold the cached
-prefixes, never stored to. A step's tokens are a prefill chunk (whole fresh blocks, all completed in the step) and
-one token for each decode request (each fills its block one slot per step, staggered, and the step that fills a
-block's last slot completes it). Completed blocks are the step's store.
-
-Everything here is host-side bookkeeping in NumPy, identical for every method, and it records for the byte check
-which GPU block each host block was last stored from and which prefix each load region last received.
+"""Which blocks each step of the serving loop writes, stores and loads, and what each must hold at the end
+(:class:`Blocks`, one step's :class:`StepBlocks`). Everything here is host-side bookkeeping in NumPy, identical for
+every method, and it records for the byte check which GPU block each host block was last stored from and which prefix
+each load region last received.
 """
 
 from __future__ import annotations
@@ -41,6 +34,13 @@ class StepBlocks:
 
 class Blocks:
     """The block plan of one method's run (every method gets a fresh one, so all move the same blocks).
+
+    GPU blocks ``[0, gpu_ring)`` are the ring the steps write, allocated round-robin in a random order (so a store's
+    blocks are scattered, as in a real cache); ``[gpu_ring, gpu_blocks)`` are the regions loads write, one prefix
+    each. Host blocks ``[0, host_ring)`` are the store ring, taken round-robin in a random order; the rest hold the
+    cached prefixes, never stored to. A step's tokens are a prefill chunk (whole fresh blocks, all completed in the
+    step) and one token for each decode request (each fills its block one slot per step, staggered, and the step that
+    fills a block's last slot completes it). Completed blocks are the step's store.
 
     Args:
         shape: the loop's shape.

@@ -1,23 +1,10 @@
-"""Every job's bytes, checked while the serving loop runs: each load's GPU blocks right after its wait (or, with
-async loads, right after ``get_finished`` reported it) and each store's host blocks when it completes, against
-checksums known before.
-
-The checksum of a packed block is one int64 sum per K or V page of every layer (:func:`row_sums`: the block's bytes
-as int32 words, summed per page): one wrong byte changes its page's sum, a page left unwritten holds the sentinel, a
-block or page moved to the wrong place changes two sums. Words swapped within one page are not seen; the byte-exact
-check at the end of a run (``serving_loop.byte_check``) compares its final state byte for byte.
-
-* A load's expected sums are its cached prefix's, computed once when the prefixes are made. Its GPU blocks are summed
-  on the device, by the worker, right after the wait returned (the loop stops its clock meanwhile) or after the step
-  whose poll reported it: an engine whose wait returned before its copy was done shows unwritten pages.
-* A store's expected sums are its GPU blocks', computed on the device at the end of the step whose compute wrote
-  them, after the step's clock stopped. Its host blocks are summed on the host when the store is reported finished:
-  on a GPU machine in a worker thread, so that neither the link (a copy up would be as large as the store) nor the
-  worker's step pays for it; without CUDA at once. A host block is not stored to again before its check is done
-  (:meth:`JobChecks.before_store_into`).
-
-The same check work is done in a run without offload (``none``), against the sentinel its blocks must keep, so the
-work falls on every method alike.
+"""Every job's bytes, checked while the serving loop runs (:class:`JobChecks`): each load's GPU blocks right after its
+wait (or, with async loads, right after ``get_finished`` reported it) and each store's host blocks when it completes,
+against checksums known before. The checksum of a packed block is one int64 sum per K or V page of every layer
+(:func:`row_sums`: the block's bytes as int32 words, summed per page): one wrong byte changes its page's sum, a page
+left unwritten holds the sentinel, a block or page moved to the wrong place changes two sums. Words swapped within one
+page are not seen; the byte-exact check at the end of a run (``serving_loop.byte_check``) compares its final state byte
+for byte.
 """
 
 from __future__ import annotations
@@ -78,6 +65,18 @@ class _Store:
 @dataclass
 class JobChecks:
     """The checks of one run.
+
+    * A load's expected sums are its cached prefix's, computed once when the prefixes are made. Its GPU blocks are
+      summed on the device, by the worker, right after the wait returned (the loop stops its clock meanwhile) or after
+      the step whose poll reported it: an engine whose wait returned before its copy was done shows unwritten pages.
+    * A store's expected sums are its GPU blocks', computed on the device at the end of the step whose compute wrote
+      them, after the step's clock stopped. Its host blocks are summed on the host when the store is reported
+      finished: on a GPU machine in a worker thread, so that neither the link (a copy up would be as large as the
+      store) nor the worker's step pays for it; without CUDA at once. A host block is not stored to again before its
+      check is done (:meth:`JobChecks.before_store_into`).
+
+    The same check work is done in a run without offload (``none``), against the sentinel its blocks must keep, so
+    the work falls on every method alike.
 
     Args:
         spec: the KV caches.

@@ -1,22 +1,17 @@
 #!/usr/bin/env python3
 """What a serving engine sees: a vLLM-like worker step loop on one GPU (model compute + offload traffic), per method.
+Each step runs the model's per-layer matrix products in bf16 (each workload's real per-GPU shapes) over a prefill chunk
+and decode tokens (decode-heavy: with each decode's attention read of its KV), writing the step's KV into its GPU
+blocks; the blocks it completed are stored to the host cache, and every few steps an arriving request's cached prefix is
+loaded, synchronously before its step or asynchronously beside the others (vLLM 0.33's default). The same loop runs with
+no offload (``none``), with our TransferEngine (``triton``, ``auto``), with vLLM 0.33's data path (``vllm033``), vLLM
+0.33's own worker (``vllm_native``) and cuMemcpyBatchAsync both ways (``memcpy_batch``), in rounds with ``none`` between
+them; every job's bytes are checked while it runs. Without CUDA it runs at tiny shapes through the Triton interpreter
+and times nothing. See docs/benchmarks.md, "The serving benchmark"; the package's docstring names its modules' roles.
 
     python -m bench.serving [--preset decisive] [--json PATH] [--plot PATH] [--workloads NAME ...]
                             [--shapes prefill-heavy decode-heavy] [--load-modes async sync] [--methods NAME ...]
                             [--rounds R] [--prefill N] [--decode N] [--context N] [--prefix-tokens N] [--steps N]
-
-Each step runs the model's per-layer matrix products in bf16 (each workload's real per-GPU shapes) over a prefill
-chunk and decode tokens (decode-heavy: with each decode's attention read of its KV), writing the step's KV into its
-GPU blocks; the blocks it completed are stored to the host cache, and every few steps an arriving request's cached
-prefix is loaded, synchronously before its step or asynchronously beside the others (vLLM 0.33's default). The same
-loop runs with no offload (``none``), with our TransferEngine (``triton``, ``auto``), with vLLM 0.33's data path
-(``vllm033``), vLLM 0.33's own worker (``vllm_native``) and cuMemcpyBatchAsync both ways (``memcpy_batch``), in
-rounds with ``none`` between them; every job's bytes are checked while it runs. Without CUDA it runs at tiny shapes
-through the Triton interpreter and times nothing. See docs/benchmarks.md, "The serving benchmark".
-
-Roles (bench/serving/): this module is the command line and the run; config the shapes, load modes, plans and
-presets, model the compute, blocks the block plan, methods the engines, loop the loop and the byte-exact check, check
-the per-job checks, gpu the contiguous copy and the duplex figure, report the rows, drift, targets, tables and PNG.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""The serving step loop and its byte checks: one method's run over one workload's caches, host cache and model.
-
-A step, on the worker thread, as vLLM 0.33's worker runs it with the offloading connector (docs/benchmarks.md, "The
-loop, and how it maps onto vLLM's connector", names the vLLM functions):
-
-1. (every ``load_every`` steps, from the first) a request arrives whose prefix the host cache holds. ``sync`` loads:
-   its load is submitted (after any deferred store) and the worker waits for it before the forward pass; ``async``
-   loads (vLLM's default): it is submitted after the forward pass is queued, the other requests keep running, and the
-   request joins the batch after the step whose ``get_finished`` reported its load;
-2. the step's blocks are allocated; a block whose previous store is still running is waited for first (vLLM flushes
-   such jobs before reusing a block);
-3. the forward pass is queued on the compute stream (:class:`serving_model.StepModel`), writing the step's KV;
-4. the blocks the step completed are stored: submitted now, after the compute is queued, so the store waits for it
-   on the GPU (with ``defer_stores``, in the next step's transfer start instead, as vLLM 0.33's connector defers
-   them: before that step's forward pass if it has a sync load, else after it is queued);
-5. the worker waits for the step's output (the compute stream), then polls the engine for finished jobs.
-
-Step time is the worker's wall time for all of it. Every job's bytes are checked while the loop runs
-(:mod:`serving_check`), with the clock stopped: each load's right after its wait (sync) or after the step whose poll
-reported it (async), each store's when it is reported finished. Without CUDA the same loop runs synchronously through
-the interpreter, and its times mean nothing.
+"""The serving step loop and its byte checks: one method's run over one workload's caches, host cache and model
+(:func:`run_loop`, whose docstring lists a step's parts as vLLM 0.33's worker runs them; :func:`byte_check`). Step time
+is the worker's wall time for all of a step. Every job's bytes are checked while the loop runs (:mod:`serving_check`),
+with the clock stopped: each load's right after its wait (sync) or after the step whose poll reported it (async), each
+store's when it is reported finished. Without CUDA the same loop runs synchronously through the interpreter, and its
+times mean nothing.
 """
 
 from __future__ import annotations
@@ -265,6 +250,23 @@ def run_loop(
 
     The engine is drained (every job waited for and reported) but not shut down: it may run again. Job ids: the store
     of step s is 2s, the load of the arrival at step s is 2s + 1.
+
+    A step, on the worker thread, as vLLM 0.33's worker runs it with the offloading connector (the vLLM functions are
+    named in docs/benchmarks.md, "The loop"):
+
+    1. (every ``load_every`` steps, from the first) a request arrives whose prefix the host cache holds. ``sync``
+       loads: its load is submitted (after any deferred store) and the worker waits for it before the forward pass;
+       ``async`` loads (vLLM's default): it is submitted after the forward pass is queued, the other requests keep
+       running, and the request joins the batch after the step whose ``get_finished`` reported its load;
+    2. the step's blocks are allocated; a block whose previous store is still running is waited for first (vLLM
+       flushes such jobs before reusing a block);
+    3. the forward pass is queued on the compute stream (:class:`serving_model.StepModel`), writing the step's KV;
+    4. the blocks the step completed are stored: submitted now, after the compute is queued, so the store waits for
+       it on the GPU (with ``defer_stores``, in the next step's transfer start instead, as vLLM 0.33's connector
+       defers them: before that step's forward pass if it has a sync load, else after it is queued);
+    5. the worker waits for the step's output (the compute stream), then polls the engine for finished jobs.
+
+    Step time is the worker's wall time for all of it.
     """
     shape = setup.shape
     _reset(setup)

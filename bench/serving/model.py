@@ -1,15 +1,14 @@
-"""The model's side of a serving step: a transformer's per-layer matrix products in bf16 on the current (compute)
-stream, and each layer's write of the step's new K and V into the step's GPU blocks, the way vLLM's
-``reshape_and_cache`` writes them through a slot mapping.
-
-What is modelled: the four matrix products of every layer at the model's real per-GPU shapes (QKV, O, gate/up, down)
-for the step's tokens, and the KV write, whose values are the QKV product's K and V columns: a store of those blocks
-reads what the compute wrote, so it must be ordered after it. With a decode context (the decode-heavy shape), each
-layer also reads as many bytes as its decode requests' attention reads from the KV cache (decode x context tokens of
-K and V): a bandwidth-bound reduction over a buffer larger than the L2 cache, so the step has a decode step's memory
-traffic. What is not: attention itself (its FLOPs, its reads of the paged blocks themselves, the prefill chunk's
-attention; the O product takes Q's columns as its input instead), norms, activations, embedding and sampling. The
-step input is fresh random activations each step, so no two steps write the same KV.
+"""The model's side of a serving step (:class:`StepModel`): a transformer's per-layer matrix products in bf16 on the
+current (compute) stream, and each layer's write of the step's new K and V into the step's GPU blocks, the way vLLM's
+``reshape_and_cache`` writes them through a slot mapping. What is modelled: the four matrix products of every layer at
+the model's real per-GPU shapes (QKV, O, gate/up, down) for the step's tokens, and the KV write, whose values are the
+QKV product's K and V columns: a store of those blocks reads what the compute wrote, so it must be ordered after it.
+With a decode context (the decode-heavy shape), each layer also reads as many bytes as its decode requests' attention
+reads from the KV cache (decode x context tokens of K and V): a bandwidth-bound reduction over a buffer larger than the
+L2 cache, so the step has a decode step's memory traffic. What is not: attention itself (its FLOPs, its reads of the
+paged blocks themselves, the prefill chunk's attention; the O product takes Q's columns as its input instead), norms,
+activations, embedding and sampling. The step input is fresh random activations each step, so no two steps write the
+same KV.
 """
 
 from __future__ import annotations

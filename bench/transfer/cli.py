@@ -1,18 +1,13 @@
 #!/usr/bin/env python3
-"""Standalone benchmark of triton-offload's gather/scatter against today's ways and the PCIe link's own peak.
+"""Standalone benchmark of triton-offload's gather/scatter against today's ways and the PCIe link's own peak. On a CUDA
+machine, for each workload, layout, transfer size, host-block factor and direction, the same blocks are moved by every
+method in one run on one GPU, each after a byte-exact check on that very case; then the host cost of one call and the
+GEMM slowdown caused by concurrent transfers are measured, and the targets are printed (PASS/FAIL). Without CUDA it runs
+a correctness pass of every method under the Triton interpreter, with tiny shapes of every workload, and measures no
+bandwidth. See bench/README.md and docs/benchmarks.md; the package's docstring names its modules' roles.
 
     python -m bench.transfer [--quick | --part PART] [--json PATH] [--plot PATH] [--save]
                              [--workloads NAME ...] [--layouts NAME ...] [--blocks N ...] [--num-ctas C ...]
-
-On a CUDA machine, for each workload, layout, transfer size, host-block factor and direction, the same blocks are
-moved by every method in one run on one GPU, each after a byte-exact check on that very case; then the host cost of
-one call and the GEMM slowdown caused by concurrent transfers are measured, and the targets are printed (PASS/FAIL).
-Without CUDA it runs a correctness pass of every method under the Triton interpreter, with tiny shapes of every
-workload, and measures no bandwidth. See bench/README.md and docs/benchmarks.md.
-
-Roles (bench/transfer/): this module is the command line; sweep the GPU mode, cpu_check the CPU mode, session the
-state they share, extras the CPU cost and interference, summary the tables and targets; the methods are
-:mod:`bench.baselines`, the byte checks, timing and output :mod:`bench.common`.
 """
 
 from __future__ import annotations

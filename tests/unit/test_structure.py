@@ -1,12 +1,13 @@
 """The library's rooms stay small and point one way (issue 57): no library file over ~450 lines, no function over ~80
-but the copy kernel, and no import cycle among the library's modules, counting the imports made inside functions
-(a cycle hidden there is still a cycle). The Markdown budget and the documented paths are checked in
-tests/unit/test_readme.py."""
+but the copy kernel, no import cycle among the library's modules, counting the imports made inside functions (a cycle
+hidden there is still a cycle), and every module docstring of the code one paragraph (a command line's usage block may
+follow it). The Markdown budget and the documented paths are checked in tests/unit/test_readme.py."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -116,3 +117,61 @@ def test_the_cycle_check_sees_an_import_made_inside_a_function(tmp_path, monkeyp
     assert "triton_offload.a" in _imports("triton_offload.b", b)
     with pytest.raises(AssertionError, match="triton_offload.a -> triton_offload.b -> triton_offload.a"):
         test_the_library_has_no_import_cycle()
+
+
+# Module docstrings (issue 57): ONE paragraph, saying what the module is for, its entry points and what is not obvious;
+# details go to the docstring of the class or function they belong to. A command-line module may add, after one blank
+# line, a usage block: command lines indented by 4 spaces (``    python -m bench.micro.call_cost [--json PATH]``, a
+# continuation line indented further), and nothing after it.
+DOCSTRING_FOLDERS = ("triton_offload", "kernels", "connector", "bench", "tools")
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
+_COMMAND = re.compile(r" {4}(?:python3? |\./)")
+
+
+def _docstring_modules() -> list[pathlib.Path]:
+    return [path for folder in DOCSTRING_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def docstring_problem(doc: str) -> str | None:
+    """Why a module docstring is not one paragraph, optionally followed by a usage block; None where it is."""
+    parts = _BLANK_LINE.split(doc.strip())
+    if len(parts) == 1:
+        return None
+    usage = parts[1].splitlines()
+    if len(parts) == 2 and _COMMAND.match(usage[0]) and all(line.startswith("    ") for line in usage):
+        return None
+    return f"{len(parts)} paragraphs; the one paragraph may be followed only by a usage block of command lines"
+
+
+def check_module_docstrings(paths: list[pathlib.Path]) -> None:
+    wrong = []
+    for path in paths:
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        problem = doc and docstring_problem(doc)
+        if problem:
+            wrong.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {problem}")
+    assert not wrong, "module docstrings not one paragraph: " + "; ".join(wrong)
+
+
+def test_every_module_docstring_is_one_paragraph():
+    paths = _docstring_modules()
+    assert len(paths) >= 100, "the folders no longer hold the code"
+    check_module_docstrings(paths)
+
+
+def test_the_docstring_check_refuses_a_second_paragraph(tmp_path):
+    """The check is not vacuous: a second paragraph of prose is refused, and so are prose after a usage block, a usage
+    block two blank lines down and indented prose; one paragraph and a usage block pass."""
+    usage = tmp_path / "usage.py"
+    usage.write_text('"""What it does.\n\n    python -m tool [--json PATH]\n            [--more]\n"""\n')
+    check_module_docstrings([usage])
+    for name, doc in {
+        "two.py": "What it does.\n\nAnd a second paragraph of details.\n",
+        "after.py": "What it does.\n\n    python -m tool\n\nMore details.\n",
+        "gap.py": "What it does.\n\n\n    python -m tool\n",
+        "indented.py": "What it does.\n\n    Details indented as if they were commands.\n",
+    }.items():
+        path = tmp_path / name
+        path.write_text(f'"""{doc}"""\n')
+        with pytest.raises(AssertionError, match=f"{name}: .*paragraphs"):
+            check_module_docstrings([path])

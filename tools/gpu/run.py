@@ -1,16 +1,13 @@
 #!/usr/bin/env python3
-"""One command per GPU lease: ``./dev gpu run OUTDIR [--budget SECONDS] [--stages A,B,...] [--dry-run]``.
+"""One command per GPU lease: ``./dev gpu run OUTDIR [--budget SECONDS] [--stages A,B,...] [--dry-run]``. The stages
+(tools/gpu/stages.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when ``./dev gpu``
+began); a stage whose estimate does not fit what is left is skipped and named as skipped, never started and killed
+(:class:`Runner`). After every stage, and on SIGTERM/SIGINT, OUTDIR is packed as at most 7 files (:meth:`Runner._pack`).
+Stdlib only: it starts before the project is installed.
 
     python -m tools.gpu.run run OUTDIR [--budget S] [--stages A,B] [--dry-run] [--t0 EPOCH]
     python -m tools.gpu.run check OUTDIR [...]     # the options and OUTDIR, before ./dev installs anything
     python -m tools.gpu.run merge OUTDIR           # here: a returned run into bench/results/ and the ledger
-
-The stages (tools/gpu/stages.py) run in priority order inside one budget (default 540 s, counted from ``--t0``, when
-``./dev gpu`` began); a stage whose estimate does not fit what is left is skipped and named as skipped, never started
-and killed. Each stage's commands run in their own process group, killed at the stage's timeout, their output tee'd
-into the stage's log. After every stage, and on SIGTERM/SIGINT, OUTDIR is packed as at most 7 files: ``summary.json``
-(tools/gpu/summary.py, from the stages' files), ``<device>-<date>-<HHMM>-gpu-run.tar.gz`` (every log, JSON and JUnit
-XML), ``gpu-ledger.json`` and up to 4 PNGs. Stdlib only: it starts before the project is installed.
 """
 
 from __future__ import annotations
@@ -138,7 +135,8 @@ def _now() -> str:
 
 class Runner:
     """Orders and runs the stages; ``clock``, ``sleep``, ``spawn`` (-> ``poll()``, ``kill()``) and ``stages`` are
-    injectable for tests."""
+    injectable for tests. Each stage's commands run in their own process group, killed at the stage's timeout, their
+    output tee'd into the stage's log."""
 
     def __init__(self, outdir: pathlib.Path, *, budget_s: float = DEFAULT_BUDGET_S, chosen: list[str] | None = None,
                  spent_s: float | None = None, work: pathlib.Path | None = None, ledger_path=LEDGER_PATH,
@@ -351,7 +349,10 @@ class Runner:
                               "*.png": "bench/results/ (same names)"}}  # fmt: skip
 
     def _pack(self) -> None:
-        """summary.json, the tarball, the ledger and the first PNGs into OUTDIR, each written whole then renamed."""
+        """summary.json, the tarball, the ledger and the first PNGs into OUTDIR, each written whole then renamed: at
+        most 7 files, ``summary.json`` (tools/gpu/summary.py, from the stages' files),
+        ``<device>-<date>-<HHMM>-gpu-run.tar.gz`` (every log, JSON and JUnit XML), ``gpu-ledger.json`` and up to 4
+        PNGs."""
         stem = self.stem
         (self.work / RUN_LOG).write_text("\n".join(self._log_lines) + "\n")
         pngs = [self.work / f"{n}.png" for n, _ in self.queue if (self.work / f"{n}.png").is_file()]

@@ -1,18 +1,11 @@
 #!/usr/bin/env python3
 """vLLM 0.33's Python code for a machine that has no vLLM and no network (the GPU machine): built here as one folder
-that travels with the working tree, unpacked there onto ``PYTHONPATH``.
+that travels with the working tree (:func:`build`), unpacked there onto ``PYTHONPATH`` (:func:`unpack`). A full vLLM
+cannot go there (a 336 MB wheel needing torch 2.14; the GPU image has 2.11), but its offloading path is Python plus one
+compiled op, registered by ``bench/baselines/vllm_native.py``. Stdlib only.
 
     python -m tools.gpu.vllm_bundle build [--out .gpu-bundle] [--python-version 3.12 ...]  # where vLLM 0.33.0 is
     python -m tools.gpu.vllm_bundle unpack [--bundle .gpu-bundle] [--dest DIR] [--lenient]  # prints the folder
-
-A full vLLM cannot go there (a 336 MB wheel needing torch 2.14; the GPU image has 2.11), but its offloading path is
-Python plus one compiled op. The bundle holds ``vllm-0.33.0-py.tar.gz`` (every ``.py`` file of the installed release
-but ``vllm/third_party/`` other than its ``pynvml.py``, and the wheel's ``METADATA``, each checked against the wheel's
-``RECORD``, written with sorted names and fixed times so the same release gives the same bytes), ``wheels/<cpXY>/``
-(:data:`WHEELS`, what vLLM's modules on the tests' paths import beyond the GPU image, pinned, per Python asked for)
-and ``MANIFEST.json`` (versions, hashes, sizes). ``unpack`` checks every hash, extracts the code, installs the wheels
-with pip (``--no-index --target``) and adds :data:`STUBS` for compiled extensions vLLM imports unconditionally; the
-one compiled op the path calls is registered by ``bench/baselines/vllm_native.py``. Stdlib only.
 """
 
 from __future__ import annotations
@@ -158,7 +151,14 @@ def build(out: pathlib.Path = DEFAULT_BUNDLE, python_versions: tuple[str, ...] =
     """Builds the bundle into ``out`` (replacing what a previous build put there) from the vLLM installed in this
     interpreter, with wheels for every ``major.minor`` in ``python_versions``; returns the manifest. ``include``: only
     these vLLM files (for tests); ``wheels``: the pins (default :data:`WHEELS`); a bundle over ``limit_bytes`` is an
-    error."""
+    error.
+
+    The bundle holds ``vllm-0.33.0-py.tar.gz`` (every ``.py`` file of the installed release but ``vllm/third_party/``
+    other than its ``pynvml.py``, and the wheel's ``METADATA``, each checked against the wheel's ``RECORD``, written
+    with sorted names and fixed times so the same release gives the same bytes), ``wheels/<cpXY>/`` (:data:`WHEELS`,
+    what vLLM's modules on the tests' paths import beyond the GPU image, pinned, per Python asked for) and
+    ``MANIFEST.json`` (versions, hashes, sizes).
+    """
     pins = WHEELS if wheels is None else wheels
     dist = _vllm_distribution()
     chosen = [f for f in select_files(dist) if include is None or f.as_posix() in include or f.name == "METADATA"]
@@ -227,7 +227,9 @@ def _extract(tar_path: pathlib.Path, dest: pathlib.Path) -> None:
 def unpack(bundle: pathlib.Path = DEFAULT_BUNDLE, dest: pathlib.Path | None = None) -> tuple[pathlib.Path, str]:
     """Unpacks ``bundle`` for the running Python into ``dest`` (default ``.gpu-bundle-site/<cpXY>``), checking every
     hash; a folder already unpacked from the same manifest is reused. Returns (the folder to put first on
-    ``PYTHONPATH``, a line saying what it holds)."""
+    ``PYTHONPATH``, a line saying what it holds). It checks every hash, extracts the code, installs the wheels with pip
+    (``--no-index --target``) and adds :data:`STUBS` for compiled extensions vLLM imports unconditionally; the one
+    compiled op the path calls is registered by ``bench/baselines/vllm_native.py``."""
     manifest = read_manifest(bundle)
     tag = python_tag()
     dest = dest or DEFAULT_SITE / tag

@@ -1,13 +1,10 @@
-"""Which NUMA node host memory belongs on and how it is bound there (where its pages really are: :mod:`.placement`).
-
-On a two-socket box a host cache on the far socket sends every offloaded byte over the inter-socket link as well as
-PCIe. The node that matters is the GPU's: its PCI device's ``numa_node`` in sysfs. Memory is bound with the kernel's
-memory-policy system calls (``mbind`` on a mapping before its first touch, ``set_mempolicy`` on a thread around code
-that touches memory it does not map itself), called through ctypes with the machine's syscall numbers: no libnuma,
-no compiled code. Threads that first-touch or register the memory run on the node's CPUs. Where the pages ended up
-is read back from ``/proc/self/numa_maps``, never assumed.
-
-Stdlib only (torch is imported only to find a GPU's PCI address): the plugin's configuration parser imports it.
+"""Which NUMA node host memory belongs on and how it is bound there (where its pages really are: :mod:`.placement`). On
+a two-socket box a host cache on the far socket sends every offloaded byte over the inter-socket link as well as PCIe,
+and the node that matters is the GPU's (:func:`choose_node`: its PCI device's ``numa_node`` in sysfs). Memory is bound
+with the kernel's memory-policy system calls (:func:`bind_memory`, :func:`set_thread_policy`) through ctypes with the
+machine's syscall numbers, no libnuma and no compiled code; threads that first-touch or register the memory run on the
+node's CPUs (:func:`run_on_node`), and where the pages ended up is read back from ``/proc/self/numa_maps``, never
+assumed. Stdlib only (torch is imported only to find a GPU's PCI address): the plugin's configuration parser imports it.
 Every sysfs path is taken below a ``sysfs`` root (default ``/sys``) so tests can lay out a topology in a directory.
 """
 

@@ -1,17 +1,7 @@
-"""The pages under a host buffer: transparent or reserved huge pages, populated in parallel, and memory pinned at
-allocation where registration is refused.
-
-- ``huge_pages``: ``"thp"`` (default: an anonymous mapping advised ``MADV_HUGEPAGE``), ``"2MiB"`` / ``"1GiB"``
-  (``MAP_HUGETLB`` with the size flag, from the pages reserved in ``/sys/kernel/mm/hugepages``; where too few are
-  free the buffer falls back to ``"thp"`` with a one-line warning saying how many are free and needed), ``"off"``
-  (``MADV_NOHUGEPAGE``: base pages only).
-- ``pinning`` (CUDA): ``"auto"`` (default: ``cudaHostRegister`` of the mapping; where the driver refuses it,
-  Confidential Computing mode or some containers, memory pinned at allocation by ``cudaHostAlloc``, with a one-line
-  warning), ``"register"`` (registration only: a refusal stops at startup), ``"alloc"`` (``cudaHostAlloc`` only).
-  ``cudaHostAlloc`` is called through the CUDA runtime torch loaded, not torch's pinned allocator, which would round
-  the size up to a power of two.
-
-Stdlib only at import (the plugin's configuration parser imports the settings).
+"""The pages under a host buffer: transparent or reserved huge pages (the ``huge_pages`` setting,
+:func:`huge_pages_setting`), populated in parallel (:func:`populate`), and memory pinned at allocation
+(:class:`CudaHostAlloc`) where registration is refused (the ``pinning`` setting, :func:`pinning_setting`). Stdlib only
+at import (the plugin's configuration parser imports the settings).
 """
 
 from __future__ import annotations
@@ -59,6 +49,11 @@ _PAGE = mmap.PAGESIZE
 def huge_pages_setting(value: Any, key: str = "huge_pages") -> str:
     """A ``huge_pages`` setting, checked (case-insensitive): ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"``.
 
+    ``"thp"`` (default: an anonymous mapping advised ``MADV_HUGEPAGE``), ``"2MiB"`` / ``"1GiB"`` (``MAP_HUGETLB`` with
+    the size flag, from the pages reserved in ``/sys/kernel/mm/hugepages``; where too few are free the buffer falls back
+    to ``"thp"`` with a one-line warning saying how many are free and needed), ``"off"`` (``MADV_NOHUGEPAGE``: base
+    pages only).
+
     Raises:
         ValueError: anything else, naming ``key`` and the accepted values.
     """
@@ -75,6 +70,10 @@ def huge_pages_setting(value: Any, key: str = "huge_pages") -> str:
 
 def pinning_setting(value: Any, key: str = "pinning") -> str:
     """A ``pinning`` setting, checked: ``"auto"``, ``"register"`` or ``"alloc"``.
+
+    CUDA only: ``"auto"`` (default: ``cudaHostRegister`` of the mapping; where the driver refuses it, Confidential
+    Computing mode or some containers, memory pinned at allocation by ``cudaHostAlloc``, with a one-line warning),
+    ``"register"`` (registration only: a refusal stops at startup), ``"alloc"`` (``cudaHostAlloc`` only).
 
     Raises:
         ValueError: anything else, naming ``key`` and the accepted values.
@@ -246,7 +245,8 @@ def _cudart_path() -> str:
 
 class CudaHostAlloc:
     """``cudaHostAlloc`` / ``cudaFreeHost`` (portable | mapped, as registrations are) from the CUDA runtime torch
-    loaded, through ctypes. GPU only: not run on CPU machines, where tests use a stand-in with the same methods."""
+    loaded, through ctypes, not torch's pinned allocator, which would round the size up to a power of two. GPU only:
+    not run on CPU machines, where tests use a stand-in with the same methods."""
 
     _PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostAllocPortable | cudaHostAllocMapped
 
