@@ -18,9 +18,10 @@ from bench.static.variants import Variant, variants
 __all__ = ["measure", "report", "merge", "table"]
 
 
-def measure(v: Variant, arch: int) -> dict:
-    """One variant's numbers on one architecture."""
-    kernel = compile_variant(v.config, v.store, v.grouped, v.integrity, v.copy, arch=arch)
+def measure(v: Variant, arch: int, kernel=None) -> dict:
+    """One variant's numbers on one architecture (``kernel``: another version of the kernel function, a test's
+    mutation)."""
+    kernel = compile_variant(v.config, v.store, v.grouped, v.integrity, v.copy, arch=arch, kernel=kernel)
     usage, text = sass.cubin_facts(kernel.asm["cubin"])
     code = sass.analyse(text, v.width, v.config.n_chunks, v.copy)
     shared = max(usage["shared_bytes"], int(getattr(kernel.metadata, "shared", 0) or 0))

@@ -1,0 +1,92 @@
+"""The copy kernel held to its compiled code without a GPU (bench/static, docs/compiler.md): every gated variant
+(16-byte pages, sm_90, this suite's Triton) is lowered to SASS and checked against bench/static/budget.json: without
+the checks it must not spill and must move its data in 16-byte accesses; its loops may not grow beyond their
+instructions per 16 bytes, nor gain a barrier; its PTX atomics must keep their semantics. Each gate is shown to fail
+on a mutation of the kernel: work added to the copy loop, a spill, a relaxed programs-done counter."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton.backends.compiler")
+
+from bench.static import budget, report  # noqa: E402
+from bench.static.variants import variants  # noqa: E402
+from triton_offload.kernels import copy_blocks  # noqa: E402
+
+BUDGET = json.loads(budget.BUDGET_PATH.read_text())
+GATED = [v for v in variants() if budget.gated(v)]
+
+
+def test_every_gated_variant_has_a_budget():
+    assert {v.id for v in GATED} == set(BUDGET["variants"]), "regenerate bench/static/budget.json (budget.make)"
+
+
+@pytest.mark.parametrize("variant", GATED, ids=lambda v: v.id)
+def test_the_compiled_kernel_keeps_its_budget(variant):
+    row = report.measure(variant, 90)
+    assert budget.problems(row, BUDGET["variants"][variant.id]) == []
+
+
+def _mutated(tmp_path, replacements: list[tuple[str, str]]):
+    """The kernel with ``replacements`` made in its source (each must match once), as a function to compile."""
+    source = textwrap.dedent(inspect.getsource(copy_blocks._copy_blocks_kernel))
+    for old, new in replacements:
+        assert source.count(old) == 1, f"the kernel's source changed: update the mutation ({old!r})"
+        source = source.replace(old, new)
+    path = tmp_path / "mutated_kernel.py"
+    header = (
+        "from triton_offload.kernels.copy_blocks import *  # noqa\n"
+        "from triton_offload.kernels.copy_blocks import tl, triton, _SUM, FIN  # noqa\n"
+        "from triton_offload.kernels.copy_blocks import _lane_step, _finalize_checksums  # noqa\n"
+    )
+    path.write_text(header + source)
+    spec = importlib.util.spec_from_file_location("mutated_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._copy_blocks_kernel
+
+
+def _problems(tmp_path, variant_id: str, replacements) -> list[str]:
+    variant = next(v for v in GATED if v.id == variant_id)
+    kernel = _mutated(tmp_path, replacements)
+    return budget.problems(report.measure(variant, 90, kernel=kernel), BUDGET["variants"][variant_id])
+
+
+_STORE = "tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)"
+
+
+def test_work_added_to_the_copy_loop_breaks_its_budget(tmp_path):
+    """Six integer operations per word moved, in the loop that moves them (a stand-in for a costlier checksum)."""
+    indent = "\n" + " " * 16
+    busy = indent.join(["vals = vals * 3 + 1", "vals = vals * 5 + 7", "vals = vals * 9 + 3", ""])
+    found = _problems(tmp_path, "llama3-8b.kv_first/store/1group/plain", [(_STORE, busy + _STORE)])
+    assert any("loop instructions per 16 B" in p for p in found), found
+
+
+def test_a_spill_breaks_the_default_path(tmp_path):
+    """The row indices back in 64 bits (the kernel before issue 58): 2 KiB pages spill again."""
+    wide = [
+        ("pid = tl.program_id(0)\n", "pid = tl.program_id(0).to(tl.int64)\n"),
+        ("rows = tl.arange(0, ROWS)\n", "rows = tl.arange(0, ROWS).to(tl.int64)\n"),
+        ("n_segs32 = n_segs.to(tl.int32)", "n_segs32 = n_segs"),
+        ("f32 = blocks_per_host_block.to(tl.int32)", "f32 = blocks_per_host_block"),
+        ("n_items = (n_blocks * n_segs).to(tl.int32)", "n_items = n_blocks * n_segs"),
+        ("tile = (pid + i * nprog).to(tl.int32)", "tile = pid + i * nprog"),
+        ("pos = blk + skip.to(tl.int32)", "pos = blk + skip"),
+        ("seg_len = tl.multiple_of(seg_len.to(tl.int32), VEC)", "seg_len = tl.multiple_of(seg_len, VEC)"),
+    ]
+    found = _problems(tmp_path, "small-page.kv_first/load/1group/plain", wide)
+    assert any("spills" in p for p in found), found
+
+
+def test_a_relaxed_programs_done_counter_breaks_the_atomics(tmp_path):
+    relaxed = [('done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")',
+                'done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="relaxed", scope="gpu")')]  # fmt: skip
+    found = _problems(tmp_path, "small-page.kv_first/store/1group/checked", relaxed)
+    assert any("PTX atomics" in p and "relaxed" in p for p in found), found
