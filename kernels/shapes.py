@@ -73,6 +73,10 @@ DEFAULT_TUNINGS = MappingProxyType(
 # A tile batches at most this many segments (rows) of tile / MAX_ROWS bytes or more (each row costs its own id and
 # table loads); shorter segments take one chunk each, so a 64 KiB tile holds 64 rows of 1 KiB.
 MAX_ROWS = 32
+# A tile holds tile_bytes / 4 elements whatever their size, and at most one row per thread: narrow pages (2- and 1-byte
+# words, segments of a few words) otherwise got 2048-8192 rows and 32-64 elements per thread in a tile and spilled
+# 1-7 KiB per thread (docs/compiler.md). Pages of 4-byte words or wider are unchanged.
+_TILE_ELEM_BYTES = 4
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -120,7 +124,8 @@ def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning) -> Launch
     """The launch shape for a spec, an access width and a direction's tuning (pure)."""
     elem = min(width, 4)
     max_seg = spec.max_segment_bytes // elem
-    tile = tuning.tile_bytes // elem
+    tile = tuning.tile_bytes // _TILE_ELEM_BYTES
     # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
     chunk = _chunk_elems(max_seg, tile)
-    return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), tuning.num_warps)
+    rows = min(tile // chunk, 32 * tuning.num_warps)
+    return LaunchConfig(elem, width // elem, rows, chunk, triton.cdiv(max_seg, chunk), tuning.num_warps)

@@ -90,3 +90,13 @@ def test_a_relaxed_programs_done_counter_breaks_the_atomics(tmp_path):
                 'done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="relaxed", scope="gpu")')]  # fmt: skip
     found = _problems(tmp_path, "small-page.kv_first/store/1group/checked", relaxed)
     assert any("PTX atomics" in p and "relaxed" in p for p in found), found
+
+
+@pytest.mark.parametrize("variant_id", ["page-6B/store/1group/plain", "canonical-13B/load/1group/plain"])
+def test_narrow_pages_do_not_spill(variant_id):
+    """Pages of 2- and 1-byte words: a tile of at most one row per thread and tile / 4 elements (kernels/shapes.py);
+    with 8192 rows a tile they spilled 2.5-3.7 KiB per thread."""
+    variant = next(v for v in variants() if v.id == variant_id)
+    row = report.measure(variant, 90)
+    assert (row["stack_bytes"], row["spill_stores"], row["spill_loads"]) == (0, 0, 0), row["config"]
+    assert row["config"]["rows"] <= 32 * row["config"]["num_warps"]
