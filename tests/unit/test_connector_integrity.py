@@ -297,7 +297,8 @@ def test_blocks_written_without_a_trailer_load_unchecked_under_verify_and_fail_u
     try:
         assert worker.submit_store(0, GPULoadStoreSpec([1, 2, 3], [3], [0]), IdentifiedChunks([4, 1], ident))
         assert all(r.success for r in finished(worker))
-        mark = integrity.marker(f, worker.engine._launcher.config(Direction.STORE).elem)
+        cfg = worker.engine._launcher.config(Direction.STORE)
+        mark = integrity.marker(f, cfg.elem, cfg.vec)
         assert worker.checksums.table[4, 0].item() == worker.checksums.table[1, 0].item() == mark
         submit_load(worker, 1, IdentifiedChunks([4, 1], ident), GPULoadStoreSpec([5, 6, 7], [3], [0]), expedited=False)
         assert finished(worker)[0].success
