@@ -54,6 +54,8 @@ def test_the_setting_is_checked_in_both_specs():
     assert packed.integrity == "off"
     checked = {"cpu_bytes_to_use": 1 << 20, "integrity": "Require"}
     assert TritonOffloadConfig.from_extra_config(checked, blocks_per_host_block=1).integrity == "require"
+    verify = TritonOffloadConfig.from_extra_config({**checked, "integrity": "verify"}, blocks_per_host_block=1)
+    assert (verify.integrity, verify.checks, packed.checks) == ("verify", "require", "off")
     assert TritonTieringConfig.from_extra_config({**checked, "integrity": "verify"}).integrity == "verify"
     for parse in (
         lambda e: TritonOffloadConfig.from_extra_config(e, blocks_per_host_block=1),
@@ -193,6 +195,42 @@ def test_the_worker_checks_each_host_region_of_a_row_on_its_own():
         assert finished(worker)[0].success
         (error,), _ = worker.take_load_errors()
         assert (error.gpu_block_ids, error.host_block_ids, error.regions, error.key_slots) == ((6,), (2,), (1,), (6,))
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("setting", ["verify", "require"])
+def test_a_zeroed_marker_fails_the_load_under_the_specs_setting(setting):
+    """TritonOffloadingSpec checks with "require" semantics whichever setting turned the checks on: within one process
+    every row is stored with its checksums, so a row whose marker was zeroed (or garbled) is a failed block, never a
+    block loaded unchecked."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from triton_offload.connector.manager import HostBlocksSpec
+    from triton_offload.connector.worker import TritonOffloadingWorker
+
+    cfg = TritonOffloadConfig.from_extra_config(
+        {"cpu_bytes_to_use": 1 << 20, "integrity": setting}, blocks_per_host_block=1
+    )
+    assert (cfg.integrity, cfg.checks) == (setting, "require")
+    gen = torch.Generator().manual_seed(6)
+    tensor = CanonicalKVCacheTensor(torch.randint(-128, 128, (10, 32), dtype=torch.int8, generator=gen), 32)
+    kv = CanonicalKVCaches([tensor], [[CanonicalKVCacheRef(0, 32)]])
+    worker = TritonOffloadingWorker(
+        kv, num_host_blocks=4, blocks_per_host_block=1, integrity=cfg.checks, numa_node="off"
+    )
+    try:
+        ident = integrity.identities_of_keys([key(7, 0)])
+        assert worker.submit_store(0, GPULoadStoreSpec([3], [1], [0]), HostBlocksSpec([1], ident))
+        assert all(r.success for r in finished(worker))
+        for marker in (0, 0x1234):  # zeroed, then garbled
+            worker.host_cache.checksums.table[1, 0] = marker
+            submit_load(
+                worker, 1 + marker, HostBlocksSpec([1], ident), GPULoadStoreSpec([5], [1], [0]), expedited=False
+            )
+            assert finished(worker)[0].success
+            errors, unchecked = worker.take_load_errors()
+            assert ([e.gpu_block_ids for e in errors], unchecked) == ([(5,)], 0), marker
     finally:
         worker.shutdown()
 

@@ -7,6 +7,7 @@ misplaced, truncated or stale block, for every layout, factor and skip, and flag
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -421,6 +422,10 @@ def test_settings_and_markers():
         integrity.marker(3, 4, 3)
     k = b"\x01" * 32 + (7).to_bytes(4, "little")
     assert integrity.key_identity(k) == integrity.key_identity(bytes(k)) != integrity.key_identity(k[:-1] + b"\x08")
+    # The definition (docs/integrity.md): the key's 8-byte BLAKE2b digest, little-endian; keys of mixed lengths.
+    keys = [k, b"", b"\x00", k[:5]]
+    want = [int.from_bytes(hashlib.blake2b(x, digest_size=8).digest(), "little", signed=True) for x in keys]
+    assert integrity.identities_of_keys(keys).tolist() == want and integrity.identities_of_keys([]).size == 0
 
 
 def test_the_checks_are_one_value_checked_once_and_identities_are_checked_per_call():
