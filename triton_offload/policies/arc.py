@@ -85,9 +85,9 @@ class ARCPolicy(SlotState):
         # ghost hits in that order), but a run of them already linked in that order and going to one list (a call's
         # keys stay together until another call moves some) moves as one: cut out and pasted at the end.
         prev, nxt, lists = self._prev, self._next, self._list
-        shards, mod = self._ghosts.shards, self._ghosts.mod
+        shards, mod, t1, t2 = self._ghosts.shards, self._ghosts.mod, self._t1, self._t2
         chain = slots[::-1]
-        count, i, to_t2 = len(chain), 0, 0  # to_t2: slots promoted from T1
+        count, i, to_t2, new1, new2 = len(chain), 0, 0, 0, 0  # slots promoted from T1, new in T1, new in T2
         while i < count:
             first = last = chain[i]
             i += 1
@@ -96,19 +96,20 @@ class ARCPolicy(SlotState):
                 key = new[first]
                 ghost = None if key is None else shards[hash(key) % mod].get(key)
                 if ghost is None:
-                    lists[first] = where = 1
-                    self._n1 += 1
+                    lists[first] = 1
+                    new1 += 1
+                    head = t1
                 else:
                     self._ghost_hit(ghost)
-                    lists[first] = where = 2
-                    self._n2 += 1
-                head = self._t1 if where == 1 else self._t2
+                    lists[first] = 2
+                    new2 += 1
+                    head = t2
             else:
                 if where == 2:
                     while i < count and nxt[last] == chain[i]:  # linked to it, so in T2 too
                         last = chain[i]
                         i += 1
-                    head = self._t2
+                    head = t2
                 elif first in reuse:  # from T1 to T2, with the reused slots linked to it
                     lists[first] = 2
                     to_t2 += 1
@@ -117,12 +118,12 @@ class ARCPolicy(SlotState):
                         lists[last] = 2
                         to_t2 += 1
                         i += 1
-                    head = self._t2
+                    head = t2
                 else:
                     while i < count and nxt[last] == chain[i] and chain[i] not in reuse:
                         last = chain[i]
                         i += 1
-                    head = self._t1
+                    head = t1
                 before, after = prev[first], nxt[last]
                 nxt[before] = after
                 prev[after] = before
@@ -131,8 +132,8 @@ class ARCPolicy(SlotState):
             prev[first] = tail
             nxt[last] = head
             prev[head] = last
-        self._n1 -= to_t2
-        self._n2 += to_t2
+        self._n1 += new1 - to_t2
+        self._n2 += new2 + to_t2
 
     def _ghost_hit(self, ghost: int) -> None:
         """A key stored again while a ghost: move ``p`` towards the list it was evicted from, forget the ghost."""
@@ -158,46 +159,55 @@ class ARCPolicy(SlotState):
 
     def evict(self, slots: Sequence[int], keys: Sequence[Hashable]) -> None:
         # Each slot leaves Ti and its key enters Bi: |T1| + |B1| and the total stay the same, so no trim is needed.
+        # The new ghosts are chained after each list's tail as they come, and the lists closed once at the end.
         prev, nxt, lists = self._prev, self._next, self._list
         gprev, gnext, glist, gfree, chunks = self._gprev, self._gnext, self._glist, self._gfree, self._gkeys.chunks
         table = self._ghosts
         shards, mod, b1, b2, top = table.shards, table.mod, self._b1, self._b2, self._gtop
+        tail1, tail2 = gprev[b1], gprev[b2]
         from_t1 = 0
         for slot, key in zip(slots, keys):
             before, after = prev[slot], nxt[slot]
             nxt[before] = after
             prev[after] = before
-            where = lists[slot]
-            lists[slot] = 0
             if top:
                 top -= 1
                 ghost = gfree[top]
             else:
-                ghost = self._gfresh
-                assert ghost < 2 * self.capacity, "more than 2c ghosts"
-                self._gfresh += 1
-                self._gkeys.grow(ghost, ghost + 1)
+                ghost = self._new_ghost()
             chunks[ghost >> CHUNK_BITS][ghost & CHUNK_MASK] = key
             i = hash(key) % mod
             shard = shards[i]
             if shard is EMPTY:
                 shard = shards[i] = {}
             shard[key] = ghost
-            glist[ghost] = where
-            head = b1 if where == 1 else b2
-            last = gprev[head]
-            gnext[last] = ghost
-            gprev[ghost] = last
-            gnext[ghost] = head
-            gprev[head] = ghost
-            if where == 1:
+            if lists[slot] == 1:
+                glist[ghost] = 1
+                gnext[tail1] = ghost
+                gprev[ghost] = tail1
+                tail1 = ghost
                 from_t1 += 1
+            else:
+                glist[ghost] = 2
+                gnext[tail2] = ghost
+                gprev[ghost] = tail2
+                tail2 = ghost
+            lists[slot] = 0
+        gnext[tail1], gprev[b1], gnext[tail2], gprev[b2] = b1, tail1, b2, tail2
         self._gtop = top
         table.size += len(slots)
         self._n1 -= from_t1
         self._m1 += from_t1
         self._n2 -= len(slots) - from_t1
         self._m2 += len(slots) - from_t1
+
+    def _new_ghost(self) -> int:
+        """A ghost id never used yet (ids given back are reused first)."""
+        ghost = self._gfresh
+        assert ghost < 2 * self.capacity, "more than 2c ghosts"
+        self._gfresh += 1
+        self._gkeys.grow(ghost, ghost + 1)
+        return ghost
 
     def _drop_ghost(self, ghost: int) -> None:
         gprev, gnext = self._gprev, self._gnext
