@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -51,8 +52,6 @@ VLLM_TRANSFER_COUNTERS = (
     "vllm:kv_offload_store_bytes",
     "vllm:kv_offload_store_time",
 )
-
-_LOOKUP = {"ready": LookupResult.HIT, "storing": LookupResult.HIT_PENDING, None: LookupResult.MISS}
 
 
 class HostBlocksSpec(BlockIDsLoadStoreSpec):
@@ -110,7 +109,7 @@ class TritonOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._pools, self._pool_of = pools, pool_of
         self._info = dict(info or {})
-        self._manager = self._new_manager()
+        self._set_manager()
         # Ours, not the inner manager's: they must survive reset_cache, which replaces the inner manager.
         self._totals = dict.fromkeys(_COUNTERS, 0)
         self._reported = dict.fromkeys(_COUNTERS, 0)
@@ -119,8 +118,11 @@ class TritonOffloadingManager(OffloadingManager):
     # -- loads ---------------------------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # The manager's key_state, inlined: vLLM calls this once per key of every request it schedules.
+        if key in self._shards[hash(key) % self._mod]:
+            return LookupResult.HIT
         # HIT_PENDING (store in flight) makes vLLM retry the request a step later instead of recomputing it.
-        return _LOOKUP[self._manager.key_state(key)]
+        return LookupResult.HIT_PENDING if key in self._storing else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HostBlocksSpec:
         keys = list(keys)
@@ -220,17 +222,19 @@ class TritonOffloadingManager(OffloadingManager):
         # vLLM never completes the jobs in flight at a reset (their reports are dropped as stale), so pinned and
         # storing keys must go too: start from an empty manager. Reusing their blocks at once is safe because vLLM
         # makes the workers wait for those jobs (jobs_to_flush) before it submits any new transfer.
-        self._manager = self._new_manager()
+        self._set_manager()
         self._loading.clear()
 
-    def _new_manager(self) -> OffloadManager:
-        return OffloadManager(
+    def _set_manager(self) -> None:
+        """A new, empty inner manager (O(1) to build), and the tables :meth:`lookup` reads."""
+        self._manager = OffloadManager(
             self.num_blocks,
             self.eviction_policy,
             enable_events=self.enable_events,
             pools=self._pools,
             pool_of=self._pool_of,
         )
+        self._shards, self._mod, self._storing = self._manager.lookup_tables()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
@@ -293,8 +297,10 @@ def _prefix_order(keys: list[OffloadKey], req_context: ReqContext) -> list[Offlo
     same list object when a position is unknown or the keys are in that order already."""
     if len(keys) < 2:
         return keys
-    position = req_context.get_offload_key_position
-    positions = [position(key) for key in keys]
-    if None in positions or all(a <= b for a, b in zip(positions, positions[1:])):
+    # vLLM's ReqContext keeps the positions in a dict: read it directly (one C loop rather than a method call per key).
+    table = getattr(req_context, "_offload_key_positions", None)
+    position = table.get if isinstance(table, dict) else req_context.get_offload_key_position
+    positions = list(map(position, keys))
+    if None in positions or positions == sorted(positions):
         return keys
-    return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
+    return [key for _, key in sorted(zip(positions, keys), key=itemgetter(0))]
