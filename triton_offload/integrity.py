@@ -170,7 +170,7 @@ def block_checksums(blocks: np.ndarray, word_bytes: int, identities, subs, group
         a_j = (lo ^ (lo >> 16)) * LANE_A    b_j = (y ^ (y >> 16)) * LANE_B    (mod 2**32)
 
     The terms of one group are a bijection of ``(lo, hi)``, so any change of one group whose sum
-    ``sum_v GROUP_MUL[v] * delta_v`` is not 0 mod 2**64 (one word, any flipped bits of a group: docs/integrity.md)
+    ``sum_v GROUP_MUL[v] * delta_v`` is not 0 mod 2**64 (one word, or 1-3 flipped bits of a group: tested exhaustively)
     changes a lane. The lanes are plain sums mod 2**32: associative and commutative, so partial sums of any tiles
     and programs combine to the same value (integer atomics), under Triton's interpreter and on a GPU alike. The
     block's checksum mixes the lanes with its identity (a 64-bit value naming the block: the key's hash), its
