@@ -307,7 +307,8 @@ def test_the_checked_layout_adds_a_trailer_to_each_slot_and_its_own_namespace(f)
     assert on.num_chunks == off.num_chunks
     grown = on.kv_bytes_per_chunk - off.kv_bytes_per_chunk
     assert grown == (4096 if f == 16 else 0) and grown <= 4096 + trailer_bytes(f)
-    assert on.config.model.name == "tiny" + INTEGRITY_NAMESPACE and off.config.model.name == "tiny"
+    assert on.config.model.name == "tiny" + on.fingerprint.namespace + INTEGRITY_NAMESPACE
+    assert off.config.model.name == "tiny" + off.fingerprint.namespace
     paths = [FileMapper.from_offloading_spec("/r", s).get_file_name(key(1)) for s in (off, on)]
     assert paths[0] != paths[1] and INTEGRITY_NAMESPACE in paths[1]
 
