@@ -4,7 +4,7 @@ flight pins it), and which key the eviction policy gives up when the cache is fu
 the rules it keeps: recency follows use, not completion; a call's first key is evicted last; reuse counts once per
 request. Stdlib only, because it runs in the scheduler's critical path, and no call's cost grows with the cache: a
 block's state, key and place in the eviction order sit in arrays indexed by its id (:mod:`triton_offload.block_table`),
-keys map to blocks through a sharded table that never rebuilds more than ~2,048 keys at once, and building a manager is
+keys map to blocks through a sharded table that never rebuilds more than ~1,300 keys at once, and building a manager is
 O(1) (:mod:`triton_offload.policies.slots`).
 """
 
