@@ -420,6 +420,12 @@ class OffloadManager(SlotState):
         self._drop(dropped)
         return dropped
 
+    def retire(self) -> list:
+        """Empties the manager (it must not be used again) into its tables, each a shard of ~1,300 keys, a chunk of
+        2,048 block keys or one array, for a caller that drops them a few at a time off the step path: dropping a
+        full manager at once is O(n) (150 ms at 10^6 blocks). O(n / 1,000) itself."""
+        return self._table.parts() + [part for policy in self._policies for part in policy.parts()]
+
     def snapshot(self) -> ManagerSnapshot:
         """The complete state as plain values (O(n)); equal snapshots mean nothing changed (dict order aside)."""
         n, frees = self.num_blocks, self._table.free_ids()
