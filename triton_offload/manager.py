@@ -200,12 +200,21 @@ class OffloadManager(SlotState):
         newer than anything used before; the first key of ``order`` (default: the order the request first named its
         keys) ends up the most recently used. The request's key list is emptied, so a second call does nothing.
         """
-        keys = request.keys if order is None else dict.fromkeys(order)
-        shards, mod, storing = self._shards, self._mod, self._storing
-        slots = [shards[hash(key) % mod].get(key) for key in keys]
-        if None in slots:  # keys with a store in flight, or no longer cached
-            slots = [storing.get(key) if slot is None else slot for key, slot in zip(keys, slots)]
-            slots = [slot for slot in slots if slot is not None]
+        last = request.keys
+        keys = last if order is None else dict.fromkeys(order)
+        shards, mod, storing, chunks, get = self._shards, self._mod, self._storing, self._table.chunks, last.get
+        slots = []
+        for key in keys:
+            # The slot the key had when the request last named it, if the key still holds it (one read of the slot's
+            # key instead of a key table lookup); else it was evicted since (maybe cached again elsewhere).
+            slot = get(key)
+            if slot is None or chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] != key:
+                slot = shards[hash(key) % mod].get(key)
+                if slot is None:
+                    slot = storing.get(key)
+                    if slot is None:
+                        continue
+            slots.append(slot)
         self._apply(slots, (), {})
         request.keys.clear()
 
@@ -221,7 +230,7 @@ class OffloadManager(SlotState):
             reused = set(ready).difference(request.inserted, request.reused)
             request.reused |= reused
             # dict.update keeps the first position of a key seen before: the request's prefix order.
-            request.keys.update(dict.fromkeys(pairs))
+            request.keys.update(pairs)
         reuse = {pairs[key] for key in reused} if reused and self._policy.counts_reuse else ()
         self._apply(list(pairs.values()), reuse, new or {})
 
