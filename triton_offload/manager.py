@@ -65,8 +65,7 @@ class OffloadManager(SlotState):
         self._policies: list[EvictionPolicy] = [make_policy(eviction_policy, n, pools * n) for _ in range(pools)]
         self._policy = self._policies[0]
         self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always ready
-        # Pinned keys to drop once their last load completes (their bytes failed an integrity check): see discard.
-        self._doomed: set[Hashable] = set()
+        self._doomed: set[Hashable] = set()  # pinned keys to drop after their last load (failed checks): discard
         self._events: list[OffloadEvent] | None = [] if enable_events else None
         self._hits = self._misses = self._stores = self._store_failures = self._evictions = 0
 
@@ -204,17 +203,12 @@ class OffloadManager(SlotState):
         keys = last if order is None else dict.fromkeys(order)
         shards, mod, storing, chunks, get = self._shards, self._mod, self._storing, self._table.chunks, last.get
         slots = []
-        for key in keys:
-            # The slot the key had when the request last named it, if the key still holds it (one read of the slot's
-            # key instead of a key table lookup); else it was evicted since (maybe cached again elsewhere).
+        for key in keys:  # the slot it had when last named if it still holds it (no lookup), else its slot now
             slot = get(key)
             if slot is None or chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] != key:
-                slot = shards[hash(key) % mod].get(key)
-                if slot is None:
-                    slot = storing.get(key)
-                    if slot is None:
-                        continue
-            slots.append(slot)
+                slot = shards[hash(key) % mod].get(key, storing.get(key))
+            if slot is not None:
+                slots.append(slot)
         self._apply(slots, (), {})
         request.keys.clear()
 
@@ -375,9 +369,7 @@ class OffloadManager(SlotState):
 
     def key_block(self, key: Hashable) -> int | None:
         """The host block of a ready or storing key, or None."""
-        slot = self._table.ready.get(key)
-        if slot is None:
-            slot = self._storing.get(key)
+        slot = self._shards[hash(key) % self._mod].get(key, self._storing.get(key))
         return None if slot is None else slot % self.num_blocks
 
     def is_pinned(self, key: Hashable) -> bool:
@@ -430,9 +422,8 @@ class OffloadManager(SlotState):
         return dropped
 
     def retire(self) -> list:
-        """Empties the manager (it must not be used again) into its tables, each a shard of ~1,300 keys, a chunk of
-        2,048 block keys or one array, for a caller that drops them a few at a time off the step path: dropping a
-        full manager at once is O(n) (150 ms at 10^6 blocks). O(n / 1,000) itself."""
+        """Empties the manager (not to be used again) into its tables, to drop a few at a time off the step path
+        (dropping a full manager at once is O(n): 150 ms at 10^6 blocks); each is a shard, a key chunk or an array."""
         return self._table.parts() + [part for policy in self._policies for part in policy.parts()]
 
     def snapshot(self) -> ManagerSnapshot:
