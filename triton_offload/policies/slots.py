@@ -121,7 +121,7 @@ class KeyTable:
     __slots__ = ("shards", "mod", "size")
 
     def __init__(self, capacity: int) -> None:
-        self.mod = (max(1, capacity) // SHARD_KEYS) | 1
+        self.mod = -(-max(1, capacity) // SHARD_KEYS) | 1  # rounded up: at most SHARD_KEYS keys per shard on average
         self.shards: list[dict] = [EMPTY] * self.mod
         self.size = 0
 
