@@ -4,7 +4,7 @@ flight pins it), and which key the eviction policy gives up when the cache is fu
 the rules it keeps: recency follows use, not completion; a call's first key is evicted last; reuse counts once per
 request. Stdlib only, because it runs in the scheduler's critical path, and no call's cost grows with the cache: a
 block's state, key and place in the eviction order sit in arrays indexed by its id (:mod:`triton_offload.block_table`),
-keys map to blocks through a sharded table that never rebuilds more than ~2,048 keys at once, and building a manager is
+keys map to blocks through a sharded table that never rebuilds more than ~1,300 keys at once, and building a manager is
 O(1) (:mod:`triton_offload.policies.slots`).
 """
 
@@ -65,8 +65,7 @@ class OffloadManager(SlotState):
         self._policies: list[EvictionPolicy] = [make_policy(eviction_policy, n, pools * n) for _ in range(pools)]
         self._policy = self._policies[0]
         self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always ready
-        # Pinned keys to drop once their last load completes (their bytes failed an integrity check): see discard.
-        self._doomed: set[Hashable] = set()
+        self._doomed: set[Hashable] = set()  # pinned keys to drop after their last load (failed checks): discard
         self._events: list[OffloadEvent] | None = [] if enable_events else None
         self._hits = self._misses = self._stores = self._store_failures = self._evictions = 0
 
@@ -200,12 +199,16 @@ class OffloadManager(SlotState):
         newer than anything used before; the first key of ``order`` (default: the order the request first named its
         keys) ends up the most recently used. The request's key list is emptied, so a second call does nothing.
         """
-        keys = request.keys if order is None else dict.fromkeys(order)
-        shards, mod, storing = self._shards, self._mod, self._storing
-        slots = [shards[hash(key) % mod].get(key) for key in keys]
-        if None in slots:  # keys with a store in flight, or no longer cached
-            slots = [storing.get(key) if slot is None else slot for key, slot in zip(keys, slots)]
-            slots = [slot for slot in slots if slot is not None]
+        last = request.keys
+        keys = last if order is None else dict.fromkeys(order)
+        shards, mod, storing, chunks, get = self._shards, self._mod, self._storing, self._table.chunks, last.get
+        slots = []
+        for key in keys:  # the slot it had when last named if it still holds it (no lookup), else its slot now
+            slot = get(key)
+            if slot is None or chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] != key:
+                slot = shards[hash(key) % mod].get(key, storing.get(key))
+            if slot is not None:
+                slots.append(slot)
         self._apply(slots, (), {})
         request.keys.clear()
 
@@ -221,7 +224,7 @@ class OffloadManager(SlotState):
             reused = set(ready).difference(request.inserted, request.reused)
             request.reused |= reused
             # dict.update keeps the first position of a key seen before: the request's prefix order.
-            request.keys.update(dict.fromkeys(pairs))
+            request.keys.update(pairs)
         reuse = {pairs[key] for key in reused} if reused and self._policy.counts_reuse else ()
         self._apply(list(pairs.values()), reuse, new or {})
 
@@ -366,9 +369,7 @@ class OffloadManager(SlotState):
 
     def key_block(self, key: Hashable) -> int | None:
         """The host block of a ready or storing key, or None."""
-        slot = self._table.ready.get(key)
-        if slot is None:
-            slot = self._storing.get(key)
+        slot = self._shards[hash(key) % self._mod].get(key, self._storing.get(key))
         return None if slot is None else slot % self.num_blocks
 
     def is_pinned(self, key: Hashable) -> bool:
@@ -419,6 +420,11 @@ class OffloadManager(SlotState):
         dropped = [key for key, _ in self._table.ready.items() if key not in pins]
         self._drop(dropped)
         return dropped
+
+    def retire(self) -> list:
+        """Empties the manager (not to be used again) into its tables, to drop a few at a time off the step path
+        (dropping a full manager at once is O(n): 150 ms at 10^6 blocks); each is a shard, a key chunk or an array."""
+        return self._table.parts() + [part for policy in self._policies for part in policy.parts()]
 
     def snapshot(self) -> ManagerSnapshot:
         """The complete state as plain values (O(n)); equal snapshots mean nothing changed (dict order aside)."""

@@ -1,17 +1,17 @@
 """The scheduler-side manager against vLLM's, through vLLM's ``OffloadingManager`` API in one process: ours
-(:class:`~triton_offload.connector.manager.TritonOffloadingManager`) and the installed vLLM's
-``CPUOffloadingManager`` with the same policy, side by side at each cache size. Three parts per size and policy:
-*steps*, the serving workload of :mod:`bench.micro.manager_workload` on a full cache (which side goes first
-alternates every step; per call and per step mean, p99 and max, and the step ratio ours / vLLM as the median over 10
-segments of their sums); *stall*, a churn of ``--churn`` x n fresh keys stored 256 per call past a full cache, each
-call timed (the longest single call is where a table rebuilding itself, or a heap compaction, shows); *memory*, the
-Python heap (tracemalloc) per host block after filling and after churning n more keys, keys aside (both sides hold
-the same key objects), plus the arrays ours maps (their full size, an upper bound), and the time to build an empty
-manager and to reset a full one. The garbage collector is off while calls are timed (after ``gc.freeze``), as the
-engine's critical path would want, and a call's time is its thread's CPU time (``--clock wall`` for wall time), so
-that a shared machine's descheduling is not billed to whichever side it hits; vLLM's ``touch`` is never called by its
-scheduler, so the step sums leave it out (it is still timed). Run it once per vLLM: the vLLM it compares with is the
-one importable.
+(:class:`~triton_offload.connector.manager.TritonOffloadingManager`) and the installed vLLM's ``CPUOffloadingManager``
+with the same policy, side by side at each cache size. Three parts per size and policy: *steps*, the serving workload of
+:mod:`bench.micro.manager_workload` on a full cache (which side goes first alternates every step; per call and per step
+mean, p99 and max, and the step ratio ours / vLLM as the median over 10 segments of their sums); *stall*, a churn of
+``--churn`` x n fresh keys stored 256 per call past a full cache, each call timed (the longest single call is where a
+table rebuilding itself, or a heap compaction, shows); *memory*, the Python heap (tracemalloc) per host block after
+filling and after churning n more keys, keys aside (both sides hold the same key objects), plus the arrays ours maps
+(their full size, an upper bound), and the time to build an empty manager and to reset a full one (ours drops the old
+tables one per later store call: the longest drop too). The garbage collector is off while calls are timed (after
+``gc.freeze``), as the engine's critical path would want, and a call's time is its thread's CPU time (``--clock wall``
+for wall time), so that a shared machine's descheduling is not billed to whichever side it hits; vLLM's ``touch`` is
+never called by its scheduler, so the step sums leave it out (it is still timed). Run it once per vLLM: the vLLM it
+compares with is the one importable.
 
     python -m bench.micro.manager --sizes 10000 100000 1000000 --json bench/results/manager-<date>-vllm0.32.json
     .venv-vllm33/bin/python -m bench.micro.manager --sizes 10000 100000 --parts steps
@@ -164,6 +164,13 @@ def memory(n: int, policy: str) -> dict:
         t0 = time.perf_counter()
         m.reset_cache()
         row[f"{side}_reset_full_ms"] = (time.perf_counter() - t0) * 1e3
+        if side == "ours":  # the old tables, dropped one per later store call: the longest drop
+            worst = 0.0
+            while m._retired:
+                t0 = time.perf_counter()
+                m._retired.pop()
+                worst = max(worst, time.perf_counter() - t0)
+            row["ours_reset_drop_max_ms"] = worst * 1e3
         del m
     return row
 

@@ -115,3 +115,20 @@ def test_building_a_manager_allocates_nothing_per_block(policy):
         tracemalloc.stop()
     assert built < 2_000_000, f"{built} bytes for an empty manager"
     assert manager.num_free == 20_000_000 and len(manager) == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_retired_manager_comes_apart_in_small_tables(policy):
+    """reset_cache drops the old manager's tables one per later call (TritonOffloadingManager): none of them holds more
+    than a few shards' worth, and with them gone the rest of the manager holds no table."""
+    manager = OffloadManager(N, policy)
+    churn_keys = [b"%031d" % i for i in range(N + N // 2)]
+    for i in range(0, len(churn_keys), 4096):
+        manager.complete_store(manager.prepare_store(churn_keys[i : i + 4096]).keys_to_store)
+    parts = manager.retire()
+    assert len(parts) < N // 250  # ready and ghost shards, block and ghost key chunks, arrays
+    assert max(len(part) for part in parts if not isinstance(part, memoryview)) <= 2 * 2**SHARD_BITS
+    assert sum(len(part) for part in parts if isinstance(part, dict)) >= N
+    found: list[dict] = []
+    _dicts(manager, found, set())
+    assert sum(map(len, found)) == 0

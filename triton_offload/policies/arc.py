@@ -68,7 +68,7 @@ class ARCPolicy(SlotState):
             self._gprev[g] = self._gnext[g] = g
         self._glist = byte_array(ghosts + 2)  # a live ghost's list: 1: B1, 2: B2
         self._gkeys = SlotKeys(ghosts)
-        self._ghosts = KeyTable(ghosts)  # key -> ghost id
+        self._ghosts = KeyTable(c)  # key -> ghost id (at most c of them while the cache is full)
         self._gfree = int_array(ghosts)  # ghost ids given back (a stack), then ids never used, from _gfresh on
         self._gtop = self._gfresh = 0
         self._m1 = self._m2 = 0

@@ -2,9 +2,9 @@
 for the size of the cache: integer arrays indexed by a dense slot id (a host block id, or an ARC ghost's id) on lazily
 zeroed anonymous memory (:func:`int_array`, :func:`byte_array`: O(1) to create, pages filled on first touch), slot ->
 key in chunks of 2,048 created as ids are first handed out (:class:`SlotKeys`), and key -> int in dicts of about
-2,048 keys each, picked by the key's hash (:class:`KeyTable`): a Python dict rebuilds itself when its entry array runs
+1,280 keys each, picked by the key's hash (:class:`KeyTable`): a Python dict rebuilds itself when its entry array runs
 out, which for one dict of 10^7 keys is a pause of seconds inside whichever call hits it; here the rebuild is of one
-shard, so its cost stays that of ~2,048 keys whatever the cache size. Stdlib only.
+shard, so its cost stays that of ~1,280 keys whatever the cache size. Stdlib only.
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ import copy
 import mmap
 from collections.abc import Hashable, Iterable, Iterator
 
-__all__ = ["SHARD_BITS", "CHUNK_BITS", "CHUNK_MASK", "EMPTY", "int_array", "byte_array", "copy_array"]
+__all__ = ["SHARD_BITS", "SHARD_KEYS", "CHUNK_BITS", "CHUNK_MASK", "EMPTY", "int_array", "byte_array", "copy_array"]
 __all__ += ["KeyTable", "SlotKeys", "SlotState"]
 
-SHARD_BITS = 11  # a KeyTable holds about 2**11 keys per shard at capacity: the most one rebuild ever copies
+SHARD_BITS = 11  # a KeyTable holds under 2**11 keys per shard at capacity: about what one rebuild ever copies
+# The keys per shard at capacity. Under churn a dict rebuilds itself when its entry array (2/3 of its power-of-two
+# index) runs out, to the smallest index of at least 3x its keys: ~1,280 keys stay in a 4,096-slot index with 2,730
+# entries (~55 B per key), where ~1,950 keys would take an 8,192-slot one (~75 B per key).
+SHARD_KEYS = 1280
 CHUNK_BITS = 11  # SlotKeys' chunk: 2**11 slots (16 KiB of pointers)
 _CHUNK = 1 << CHUNK_BITS
 CHUNK_MASK = _CHUNK - 1  # a slot's place in its chunk: chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK]
@@ -64,6 +68,24 @@ class SlotState:
             setattr(new, name, value)
         return new
 
+    def parts(self) -> list:
+        """Empties this object (it must not be used again) into a list of its tables, none larger than a shard, a
+        chunk or one array: dropping them one at a time keeps each release small, where dropping a full object at
+        once frees every block's entry in one go (O(n))."""
+        parts: list = []
+        for value in vars(self).values():
+            if isinstance(value, KeyTable):
+                parts += [shard for shard in value.shards if shard is not EMPTY]
+                value.shards[:] = []
+            elif isinstance(value, SlotKeys):
+                parts += [chunk for chunk in value.chunks if chunk is not None]
+                value.chunks[:] = []
+            elif isinstance(value, (memoryview, dict)):
+                parts.append(value)
+            elif isinstance(value, list) and value and isinstance(value[0], memoryview):
+                parts += value
+        return parts
+
 
 def _copied(view: memoryview, memo: dict) -> memoryview:
     if id(view) not in memo:
@@ -89,8 +111,8 @@ EMPTY = _EmptyShard()  # where a KeyTable has no dict yet: a hot loop writing to
 
 class KeyTable:
     """key -> int in ``mod`` dicts (shards), a key's shard ``hash(key) % mod``, ``mod`` such that a shard holds about
-    2,048 keys when the table holds ``capacity``: no rebuild ever copies more than a shard. ``mod`` is odd, so the keys
-    of a shard do not share the low bits of their hashes, which a dict uses to place them.
+    :data:`SHARD_KEYS` keys when the table holds ``capacity``: no rebuild ever copies more than a shard. ``mod`` is
+    odd, so the keys of a shard do not share the low bits of their hashes, which a dict uses to place them.
 
     Hot loops read ``shards`` and ``mod`` into locals and look up ``shards[hash(key) % mod]`` themselves; inserting
     goes through :meth:`put` (a shard may still be the shared empty one). ``size`` counts the keys.
@@ -99,8 +121,7 @@ class KeyTable:
     __slots__ = ("shards", "mod", "size")
 
     def __init__(self, capacity: int) -> None:
-        bits = max(0, (max(1, capacity) - 1).bit_length() - SHARD_BITS)
-        self.mod = (1 << bits) | 1
+        self.mod = -(-max(1, capacity) // SHARD_KEYS) | 1  # rounded up: at most SHARD_KEYS keys per shard on average
         self.shards: list[dict] = [EMPTY] * self.mod
         self.size = 0
 
