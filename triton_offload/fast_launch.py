@@ -97,7 +97,8 @@ def _canary_checks(launcher: CopyLauncher, canary: KVCacheSpec, host: torch.Tens
 
     f = launcher.blocks_per_host_block
     store = direction is Direction.STORE
-    word, group = launcher.config(direction).elem, launcher.config(direction).vec
+    cfg = launcher.config(direction)
+    word, group = cfg.elem, cfg.vec
     mark = integrity.marker(f, word, group)
     table = torch.zeros(host.shape[0], canary.num_regions * (1 + f), dtype=torch.int64, pin_memory=launcher.cuda)
     rng = np.random.default_rng(2)

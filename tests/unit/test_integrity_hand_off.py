@@ -29,7 +29,7 @@ def _ok(engine, job):
     return result
 
 
-def hand_off(device: str, n: int, programs: int, repeats: int, host=None, checks=None) -> None:
+def hand_off(device: str, n: int, programs: int, repeats: int, host=None) -> None:
     """``repeats`` stores of ``n`` blocks (f = 2, skip 1, random identities) by ``programs`` programs, each store's
     checksum table equal to the reference, each load of them back flagging nothing and restoring every byte."""
     caches = make_caches("block_first", 4, 2 * n + 2, PAGE, torch.bfloat16, seed=programs, device=device)
@@ -43,7 +43,7 @@ def hand_off(device: str, n: int, programs: int, repeats: int, host=None, checks
         host, checks = host(spec, m, f)
     engine = TransferEngine(spec, host, blocks_per_host_block=f, path="kernel", checksums=checks, num_ctas=programs)
     rng = np.random.default_rng(programs)
-    g, dst = np.split(rng.permutation(2 * n)[: 2 * n], 2)
+    g, dst = np.split(rng.permutation(2 * n), 2)
     h = rng.permutation(m)
     ident = rng.integers(-(2**63), 2**63 - 1, size=m, dtype=np.int64)
     cfg = engine._launcher.config(Direction.STORE)

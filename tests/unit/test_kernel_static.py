@@ -8,6 +8,7 @@ relaxed programs-done counter."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -29,16 +30,23 @@ def test_every_gated_variant_has_a_budget():
     assert {v.id for v in GATED} == set(BUDGET["variants"]), "regenerate bench/static/budget.json (budget.make)"
 
 
+@functools.cache
+def _measured(variant):
+    """A gated variant's numbers on sm_90, measured once per session: its own budget test and, for a plain variant,
+    the checked ones that compare with it."""
+    return report.measure(variant, 90)
+
+
 def _plain(variant):
     """The same page, direction and groups without the checks (``None`` for a plain variant)."""
     if variant.mode == "plain":
         return None
-    return report.measure(next(v for v in GATED if v.id == variant.id.rsplit("/", 1)[0] + "/plain"), 90)
+    return _measured(next(v for v in GATED if v.id == variant.id.rsplit("/", 1)[0] + "/plain"))
 
 
 @pytest.mark.parametrize("variant", GATED, ids=lambda v: v.id)
 def test_the_compiled_kernel_keeps_its_budget(variant):
-    row = report.measure(variant, 90)
+    row = _measured(variant)
     assert budget.problems(row, BUDGET["variants"][variant.id], _plain(variant)) == []
 
 
