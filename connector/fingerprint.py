@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -344,3 +345,23 @@ def spec_fingerprint(config, fields: Mapping[str, Any] | None, setting: str, **h
     else:
         logger.info("triton-offload configuration fingerprint %s", fp.describe())
     return fp
+
+
+# vLLM >= 0.33 publishes static facts as labels of ``vllm:kv_offload_config_info``: the tiering spec adds this one.
+INFO_KEY = "triton_offload_config_fingerprint"
+
+
+@functools.cache
+def _info_class(base: type) -> type:
+    @dataclasses.dataclass(frozen=True)
+    class FingerprintedInfo(base):
+        triton_offload_config_fingerprint: str = "off"
+
+    return FingerprintedInfo
+
+
+def with_fingerprint_label(info: Any, fingerprint: ConfigFingerprint | None) -> Any:
+    """vLLM's ``ConfigInfo`` dataclass ``info`` (its CPU tier's) with one more field, :data:`INFO_KEY`: the digest,
+    or ``off`` where the fingerprint is off."""
+    values = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    return _info_class(type(info))(**values, triton_offload_config_fingerprint=getattr(fingerprint, "digest", "off"))

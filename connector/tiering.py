@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.compat import check_multi_connector, host_memory_note
-from triton_offload.connector.fingerprint import spec_fingerprint
+from triton_offload.connector.fingerprint import INFO_KEY, spec_fingerprint, with_fingerprint_label
 from triton_offload.connector.fs_root import make_private_root_dir, warn_if_shared
 from triton_offload.connector.geometry import geometry_for
 from triton_offload.connector.load_errors import check_reporting, integrity_metric_definitions, reporting_connector
@@ -96,6 +96,11 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         TritonTieringConfig.from_extra_config(extra_config)
         return {**super().build_metric_definitions(extra_config), **integrity_metric_definitions()}
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:  # vLLM >= 0.33
+        """vLLM's labels of ``vllm:kv_offload_config_info`` and the configuration fingerprint's digest."""
+        return (*super().config_info_keys(extra_config), INFO_KEY)
+
     def __init__(self, config: OffloadingConfig):
         route_logs_through_vllm()
         self.tiering_config = cfg = TritonTieringConfig.from_extra_config(config.extra_config)  # refuses canonical
@@ -146,6 +151,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         # and fills them with KV files.
         for i, root in cfg.root_dirs:
             make_private_root_dir(root, where(i, "root_dir"))
+        self._publish_cpu_info()  # with the fingerprint's label, whichever sizing above ran
         self._worker: OffloadingWorker | None = None
 
     def _add_trailers(self) -> None:
@@ -198,7 +204,8 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         if hasattr(self, "cpu_info"):
             from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
-            self.cpu_info = CPUOffloadingInfo.from_config(self.config, self.num_chunks, self.kv_bytes_per_chunk)
+            info = CPUOffloadingInfo.from_config(self.config, self.num_chunks, self.kv_bytes_per_chunk)
+            self.cpu_info = with_fingerprint_label(info, self.fingerprint)
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's ``TieringOffloadingManager``, unchanged, once every object store has answered; then the region's

@@ -30,7 +30,12 @@ import triton_offload.connector as plugin  # noqa: E402
 from triton_offload import integrity  # noqa: E402
 from triton_offload.connector import fingerprint as fpm  # noqa: E402
 from triton_offload.connector import tiering  # noqa: E402
-from triton_offload.connector.fingerprint import ConfigFingerprint, fingerprint_fields, weights_identity  # noqa: E402
+from triton_offload.connector.fingerprint import (  # noqa: E402
+    INFO_KEY,
+    ConfigFingerprint,
+    fingerprint_fields,
+    weights_identity,
+)
 from triton_offload.connector.geometry import KVGeometry  # noqa: E402
 from triton_offload.connector.p2p_tier import FINGERPRINT_SEPARATOR, P2PTier, check_peer_fingerprint  # noqa: E402
 from triton_offload.connector.tiering_config import TritonTieringConfig  # noqa: E402
@@ -318,3 +323,20 @@ def test_the_wire_is_short_and_parses_back(model_dir):
     assert fp.difference(fp.wire()) is None
     assert "is not ours' kind" in fp.difference("garbage")
     assert fpm.fingerprint_setting("auto") == "auto" and fpm.fingerprint_setting("a.b-c_1") == "a.b-c_1"
+
+
+def test_vllms_config_info_metric_carries_the_digest_as_a_label(model_dir, monkeypatch):
+    """vLLM >= 0.33 publishes its CPU tier's static facts as labels of ``vllm:kv_offload_config_info``: the tiering
+    spec declares one more, the fingerprint's digest (``off`` where it is off), and its manager fills it."""
+    if not hasattr(tiering.TieringOffloadingSpec, "config_info_keys"):
+        pytest.skip("vLLM < 0.33 publishes no config info metric")
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+
+    fields = fingerprint_fields(vllm_config(model_dir, {}))
+    for extra, want in (({}, None), ({"config_fingerprint": "off"}, "off")):
+        spec = spec_with(monkeypatch, fields, extra)
+        keys = type(spec).config_info_keys(spec.extra_config)
+        assert keys[-1] == INFO_KEY and set(CPUOffloadingInfo.config_info_keys()) < set(keys)
+        labels = spec.cpu_info.as_config_info()
+        assert labels[INFO_KEY] == (want or spec.fingerprint.digest)
+        assert labels["cpu_num_chunks"] == spec.num_chunks
