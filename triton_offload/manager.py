@@ -334,20 +334,17 @@ class OffloadManager(SlotState):
         reset) is skipped with a debug log, as vLLM's own manager does, so a repeated or stale completion cannot
         stop the engine.
         """
-        storing = self._storing
-        done: dict[Hashable, int] = {}
-        for key in dict.fromkeys(keys):
-            slot = storing.pop(key, None)
-            if slot is not None:
-                done[key] = slot
-            else:
-                stale = "already stored" if key in self._table.ready else "not being stored"
-                logger.debug("complete_store of key %r ignored: it is %s", key, stale)
+        table, one = self._table, self.num_pools == 1
+        done, stale = table.end_stores(keys, ready=success and one)  # one pool: straight into the ready table
+        for key in stale:
+            state = "already stored" if key in table.ready else "not being stored"
+            logger.debug("complete_store of key %r ignored: it is %s", key, state)
         if not done:
             return []
         if success:
-            n, one = self.num_blocks, self.num_pools == 1  # pool by pool, call order in each: the order reset follows
-            self._table.ready.put_many(done.items() if one else sorted(done.items(), key=lambda item: item[1] // n))
+            n = self.num_blocks  # pool by pool, call order in each: the order reset follows
+            if not one:
+                table.ready.put_many(sorted(done.items(), key=lambda item: item[1] // n))
             self._stores += len(done)
             for pool in (0,) if one else {slot // n for slot in done.values()}:
                 self._policies[pool].stored()
