@@ -259,8 +259,8 @@ class OffloadManager(Eviction, SlotState):
         if not to_store:
             self._use(pairs, ready, request)
             return StoreAllocation([], [], [])
-        if self.num_pools == 1:  # one pool: the victims' blocks first, the last victim first (as if freed, then
-            short = len(to_store) - table.num_free(0)  # taken from the free stack), then free ones
+        if self.num_pools == 1:  # the victims' blocks first, the last victim first (as if freed, then taken from
+            short = len(to_store) - table.num_free(0)  # the free stack), then free blocks
             evicted: list[Hashable] = []
             got = []
             if short > 0:

@@ -4,14 +4,15 @@ with the same policy, side by side at each cache size. Three parts per size and 
 :mod:`bench.micro.manager_workload` on a full cache (which side goes first alternates every step; per call and per step
 mean, p99 and max, and the step ratio ours / vLLM as the median over 10 segments of their sums); *stall*, a churn of
 ``--churn`` x n fresh keys stored 256 per call past a full cache, each call timed (the longest single call is where a
-table rebuilding itself, or a heap compaction, shows); *memory*, the Python heap (tracemalloc) per host block after
-filling and after churning n more keys, keys aside (both sides hold the same key objects), plus the arrays ours maps
-(their full size, an upper bound), and the time to build an empty manager and to reset a full one (ours drops the old
-tables one per later store call: the longest drop too). The garbage collector is off while calls are timed (after
-``gc.freeze``), as the engine's critical path would want, and a call's time is its thread's CPU time (``--clock wall``
-for wall time), so that a shared machine's descheduling is not billed to whichever side it hits; vLLM's ``touch`` is
-never called by its scheduler, so the step sums leave it out (it is still timed). Run it once per vLLM: the vLLM it
-compares with is the one importable.
+table rebuilding itself, or a heap compaction, shows), with a probe of the platform's own memory stalls between calls
+(the longest call is also given over the calls the probe saw quiet); *memory*, the Python heap (tracemalloc) per host
+block after filling and after churning n more keys, keys aside (both sides hold the same key objects), plus the arrays
+ours maps (at full size, an upper bound, and the pages touched), and the time to build an empty manager and to reset a
+full one (ours drops the old tables one per later store call: the longest drop too). The garbage collector is off while
+calls are timed (after ``gc.freeze``), as the engine's critical path would want, and a call's time is its thread's CPU
+time (``--clock wall`` for wall time), so that a shared machine's descheduling is not billed to whichever side it hits;
+vLLM's ``touch`` is never called by its scheduler, so the step sums leave it out (it is still timed). Run it once per
+vLLM: the vLLM it compares with is the one importable.
 
     python -m bench.micro.manager --sizes 10000 100000 1000000 --json bench/results/manager-<date>-vllm0.32.json
     .venv-vllm33/bin/python -m bench.micro.manager --sizes 10000 100000 --parts steps

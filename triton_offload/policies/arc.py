@@ -45,7 +45,8 @@ class ARCPolicy(SlotState):
 
     Layout: ``prev``/``next`` link slots ``[0, slots)`` with sentinels ``slots`` (T1) and ``slots + 1`` (T2); ``list``
     says which list a slot is in (0: not resident). Ghosts have ids ``[0, 2c)`` with their own links (sentinels
-    ``2c``: B1, ``2c + 1``: B2) and list tags, a key per id, key -> id in a :class:`KeyTable`, and a stack of free ids.
+    ``2c``: B1, ``2c + 1``: B2) and list tags, a key per id and key -> id in a :class:`KeyTable`; ids given back are
+    chained through the ghost links (a free list, so that a trim gives its run of ids back in O(1)).
     """
 
     name = "arc"
