@@ -192,10 +192,9 @@ class TritonOffloadingManager(OffloadingManager):
             keys_to_store = [key for key in dict.fromkeys(keys) if key in where]
             host_ids = [where[key] for key in keys_to_store]
         identities = identities_of_keys(keys_to_store) if self.identities else None
+        # The allocation's lists are the manager's fresh ones, kept by nobody else: handed over as they are.
         return PrepareStoreOutput(
-            keys_to_store=list(keys_to_store),
-            store_spec=HostBlocksSpec(host_ids, identities),
-            evicted_keys=list(out.evicted_keys),
+            keys_to_store=keys_to_store, store_spec=HostBlocksSpec(host_ids, identities), evicted_keys=out.evicted_keys
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:

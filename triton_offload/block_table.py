@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from triton_offload.policies.slots import CHUNK_BITS, CHUNK_MASK, KeyTable, SlotKeys, SlotState, int_array
+from triton_offload.policies.slots import CHUNK_BITS, CHUNK_MASK, EMPTY, KeyTable, SlotKeys, SlotState, int_array
 
 __all__ = ["BlockTable"]
 
@@ -85,6 +85,28 @@ class BlockTable(SlotState):
         for key, slot in slots.items():
             chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] = key
         self.storing.update(slots)
+
+    def end_stores(self, keys: Iterable[Hashable], ready: bool) -> tuple[dict[Hashable, int], dict[Hashable, None]]:
+        """Takes keys out of :attr:`storing`: returns those it held (key -> slot, call order) and the others (repeats
+        of the first left out); with ``ready`` the ones it held go into :attr:`ready` too, in call order."""
+        shards, mod, pop = self.shards, self.mod, self.storing.pop
+        done: dict[Hashable, int] = {}
+        stale: dict[Hashable, None] = {}
+        for key in keys:
+            slot = pop(key, None)
+            if slot is None:
+                if key not in done:
+                    stale[key] = None
+                continue
+            done[key] = slot
+            if ready:
+                i = hash(key) % mod
+                if shards[i] is EMPTY:
+                    shards[i] = {}
+                shards[i][key] = slot
+        if ready:
+            self.ready.size += len(done)
+        return done, stale
 
     def free(self, pool: int, slots: list[int]) -> None:
         """Frees slots of ``pool`` (their keys already out of :attr:`ready` and :attr:`storing`)."""

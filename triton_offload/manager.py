@@ -17,6 +17,7 @@ from typing import Literal
 
 from triton_offload._checks import positive_int
 from triton_offload.block_table import BlockTable
+from triton_offload.manager_evict import Eviction
 from triton_offload.manager_types import ManagerSnapshot, ManagerStats, OffloadEvent, RequestUse, StoreAllocation
 from triton_offload.policies import EvictionPolicy, make_policy
 from triton_offload.policies.slots import CHUNK_BITS, CHUNK_MASK, SlotState
@@ -26,7 +27,7 @@ __all__ = ["OffloadManager", "StoreAllocation", "OffloadEvent", "ManagerStats", 
 logger = logging.getLogger(__name__)
 
 
-class OffloadManager(SlotState):
+class OffloadManager(Eviction, SlotState):
     """Host block allocation, pinning and eviction for a cache of ``num_blocks`` host blocks (per pool).
 
     Args:
@@ -258,72 +259,29 @@ class OffloadManager(SlotState):
         if not to_store:
             self._use(pairs, ready, request)
             return StoreAllocation([], [], [])
-        by_pool = [(0, to_store)] if self.num_pools == 1 else self._split(to_store)
-        shortfalls = [(pool, len(part) - table.num_free(pool)) for pool, part in by_pool]
-        victims: dict[int, tuple[list[int], list[Hashable]]] = {}
-        evicted = []
-        if any(short > 0 for _, short in shortfalls):
-            # Pinned keys are ready and never evictable: reject in O(1) rather than walking a cache full of them.
-            if sum(max(0, short) for _, short in shortfalls) > len(table.ready) - len(self._pins):
-                return None
-            found = self._victims(shortfalls, pairs)
+        if self.num_pools == 1:  # the victims' blocks first, the last victim first (as if freed, then taken from
+            short = len(to_store) - table.num_free(0)  # the free stack), then free blocks
+            evicted: list[Hashable] = []
+            got = []
+            if short > 0:
+                # Pinned keys are ready and never evictable: reject in O(1) rather than walking a cache full of them.
+                found = self._victims([(0, short)], pairs) if short <= len(table.ready) - len(self._pins) else None
+                if found is None:
+                    return None
+                evicted, got = self._evict(found), found[0][0][::-1]
+            if len(to_store) > len(got):
+                got += table.take(0, len(to_store) - len(got))
+            slots = dict(zip(to_store, got))
+        else:
+            found = self._pooled(to_store, pairs)
             if found is None:
                 return None
-            victims, evicted = found, self._evict(found)
-        slots: dict[Hashable, int] = {}
-        for pool, part in by_pool:
-            # The victims' blocks first, the last victim first (as if freed, then taken from the free stack).
-            got = victims[pool][0][::-1] if pool in victims else []
-            if len(part) > len(got):
-                got += table.take(pool, len(part) - len(got))
-            slots.update(zip(part, got))
+            slots, evicted = found
+            got = self._blocks([slots[key] for key in to_store])
         table.add(slots)
         pairs.update(slots)
-        self._use(pairs, ready, request, new={slot: key for key, slot in slots.items()})
-        return StoreAllocation(to_store, self._blocks([slots[key] for key in to_store]), evicted)
-
-    def _split(self, keys: list[Hashable]) -> list[tuple[int, list[Hashable]]]:
-        """``keys`` by pool, each pool's keys in call order (pools in order, those without keys left out)."""
-        split: list[list[Hashable]] = [[] for _ in range(self.num_pools)]
-        pool_of = self._pool_of
-        for key in keys:
-            split[pool_of(key)].append(key)
-        return [(pool, part) for pool, part in enumerate(split) if part]
-
-    def _victims(self, shortfalls: list[tuple[int, int]], in_call: dict) -> dict | None:
-        """Each short pool's victims (``pool -> (slots, keys)``), in eviction order, or None when some pool cannot
-        give enough (nothing changed: a pool's policy holds only that pool's slots, so its victims free blocks of
-        that pool)."""
-        chunks, pins, storing = self._table.chunks, self._pins, self._storing
-        victims = {}
-        for pool, shortfall in shortfalls:
-            if shortfall <= 0:
-                continue
-            slots, keys = [], []
-            for slot in self._policies[pool].evict_candidates():
-                key = chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK]
-                if key in pins or key in in_call or key in storing:
-                    continue
-                slots.append(slot)
-                keys.append(key)
-                if len(slots) == shortfall:
-                    break
-            else:
-                return None
-            victims[pool] = slots, keys
-        return victims
-
-    def _evict(self, victims: dict) -> list[Hashable]:
-        """Evicts the victims; returns their keys, in eviction order. Their blocks go to the keys being stored."""
-        evicted = []
-        for pool, (slots, keys) in victims.items():
-            self._table.forget(keys)
-            self._policies[pool].evict(slots, keys)
-            evicted += keys
-        self._evictions += len(evicted)
-        if self._events is not None:
-            self._events.append(OffloadEvent("removed", list(evicted)))
-        return evicted
+        self._use(pairs, ready, request, new=dict(zip(slots.values(), slots)))
+        return StoreAllocation(to_store, got, evicted)
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> list[Hashable]:
         """Ends stores started by :meth:`prepare_store`; returns the keys it ended, in call order.
@@ -334,20 +292,17 @@ class OffloadManager(SlotState):
         reset) is skipped with a debug log, as vLLM's own manager does, so a repeated or stale completion cannot
         stop the engine.
         """
-        storing = self._storing
-        done: dict[Hashable, int] = {}
-        for key in dict.fromkeys(keys):
-            slot = storing.pop(key, None)
-            if slot is not None:
-                done[key] = slot
-            else:
-                stale = "already stored" if key in self._table.ready else "not being stored"
-                logger.debug("complete_store of key %r ignored: it is %s", key, stale)
+        table, one = self._table, self.num_pools == 1
+        done, stale = table.end_stores(keys, ready=success and one)  # one pool: straight into the ready table
+        for key in stale:
+            state = "already stored" if key in table.ready else "not being stored"
+            logger.debug("complete_store of key %r ignored: it is %s", key, state)
         if not done:
             return []
         if success:
-            n, one = self.num_blocks, self.num_pools == 1  # pool by pool, call order in each: the order reset follows
-            self._table.ready.put_many(done.items() if one else sorted(done.items(), key=lambda item: item[1] // n))
+            n = self.num_blocks  # pool by pool, call order in each: the order reset follows
+            if not one:
+                table.ready.put_many(sorted(done.items(), key=lambda item: item[1] // n))
             self._stores += len(done)
             for pool in (0,) if one else {slot // n for slot in done.values()}:
                 self._policies[pool].stored()

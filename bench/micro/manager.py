@@ -4,14 +4,15 @@ with the same policy, side by side at each cache size. Three parts per size and 
 :mod:`bench.micro.manager_workload` on a full cache (which side goes first alternates every step; per call and per step
 mean, p99 and max, and the step ratio ours / vLLM as the median over 10 segments of their sums); *stall*, a churn of
 ``--churn`` x n fresh keys stored 256 per call past a full cache, each call timed (the longest single call is where a
-table rebuilding itself, or a heap compaction, shows); *memory*, the Python heap (tracemalloc) per host block after
-filling and after churning n more keys, keys aside (both sides hold the same key objects), plus the arrays ours maps
-(their full size, an upper bound), and the time to build an empty manager and to reset a full one (ours drops the old
-tables one per later store call: the longest drop too). The garbage collector is off while calls are timed (after
-``gc.freeze``), as the engine's critical path would want, and a call's time is its thread's CPU time (``--clock wall``
-for wall time), so that a shared machine's descheduling is not billed to whichever side it hits; vLLM's ``touch`` is
-never called by its scheduler, so the step sums leave it out (it is still timed). Run it once per vLLM: the vLLM it
-compares with is the one importable.
+table rebuilding itself, or a heap compaction, shows), with a probe of the platform's own memory stalls between calls
+(the longest call is also given over the calls the probe saw quiet); *memory*, the Python heap (tracemalloc) per host
+block after filling and after churning n more keys, keys aside (both sides hold the same key objects), plus the arrays
+ours maps (at full size, an upper bound, and the pages touched), and the time to build an empty manager and to reset a
+full one (ours drops the old tables one per later store call: the longest drop too). The garbage collector is off while
+calls are timed (after ``gc.freeze``), as the engine's critical path would want, and a call's time is its thread's CPU
+time (``--clock wall`` for wall time), so that a shared machine's descheduling is not billed to whichever side it hits;
+vLLM's ``touch`` is never called by its scheduler, so the step sums leave it out (it is still timed). Run it once per
+vLLM: the vLLM it compares with is the one importable.
 
     python -m bench.micro.manager --sizes 10000 100000 1000000 --json bench/results/manager-<date>-vllm0.32.json
     .venv-vllm33/bin/python -m bench.micro.manager --sizes 10000 100000 --parts steps
@@ -20,7 +21,11 @@ compares with is the one importable.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
+import mmap
+import random
 import statistics
 import time
 import tracemalloc
@@ -35,6 +40,7 @@ from bench.micro.manager_workload import OPS, Engine, fill, new_keys
 from triton_offload.connector.manager import TritonOffloadingManager
 
 SIDES = ("ours", "vllm")
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 STEP_OPS = [op for op in OPS if op != "touch"]  # what vLLM's scheduler calls
 
 
@@ -102,17 +108,46 @@ def steps(n: int, policy: str, count: int, warmup: int, seed: int, clock) -> dic
     return row
 
 
-def stall(n: int, policy: str, churn: float, clock, batch: int = 256) -> dict:
-    """Fresh keys stored ``batch`` per call, ``churn`` x n of them past a full cache, every call of each side timed."""
-    sides = [make(side, n, policy) for side in SIDES]
-    for m in sides:
+class _Probe:
+    """The platform's own pauses, seen without any manager: 256 random reads of a buffer of its own (256 MiB, every
+    page touched, so as far from the caches as the managers' tables), timed between the churn's calls. When the
+    process is slowed as a whole (memory access stalled for every structure alike) the probe slows too: a call whose
+    probes before and after both ran within 3x the probe's median is *quiet*, the others are counted apart."""
+
+    def __init__(self, clock, size: int = 256 << 20) -> None:
+        self.buf, self.clock, self.times = bytearray(size), clock, []
+        for offset in range(0, size, 4096):
+            self.buf[offset] = 1
+        rng = random.Random(7)
+        self.offsets = [rng.randrange(size) for _ in range(4096)]
+
+    def __call__(self) -> None:
+        j, buf = (len(self.times) * 256) % 3840, self.buf
+        t0 = self.clock()
+        for offset in self.offsets[j : j + 256]:
+            buf[offset]
+        self.times.append(self.clock() - t0)
+
+    def quiet(self) -> list[bool]:
+        """Per call between two probes: whether both stayed within 3x the median."""
+        limit = 3 * statistics.median(self.times)
+        return [a <= limit and b <= limit for a, b in zip(self.times, self.times[1:])]
+
+
+def stall(n: int, policy: str, churn: float, clock, batch: int = 256, sides: tuple = SIDES) -> dict:
+    """Fresh keys stored ``batch`` per call, ``churn`` x n of them past a full cache, every call of each side timed,
+    with a :class:`_Probe` between calls."""
+    managers = [make(side, n, policy) for side in sides]
+    for m in managers:
         fill(m, new_keys(0, n, tag=8))
-    times = {side: {"prepare_store": [], "complete_store": []} for side in SIDES}
+    times = {side: {"prepare_store": [], "complete_store": []} for side in sides}
+    probe = _Probe(clock)
     with _GCOff():
+        probe()
         for i, start in enumerate(range(n, n + int(churn * n), batch)):
             keys = new_keys(start, batch, tag=8)
-            for s in (0, 1) if i % 2 == 0 else (1, 0):
-                m, rc, out = sides[s], ReqContext(req_id="s"), times[SIDES[s]]
+            for s in range(len(sides)) if i % 2 == 0 else reversed(range(len(sides))):
+                m, rc, out = managers[s], ReqContext(req_id="s"), times[sides[s]]
                 t0 = clock()
                 res = m.prepare_store(keys, rc)
                 t1 = clock()
@@ -120,24 +155,48 @@ def stall(n: int, policy: str, churn: float, clock, batch: int = 256) -> dict:
                 t2 = clock()
                 out["prepare_store"].append(t1 - t0)
                 out["complete_store"].append(t2 - t1)
+            probe()
+    quiet = probe.quiet()
     row = {"part": "stall", "blocks": n, "policy": policy, "stored": int(churn * n), "batch": batch}
-    for side in SIDES:
+    row["probe"] = {**summary(probe.times), "calls_not_quiet": quiet.count(False)}
+    for side in sides:
         for op, ns in times[side].items():
             row[f"{side}_{op}"] = summary(ns)
-        row[f"{side}_max_call_ms"] = max(max(ns) for ns in times[side].values()) / 1e6
+        calls = [max(pair) for pair in zip(*times[side].values())]
+        row[f"{side}_max_call_ms"] = max(calls) / 1e6
+        row[f"{side}_max_quiet_call_ms"] = max(ns for ns, ok in zip(calls, quiet) if ok) / 1e6
+        row[f"{side}_calls_over_5ms"] = sum(ns > 5e6 for ns in calls)
+        row[f"{side}_quiet_calls_over_5ms"] = sum(ns > 5e6 for ns, ok in zip(calls, quiet) if ok)
     return row
 
 
-def _mapped_bytes(manager) -> int:
-    """The bytes of the arrays our manager maps (zero pages until touched; all of them touched here, at worst)."""
+def _resident_bytes(view: memoryview) -> int:
+    """The bytes of an array's mapping that are in memory (touched), by mincore(2)."""
+    page = mmap.PAGESIZE
+    holder = ctypes.c_char.from_buffer(view.obj)
+    try:
+        pages = -(-view.nbytes // page)
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(ctypes.c_void_p(ctypes.addressof(holder)), ctypes.c_size_t(view.nbytes), vec):
+            return view.nbytes
+        return page * sum(b & 1 for b in vec)
+    finally:
+        del holder
+
+
+def _mapped_bytes(manager) -> tuple[int, int]:
+    """The bytes of the arrays our manager maps: at full size (zero pages until touched, so an upper bound) and those
+    touched (in memory)."""
     inner = manager._manager
     holders = [inner._table, *inner._policies]
-    total = 0
+    full = touched = 0
     for obj in holders:
         for value in vars(obj).values():
             for view in value if isinstance(value, list) else [value]:
-                total += view.nbytes if isinstance(view, memoryview) else 0
-    return total
+                if isinstance(view, memoryview):
+                    full += view.nbytes
+                    touched += _resident_bytes(view)
+    return full, touched
 
 
 def memory(n: int, policy: str) -> dict:
@@ -159,7 +218,8 @@ def memory(n: int, policy: str) -> dict:
         row[f"{side}_steady_B_per_block"] = (tracemalloc.get_traced_memory()[0] - base) / n
         tracemalloc.stop()
         if side == "ours":
-            row["ours_mapped_B_per_block"] = _mapped_bytes(m) / n
+            full, touched = _mapped_bytes(m)
+            row["ours_mapped_B_per_block"], row["ours_touched_B_per_block"] = full / n, touched / n
         row[f"{side}_gc_objects_per_block"] = (len(gc.get_objects()) - objects) / n  # what every full GC walks
         t0 = time.perf_counter()
         m.reset_cache()
@@ -184,11 +244,12 @@ def _print(rows: list[dict]) -> None:
                           f"{o['p99_us']:.0f} / {v['p99_us']:.0f}", f"{o['max_us']:.0f} / {v['max_us']:.0f}",
                           f"{r['step_ratio']:.2f}"])  # fmt: skip
         elif r["part"] == "stall":
-            o, v = r["ours_prepare_store"], r["vllm_prepare_store"]
-            table.append([r["policy"], f"{r['blocks']:,}", "store 256 (churn)",
-                          f"{o['mean_us']:.0f} / {v['mean_us']:.0f}",
-                          f"{o['p99_us']:.0f} / {v['p99_us']:.0f}",
-                          f"{r['ours_max_call_ms'] * 1e3:.0f} / {r['vllm_max_call_ms'] * 1e3:.0f}", ""])  # fmt: skip
+            got = [side for side in SIDES if f"{side}_max_call_ms" in r]
+            table.append([r["policy"], f"{r['blocks']:,}", "store 256 (churn; max: all, quiet)",
+                          " / ".join(f"{r[f'{side}_prepare_store']['mean_us']:.0f}" for side in got),
+                          " / ".join(f"{r[f'{side}_prepare_store']['p99_us']:.0f}" for side in got),
+                          " / ".join(f"{r[f'{side}_max_call_ms'] * 1e3:.0f}, {r[f'{side}_max_quiet_call_ms'] * 1e3:.0f}"
+                                     for side in got), ""])  # fmt: skip
         else:
             ours = r["ours_steady_B_per_block"] + r["ours_mapped_B_per_block"]
             table.append([r["policy"], f"{r['blocks']:,}", "B/block filled, steady",
@@ -212,6 +273,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=1500, help="timed engine steps")
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--stall-sides", nargs="+", choices=SIDES, default=list(SIDES), help="stall part: whose")
     parser.add_argument("--churn", type=float, default=1.5, help="stall part: keys stored past a full cache, x n")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="the thread's CPU time, or wall time")
@@ -228,7 +290,11 @@ def main() -> None:
                 if part == "steps":
                     row = steps(n, policy, args.steps, args.warmup, args.seed, clock)
                 else:
-                    row = stall(n, policy, args.churn, clock) if part == "stall" else memory(n, policy)
+                    row = (
+                        stall(n, policy, args.churn, clock, sides=tuple(args.stall_sides))
+                        if part == "stall"
+                        else memory(n, policy)
+                    )
                 row["seconds"] = time.perf_counter() - t0
                 doc["rows"].append(row)
                 print(f"# {part} {policy} {n:,}: {row['seconds']:.0f} s", flush=True)

@@ -45,7 +45,8 @@ class ARCPolicy(SlotState):
 
     Layout: ``prev``/``next`` link slots ``[0, slots)`` with sentinels ``slots`` (T1) and ``slots + 1`` (T2); ``list``
     says which list a slot is in (0: not resident). Ghosts have ids ``[0, 2c)`` with their own links (sentinels
-    ``2c``: B1, ``2c + 1``: B2) and list tags, a key per id, key -> id in a :class:`KeyTable`, and a stack of free ids.
+    ``2c``: B1, ``2c + 1``: B2) and list tags, a key per id and key -> id in a :class:`KeyTable`; ids given back are
+    chained through the ghost links (a free list, so that a trim gives its run of ids back in O(1)).
     """
 
     name = "arc"
@@ -69,8 +70,8 @@ class ARCPolicy(SlotState):
         self._glist = byte_array(ghosts + 2)  # a live ghost's list: 1: B1, 2: B2
         self._gkeys = SlotKeys(ghosts)
         self._ghosts = KeyTable(c)  # key -> ghost id (at most c of them while the cache is full)
-        self._gfree = int_array(ghosts)  # ghost ids given back (a stack), then ids never used, from _gfresh on
-        self._gtop = self._gfresh = 0
+        self._gspare = -1  # the first ghost id given back (the rest chained through _gnext; -1: none)
+        self._gfresh = 0  # ids from here on were never used
         self._m1 = self._m2 = 0
 
     def insert(self, slot: int, key: Hashable = None) -> None:
@@ -161,18 +162,18 @@ class ARCPolicy(SlotState):
         # Each slot leaves Ti and its key enters Bi: |T1| + |B1| and the total stay the same, so no trim is needed.
         # The new ghosts are chained after each list's tail as they come, and the lists closed once at the end.
         prev, nxt, lists = self._prev, self._next, self._list
-        gprev, gnext, glist, gfree, chunks = self._gprev, self._gnext, self._glist, self._gfree, self._gkeys.chunks
+        gprev, gnext, glist, chunks = self._gprev, self._gnext, self._glist, self._gkeys.chunks
         table = self._ghosts
-        shards, mod, b1, b2, top = table.shards, table.mod, self._b1, self._b2, self._gtop
+        shards, mod, b1, b2, spare = table.shards, table.mod, self._b1, self._b2, self._gspare
         tail1, tail2 = gprev[b1], gprev[b2]
         from_t1 = 0
         for slot, key in zip(slots, keys):
             before, after = prev[slot], nxt[slot]
             nxt[before] = after
             prev[after] = before
-            if top:
-                top -= 1
-                ghost = gfree[top]
+            if spare >= 0:
+                ghost = spare
+                spare = gnext[ghost]
             else:
                 ghost = self._new_ghost()
             chunks[ghost >> CHUNK_BITS][ghost & CHUNK_MASK] = key
@@ -194,7 +195,7 @@ class ARCPolicy(SlotState):
                 tail2 = ghost
             lists[slot] = 0
         gnext[tail1], gprev[b1], gnext[tail2], gprev[b2] = b1, tail1, b2, tail2
-        self._gtop = top
+        self._gspare = spare
         table.size += len(slots)
         self._n1 -= from_t1
         self._m1 += from_t1
@@ -221,8 +222,8 @@ class ARCPolicy(SlotState):
         chunk = self._gkeys.chunks[ghost >> CHUNK_BITS]
         self._ghosts.pop(chunk[ghost & CHUNK_MASK])
         chunk[ghost & CHUNK_MASK] = None
-        self._gfree[self._gtop] = ghost
-        self._gtop += 1
+        gnext[ghost] = self._gspare
+        self._gspare = ghost
 
     def stored(self) -> None:
         """Stores completed (once per call, whatever its number of keys): trims the ghost lists to the paper's bounds;
@@ -240,21 +241,22 @@ class ARCPolicy(SlotState):
             self._m2 -= drop
 
     def _drop_oldest(self, head: int, count: int) -> None:
-        """Forgets the ``count`` oldest ghosts of the list at sentinel ``head``."""
-        gprev, gnext, gfree, chunks = self._gprev, self._gnext, self._gfree, self._gkeys.chunks
-        shards, mod, top = self._ghosts.shards, self._ghosts.mod, self._gtop
-        ghost = gnext[head]
+        """Forgets the ``count`` oldest ghosts of the list at sentinel ``head``; their ids, still chained, join the free
+        list as one run."""
+        gprev, gnext, chunks = self._gprev, self._gnext, self._gkeys.chunks
+        shards, mod = self._ghosts.shards, self._ghosts.mod
+        first = last = ghost = gnext[head]
         for _ in range(count):
             chunk = chunks[ghost >> CHUNK_BITS]
             key = chunk[ghost & CHUNK_MASK]
             chunk[ghost & CHUNK_MASK] = None
             del shards[hash(key) % mod][key]
-            gfree[top] = ghost
-            top += 1
+            last = ghost
             ghost = gnext[ghost]
         gnext[head] = ghost
         gprev[ghost] = head
-        self._gtop = top
+        gnext[last] = self._gspare
+        self._gspare = first
         self._ghosts.size -= count
 
     def evict_candidates(self) -> Iterator[int]:
