@@ -1,15 +1,15 @@
 """End to end: two vLLM engines (CPU platform), one after the other, sharing nothing but an ``fs`` tier directory.
 
-Engine A serves a 200-token prompt cold and exits once its chunks have cascaded GPU -> CPU tier -> files. Engine B,
-a fresh process with an empty CPU tier and the same ``root_dir``, serves the same prompt: its prefix must be promoted
-from the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 GPU blocks of 32, the last prompt
-token is always recomputed), with A's greedy tokens (a wrong byte changes them: tests/e2e/vllm_e2e_driver.py's tiny
-Llama). A and B run ``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that
-writes vLLM's native layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region
-file must be gone once it exits. Both run with umask 022 and a ``root_dir`` that does not exist yet, under a
-world-readable directory: our spec creates it 0700, so no KV file is readable by other users (vLLM's own spec, as A
-of the native case, leaves them 0644 in 0755 directories, and B then warns). One process per engine:
-tests/e2e/vllm_tiering_driver.py.
+Engine A serves a 200-token prompt cold and exits once its chunks have cascaded GPU -> CPU tier -> files. Engine B, a
+fresh process with an empty CPU tier and the same ``root_dir``, serves the same prompt: its prefix must be promoted from
+the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 GPU blocks of 32, the last prompt token is
+always recomputed), with A's greedy tokens (a wrong byte changes them: tests/e2e/vllm_e2e_driver.py's tiny Llama; the
+ours-f2 case runs the real model, SmolLM2-135M-Instruct, on real text, and compares A's and B's text). A and B run
+``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that writes vLLM's native
+layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region file must be gone once it
+exits. Both run with umask 022 and a ``root_dir`` that does not exist yet, under a world-readable directory: our spec
+creates it 0700, so no KV file is readable by other users (vLLM's own spec, as A of the native case, leaves them 0644 in
+0755 directories, and B then warns). One process per engine: tests/e2e/vllm_tiering_driver.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import stat
 import pytest
 import vllm_harness
 from permissions import exposed_below
-from vllm_harness import GPU_BLOCK_BYTES, assert_shm_released, region_files, require_engine
+from vllm_harness import assert_shm_released, region_files, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.spec")]
 
@@ -50,19 +50,21 @@ def a_then_b(
 
 CASES = {  # block size, A's spec, the numa_node of our engines (None: the default, 'auto')
     "ours-f1": (32, "ours", None),  # host block (chunk) = GPU block
-    "ours-f2": (64, "ours", 0),  # chunk = 2 GPU blocks
+    "ours-f2": (64, "ours", 0),  # chunk = 2 GPU blocks; the real model
     "native-f2": (64, "native", "off"),  # A writes vLLM's native layout
 }
+REAL = {"ours-f2"}  # the cases that run the real model on real text
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tiny_model, tmp_path_factory):
+def pair(request, tmp_path_factory):
     """The case's name, A's and B's results and the world-readable directory that holds the (missing) root_dir."""
     block_size, writer, numa_node = CASES[request.param]
+    model = request.getfixturevalue("real_model" if request.param in REAL else "tiny_model")
     shared = tmp_path_factory.mktemp(request.param) / "shared"
     shared.mkdir()
     shared.chmod(0o755)
-    a, b = a_then_b(tiny_model, shared / "kv" / "cache", block_size, writer, numa_node)
+    a, b = a_then_b(model, shared / "kv" / "cache", block_size, writer, numa_node)
     return request.param, a, b, shared
 
 
@@ -72,10 +74,11 @@ def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
     assert a_out["cached"] == 0, "A runs cold"
     assert b_out["cached"] == 192, f"{name}: B should find all 6 GPU blocks of the prefix in the fs tier"
     assert b_out["tokens"] == a_out["tokens"], f"{name}: greedy tokens differ: the KV loaded back is not A's"
+    assert b_out["text"] == a_out["text"] and (bool(a_out["text"]) == (name in REAL)), (a_out, b_out)
     # Promoted from the files (vLLM's tiering metrics), then moved to the GPU by our kernel (our worker's totals).
     assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:fs}"] == 192 // a["block_size"]
     assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
-    assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}" in b["log"]
+    assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * b['block_bytes']}" in b["log"]
 
 
 def test_worker_says_where_its_slots_are(pair):
