@@ -7,7 +7,7 @@ emptying the device prefix cache in between, and keeps the second pass, whose pr
 over the top-k where the two still share a context. Lossless offloading agrees 100 %
 (tests/e2e/test_accuracy_harness.py, with a deliberately perturbed KV that it must catch).
 
-    python -m bench.accuracy --prompts 200 --out bench/results/accuracy-cpu.json   # off vs offload (~N min, 2 cores)
+    python -m bench.accuracy --prompts 200 --out acc.json   # off vs offload: ~40 min on 2 busy cores (8: ~3 min)
     python -m bench.accuracy --prompts 8 --compare offload 'p={"spec_name": "PerturbingSpec",
         "spec_module_path": "integrity_plugin"}'                                      # PYTHONPATH=tests/e2e
 """
