@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload._checks import OFF, integrity_setting, positive_int, positive_int_setting, transfer_path
+from triton_offload._checks import OFF, REQUIRE, integrity_setting, positive_int, positive_int_setting, transfer_path
 from triton_offload.connector import SPEC_NAME
 from triton_offload.host.numa import numa_setting
 from triton_offload.host.pages import check_settings, huge_pages_setting, pinning_setting
@@ -226,7 +226,8 @@ class TritonOffloadConfig:
             (triton_offload/host/numa.py, docs/host-memory.md).
         huge_pages: ``"thp"``, ``"2MiB"``, ``"1GiB"`` or ``"off"`` (triton_offload/host/pages.py).
         pinning: ``"auto"``, ``"register"`` or ``"alloc"`` (how a CUDA host cache is pinned).
-        integrity: ``"off"``, ``"verify"`` or ``"require"``: the integrity checks (docs/integrity.md).
+        integrity: ``"off"``, ``"verify"`` or ``"require"``: the integrity checks (docs/integrity.md); either of the
+            last two checks as ``"require"`` here (:attr:`checks`).
         host_regions: ``"auto"``, ``"per_group"`` or ``"shared"``: which KV-cache groups' keys share a region of
             the host rows (connector/geometry.py).
     """
@@ -298,3 +299,10 @@ class TritonOffloadConfig:
                 f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
             )
         return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, checks, regions)
+
+    @property
+    def checks(self) -> str:
+        """The setting the worker checks with: ``"require"`` whenever the checks are on. Within one process every row
+        is stored by this spec's own worker, with its checksums: a row that has none was corrupted, never written by
+        a writer without the checks, so ``"verify"`` would load it unchecked for no reason (docs/integrity.md)."""
+        return OFF if self.integrity == OFF else REQUIRE

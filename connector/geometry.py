@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from triton_offload.connector.config import HOST_REGION_MODES
@@ -90,11 +90,15 @@ class KVGeometry:
         retention_interval: ``cache_config.prefix_cache_retention_interval`` (None: dense checkpoints).
         kv_connector: the connector this offloading connector runs under: ``"MultiConnector"`` when it was built as
             one of a ``MultiConnector``'s children, else the configured one (``"OffloadingConnector"``).
+        fingerprint: the fields of the configuration fingerprint
+            (:func:`~triton_offload.connector.fingerprint.fingerprint_fields`); None where vLLM's config was not given
+            or could not be read.
     """
 
     groups: tuple[GroupGeometry, ...]
     retention_interval: int | None = 0
     kv_connector: str | None = None
+    fingerprint: dict | None = field(default=None, compare=False)
 
     @property
     def group_bytes(self) -> tuple[int, ...]:
@@ -253,6 +257,13 @@ def remember(config, kv_cache_config, vllm_config=None) -> KVGeometry:
     """Computes and keeps the geometry of the ``OffloadingConfig`` ``config`` vLLM built from these configs, for
     :func:`geometry_for` (what the wrapper does; tests call it with configs of their own)."""
     geometry = kv_geometry(kv_cache_config, vllm_config)
+    if vllm_config is not None:
+        from triton_offload.connector.fingerprint import fingerprint_fields
+
+        try:
+            geometry = replace(geometry, fingerprint=fingerprint_fields(vllm_config, kv_cache_config, config))
+        except Exception as e:  # the spec falls back to what the OffloadingConfig says, and warns
+            logger.warning("triton-offload: could not read the configuration fingerprint from vLLM's config: %r", e)
     key = id(config)
     _CAPTURED[key] = (weakref.ref(config, lambda _, key=key: _CAPTURED.pop(key, None)), geometry)
     return geometry

@@ -187,7 +187,7 @@ class TritonOffloadingSpec(OffloadingSpec):
             logger.info(
                 "triton-offload scheduler: %d host rows of %d GPU block(s) (GPU block tokens %s) for %d rank(s), "
                 "%d bytes per row (host regions %s of KV-cache groups %s, sized from %s), %d keys in all, "
-                "cpu_bytes_to_use=%d, eviction_policy=%s, kv events %s. Counters: vLLM metrics "
+                "cpu_bytes_to_use=%d, eviction_policy=%s, integrity checks %s, kv events %s. Counters: vLLM metrics "
                 "vllm:triton_offload_{hit,stored,evicted,cached}_blocks and vllm:kv_offload_{load,store}_bytes; "
                 "totals are logged at shutdown",
                 self.num_host_blocks,
@@ -201,6 +201,7 @@ class TritonOffloadingSpec(OffloadingSpec):
                 self.num_host_blocks * self.num_regions,
                 cfg.cpu_bytes_to_use,
                 cfg.eviction_policy,
+                cfg.checks if cfg.checks == cfg.integrity else f"{cfg.checks} (integrity={cfg.integrity!r})",
                 "on" if self.kv_events_config.enable_kv_cache_events else "off",
             )
         return self._manager
@@ -238,6 +239,6 @@ class TritonOffloadingSpec(OffloadingSpec):
                 numa_node=self.offload_config.numa_node,
                 huge_pages=self.offload_config.huge_pages,
                 pinning=self.offload_config.pinning,
-                integrity=self.offload_config.integrity,
+                integrity=self.offload_config.checks,
             )
         return self._worker

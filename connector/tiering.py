@@ -4,8 +4,9 @@ unchanged: its ``TieringOffloadingManager``, its ``SharedOffloadRegion`` and its
 :class:`~triton_offload.connector.tiering_worker.TritonTieringWorker` replaces vLLM's ``CPUOffloadingWorker`` (DMA
 batches, CUDA only): one kernel launch per job, writing exactly the bytes vLLM's worker would, in this worker's slots of
 the same region. So blocks that reach a secondary tier are byte-compatible with vLLM's native tiering: two instances,
-one on each, may share an ``fs`` ``root_dir`` (its namespace does not include the spec's name). What differs from vLLM's
-spec, all at startup, is listed in the class's docstring.
+one on each, may share an ``fs`` ``root_dir`` (its namespace does not include the spec's name) with
+``"config_fingerprint": "off"`` (by default ours carries the configuration fingerprint). What differs from vLLM's spec,
+all at startup, is listed in the class's docstring.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from triton_offload.connector import TIERING_SPEC_NAME, route_logs_through_vllm
 from triton_offload.connector.compat import check_multi_connector, host_memory_note
+from triton_offload.connector.fingerprint import spec_fingerprint
 from triton_offload.connector.fs_root import make_private_root_dir, warn_if_shared
 from triton_offload.connector.geometry import geometry_for
 from triton_offload.connector.load_errors import check_reporting, integrity_metric_definitions, reporting_connector
@@ -81,8 +83,10 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
     the memory available; ``num_ctas`` and ``transfer_path`` are ours; ``canonical_layout`` is refused (the Triton
     worker writes vLLM's direct worker-slot layout only); the network tiers' keys are checked too, and an object store
     that does not answer stops the startup naming it (:mod:`~triton_offload.connector.network_tiers`); the CPU platform
-    is supported (the kernels run through Triton's interpreter); and the region's ``/dev/shm`` file is removed on every
-    exit path (:class:`~triton_offload.connector.shm_region.RegionName`).
+    is supported (the kernels run through Triton's interpreter); the region's ``/dev/shm`` file is removed on every
+    exit path (:class:`~triton_offload.connector.shm_region.RegionName`); and the tiers' namespace (and, with the
+    integrity checks, each block's identity) carries the configuration's fingerprint (``config_fingerprint``:
+    :mod:`~triton_offload.connector.fingerprint`), so blocks another configuration of the model stored are misses.
     """
 
     @classmethod
@@ -101,6 +105,19 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             check_multi_connector(self.geometry.kv_connector)
         # vLLM's spec reads int(cpu_bytes_to_use): hand it the parsed size ("40GiB" is ours).
         config = replace(config, extra_config={**config.extra_config, "cpu_bytes_to_use": cfg.cpu_bytes_to_use})
+        self.fingerprint = spec_fingerprint(
+            config,
+            None if self.geometry is None else self.geometry.fingerprint,
+            cfg.config_fingerprint,
+            host_layout=cfg.host_layout,
+            integrity=OFF if cfg.integrity == OFF else f"v{VERSION}",
+            blocks_per_chunk=config.cache.blocks_per_chunk,
+        )
+        if self.fingerprint is not None:
+            # The tiers' namespace (fs directories, obj keys, the p2p handshake) is built from the model name: blocks
+            # of another configuration are then misses, never loads.
+            name = config.model.name + self.fingerprint.namespace
+            config = replace(config, model=replace(config.model, name=name))
         if cfg.host_layout == "packed":
             if self.geometry is None or len(self.geometry.groups) != len(config.groups):
                 raise ValueError(
@@ -197,7 +214,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             check_reachable(self.tiering_config.object_stores)
             manager = super().get_manager()
             if self.tiering_config.integrity != OFF:
-                attach_identities(manager)
+                attach_identities(manager, b"" if self.fingerprint is None else self.fingerprint.person)
         except BaseException:
             # The engine will not start: the region's workers may have created the name, nobody needs it now.
             unlink_paths([path])
@@ -310,9 +327,10 @@ class IdentifiedChunks(CPULoadStoreSpec):
 MAX_BAD_KEYS = 1 << 16
 
 
-def attach_identities(manager: OffloadingManager) -> None:
+def attach_identities(manager: OffloadingManager, person: bytes = b"") -> None:
     """Makes vLLM's tiering manager hand its load and store specs over with each chunk's key identity
-    (:class:`IdentifiedChunks`, :func:`triton_offload.integrity.identities_of_keys`), and gives it
+    (:class:`IdentifiedChunks`, :func:`triton_offload.integrity.identities_of_keys`, personalised with the
+    configuration fingerprint's ``person``: a chunk another configuration stored fails its check), and gives it
     ``discard_failed(chunk_ids)``: the keys of chunks whose bytes failed an integrity check become misses (vLLM's CPU
     tier has no way to drop one, and would otherwise hand the same bad bytes to the retried request forever), until
     the CPU tier stores them anew (once it evicted the bad chunk, a request's store brings fresh bytes). The
@@ -325,7 +343,7 @@ def attach_identities(manager: OffloadingManager) -> None:
     def load(keys, req_context):
         keys = list(keys)
         spec = prepare_load(keys, req_context)
-        identities = identities_of_keys(keys)
+        identities = identities_of_keys(keys, person)
         for chunk, key in zip(spec.block_ids.tolist(), keys):
             source = manager.get_load_source(key, req_context)
             sources[chunk] = (key, getattr(source, "value", source))
@@ -340,7 +358,7 @@ def attach_identities(manager: OffloadingManager) -> None:
             return None
         for key in out.keys_to_store:  # stored anew (the bad chunk was evicted meanwhile): its fresh bytes may hit
             bad.pop(key, None)
-        spec = IdentifiedChunks(out.store_spec.block_ids, identities_of_keys(out.keys_to_store))
+        spec = IdentifiedChunks(out.store_spec.block_ids, identities_of_keys(out.keys_to_store, person))
         return replace(out, store_spec=spec)
 
     def checked_lookup(key, req_context, *args, **kwargs):

@@ -21,6 +21,7 @@ from triton_offload.connector.config import (
     missing_key,
     parse_size,
 )
+from triton_offload.connector.fingerprint import AUTO, fingerprint_setting
 from triton_offload.connector.fs_root import check_root_dir
 from triton_offload.connector.network_tiers import ObjectStore, check_network_tier, where
 from triton_offload.host.numa import numa_setting
@@ -46,6 +47,8 @@ OUR_TIERING_KEYS = {
     "integrity": "'off', 'verify' or 'require': checksums in a trailer of each worker slot (docs/integrity.md)",
     "host_layout": "'worker_slots' (vLLM's bytes, shared with its own worker) or 'packed' (a row per key sized for "
     "the largest KV-cache group, ours on both ends)",
+    "config_fingerprint": "'auto' (the configuration's fingerprint in the tiers' namespace and block identities), "
+    "'off' (vLLM's namespace alone) or a label shared by configurations whose KV is the same",
 }
 HOST_LAYOUTS = ("worker_slots", "packed")
 # Keys of TritonOffloadingSpec that cannot apply to vLLM's shared region, with the reason given when they are set.
@@ -150,6 +153,8 @@ class TritonTieringConfig:
         integrity: ``"off"``, ``"verify"`` or ``"require"`` (docs/integrity.md).
         host_layout: ``"worker_slots"`` (vLLM's, byte-compatible with its own worker and every instance running it)
             or ``"packed"`` (our packed rows, sized for the largest KV-cache group: see docs/tiering.md).
+        config_fingerprint: ``"auto"``, ``"off"`` or a label (:func:`~triton_offload.connector.fingerprint.
+            fingerprint_setting`).
     """
 
     cpu_bytes_to_use: int
@@ -162,6 +167,7 @@ class TritonTieringConfig:
     numa_node: str | int = "auto"
     integrity: str = OFF
     host_layout: str = "worker_slots"
+    config_fingerprint: str = AUTO
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -174,8 +180,9 @@ class TritonTieringConfig:
                 directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
                 unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas`` or
                 ``transfer_path``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``);
-                a bad ``numa_node``; ``huge_pages`` or ``pinning`` (they cannot apply to the shared region); a key
-                this spec does not read (``config.check_keys``: unless ``"unknown_keys": "warn"``).
+                a bad ``numa_node`` or ``config_fingerprint``; ``huge_pages`` or ``pinning`` (they cannot apply to
+                the shared region); a key this spec does not read (``config.check_keys``: unless ``"unknown_keys":
+                "warn"``).
         """
         # TritonOffloadingSpec's keys that cannot apply here are known: they are refused below with the reason.
         check_keys(extra, set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | set(_REFUSED_KEYS) | VLLM_KEYS, TIERING_SPEC_NAME)
@@ -197,6 +204,7 @@ class TritonTieringConfig:
         num_ctas, path = engine_settings(extra)
         numa_node = numa_setting(extra.get("numa_node", "auto"))
         checks = integrity_setting(extra.get("integrity", OFF))
+        fingerprint = fingerprint_setting(extra.get("config_fingerprint", AUTO))
         layout = extra.get("host_layout", "worker_slots")
         if layout not in HOST_LAYOUTS:
             raise ValueError(
@@ -229,4 +237,4 @@ class TritonTieringConfig:
         root_dirs = tuple((i, root) for i, (_, root, _) in enumerate(checked) if root is not None)
         types = tuple(tier_type for tier_type, _, _ in checked)
         stores = tuple(store for _, _, store in checked if store is not None)
-        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node, checks, layout)
+        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node, checks, layout, fingerprint)

@@ -25,8 +25,9 @@ __all__ = [
     "compile_variant",
 ]
 
-# Blocks the finalising program handles per step of the integrity checks (a few vector registers per thread).
-FIN = tl.constexpr(128)
+# Blocks the finalising program handles per step of the integrity checks: one per thread at 16 warps (each step
+# waits on a few dependent reads, some from host memory: a launch of 1000 blocks takes 2 steps).
+FIN = tl.constexpr(512)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -37,32 +38,29 @@ FIN = tl.constexpr(128)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _lane_step_fn(vals, seg_word, col, mask, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
-    """The two 32-bit lane sums of the words one step moved ([ROWS, CHUNK] ``vals``, masked by ``mask``), each word
-    zero-extended and mixed with its position in its block (``seg_word`` per row, plus its column), summed per
-    thread over its VEC words: [ROWS, CHUNK // VEC] each."""
+def _lane_step_fn(vals, seg_word, col0, seg_len, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """The two 32-bit lane terms of the word groups one step moved (``vals`` [ROWS, CHUNK] from column ``col0`` of
+    each row's segment, which starts at word ``seg_word`` of its block's stream and holds ``seg_len`` words): a group
+    is a thread's VEC words of one access, folded into 64 bits with its index in the stream, then mixed once per lane
+    (triton_offload/integrity.py, version 2). Groups past a segment's end give 0: [ROWS, CHUNK // VEC] each."""
     if vals.dtype == tl.int8:
         w = vals.to(tl.uint8, bitcast=True).to(tl.uint32)
     elif vals.dtype == tl.int16:
         w = vals.to(tl.uint16, bitcast=True).to(tl.uint32)
     else:
         w = vals.to(tl.uint32, bitcast=True)
-    word = seg_word[:, None] + col[None, :].to(tl.uint32)  # the word's position in its block
-    a = w ^ (word * 0x9E3779B1)
-    a = a ^ (a >> 16)
-    a = a * 0x85EBCA6B
-    a = a ^ (a >> 13)
-    a = a * 0xC2B2AE35
-    a = a ^ (a >> 16)
-    b = w ^ (word * 0xCC9E2D51 + 0x1B873593)
-    b = b ^ (b >> 16)
-    b = b * 0x7FEB352D
-    b = b ^ (b >> 15)
-    b = b * 0x846CA68B
-    b = b ^ (b >> 16)
-    step_a = tl.reduce(tl.reshape(tl.where(mask, a, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
-    step_b = tl.reduce(tl.reshape(tl.where(mask, b, 0), [ROWS, CHUNK // VEC, VEC]), 2, _SUM)
-    return step_a, step_b
+    v = tl.arange(0, VEC)  # a word's place in its group: in one thread's registers, so its multiplier is a constant
+    mul = tl.where(v == 0, 0x9E3779B1, tl.where(v == 1, 0x85EBCA77, tl.where(v == 2, 0xC2B2AE3D, 0x27D4EB2F)))
+    prods = tl.reshape(w.to(tl.uint64), [ROWS, CHUNK // VEC, VEC]) * mul.to(tl.uint64)[None, None, :]
+    grp = tl.arange(0, CHUNK // VEC)
+    index = (seg_word // VEC)[:, None] + (grp + col0 // VEC).to(tl.uint32)[None, :]  # the group's index in the stream
+    t = index.to(tl.uint64) * 0x165667B1 + tl.reduce(prods, 2, _SUM)  # 32 x 32 -> 64-bit multiply-adds
+    lo = t.to(tl.uint32)
+    y = lo ^ (t >> 32).to(tl.uint32)
+    a = (lo ^ (lo >> 16)) * 0x7FEB352D
+    b = (y ^ (y >> 16)) * 0x846CA68B
+    live = (col0 + grp * VEC)[None, :] < seg_len[:, None]  # a segment is whole groups: all of a group or none
+    return tl.where(live, a, 0), tl.where(live, b, 0)
 
 
 def _mix64_fn(z):
@@ -224,12 +222,16 @@ def _copy_blocks_kernel(
                 seg_word = tl.load(ck_ptr + (group * n_segs32 + seg) * 3, mask=live, other=0).to(tl.uint32)
             else:
                 seg_word = tl.load(ck_ptr + seg * 3, mask=live, other=0).to(tl.uint32)
-            # Per thread, its VEC words of a step are summed at once (no exchange between threads), so the running
-            # sums take VEC times fewer registers than the tile.
+            # Per thread, its VEC words of a step fold into one term per lane (no exchange between threads), so the
+            # running sums take VEC times fewer registers than the tile.
             acc_a = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
             acc_b = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
         for k in range(0, n_chunks):
-            col = k * CHUNK + cols  # [CHUNK]
+            if INTEGRITY:  # 32-bit columns: fewer registers and compares for the checks' tiles of many rows
+                col0 = tl.cast(k * CHUNK, tl.int32)
+                col = col0 + cols
+            else:
+                col = k * CHUNK + cols  # [CHUNK]
             mask = col[None, :] < seg_len[:, None]  # [ROWS, CHUNK]
             if not COPY:  # only read the GPU side: the copy engines moved (or will move) the bytes
                 vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)
@@ -240,19 +242,28 @@ def _copy_blocks_kernel(
                 vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
                 tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
             if INTEGRITY:
-                step_a, step_b = _lane_step(vals, seg_word, col, mask, ROWS, CHUNK, VEC)
+                step_a, step_b = _lane_step(vals, seg_word, col0, seg_len, ROWS, CHUNK, VEC)
                 acc_a += step_a
                 acc_b += step_b
         if INTEGRITY:
-            # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order.
+            # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order. The
+            # adds are relaxed (no fence per row and tile): the programs-done counter below orders them all. With the
+            # checked launch shape (a row per warp, shapes.launch_config) the reduction stays within a warp.
             part_a = tl.reduce(acc_a, 1, _SUM).to(tl.int64)
             part_b = tl.reduce(acc_b, 1, _SUM).to(tl.int64)
-            tl.atomic_add(sums_ptr + 2 * blk, part_a, mask=live, sem="acq_rel", scope="gpu")
-            tl.atomic_add(sums_ptr + 2 * blk + 1, part_b, mask=live, sem="acq_rel", scope="gpu")
+            # Added from the sums' own [ROWS, CHUNK // VEC] layout, first column only: pointers contiguous along the
+            # columns and only 1-aligned (odd) keep the compiler from moving them into another layout through shared
+            # memory with barriers (Triton 3.6 did, with a [ROWS] atomic or pointers constant along the columns).
+            grp = tl.arange(0, CHUNK // VEC)[None, :]
+            odd = (2 * blk + 1)[:, None] + grp  # column 0: lane b's address; the other columns are masked off
+            once = live[:, None] & (grp == 0)
+            tl.atomic_add(sums_ptr + odd - 1, part_a[:, None], mask=once, sem="relaxed", scope="gpu")
+            tl.atomic_add(sums_ptr + odd, part_b[:, None], mask=once, sem="relaxed", scope="gpu")
     if INTEGRITY:
         # The last program to finish finalises every block's checksum: each program's sums are complete before its
-        # count (every thread's atomics precede the barrier, and the count is an acquire-release atomic), so the
-        # program that counts last sees all of them.
+        # count (every thread's relaxed adds precede the barrier, and the count is an acquire-release atomic at GPU
+        # scope, cumulative over them), so the program that counts last sees all of them. This is the only barrier
+        # of a checked launch outside its reductions.
         tl.debug_barrier()
         done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
         if done == nprog - 1:

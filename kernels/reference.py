@@ -207,6 +207,7 @@ def checksums_ref(
     host_block_ids: Sequence[int],
     *,
     word_bytes: int,
+    group_words: int = 1,
     blocks_per_host_block: int = 1,
     skip: int | Sequence[int] = 0,
     groups: Sequence[Sequence[int]] | None = None,
@@ -239,6 +240,8 @@ def checksums_ref(
         idx = h0 + pos // f
         rows.append(h_all[idx])
         cols.append(region * (1 + f) + 1 + pos % f)
-        sums.append(block_checksums(stream, word_bytes, ident_all[idx], pos % f) if n else np.zeros(0, np.int64))
+        sums.append(
+            block_checksums(stream, word_bytes, ident_all[idx], pos % f, group_words) if n else np.zeros(0, np.int64)
+        )
         h0 += m
     return np.concatenate(rows), np.concatenate(cols), np.concatenate(sums)

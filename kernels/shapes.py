@@ -73,6 +73,13 @@ DEFAULT_TUNINGS = MappingProxyType(
 # A tile batches at most this many segments (rows) of tile / MAX_ROWS bytes or more (each row costs its own id and
 # table loads); shorter segments take one chunk each, so a 64 KiB tile holds 64 rows of 1 KiB.
 MAX_ROWS = 32
+# A tile holds tile_bytes / 4 elements whatever their size, and at most one row per thread: narrow pages (2- and 1-byte
+# words, segments of a few words) otherwise got 2048-8192 rows and 32-64 elements per thread in a tile and spilled
+# 1-7 KiB per thread (docs/compiler.md). Pages of 4-byte words or wider are unchanged.
+_TILE_ELEM_BYTES = 4
+# Rows a thread of a checked launch moves per step (its tile: 4 x 512 B per warp of 16-byte pages). The sm_90 SASS
+# (Triton 3.9) of the 64 KiB page: 4 rows, 102 registers and 27 instructions per 16 B; 8 rows spill 168 bytes.
+CHECKED_ROWS_PER_THREAD = 4
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -116,11 +123,20 @@ def _chunk_elems(max_seg: int, tile: int) -> int:
     return min(candidates, key=lambda c: (triton.cdiv(max_seg, c) * c, -c))
 
 
-def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning) -> LaunchConfig:
-    """The launch shape for a spec, an access width and a direction's tuning (pure)."""
+def launch_config(spec: KVCacheSpec, width: int, tuning: LaunchTuning, checked: bool = False) -> LaunchConfig:
+    """The launch shape for a spec, an access width and a direction's tuning (pure). ``checked``: the shape of the
+    launches with the integrity checks, whose rows are at most one warp wide (a step moves one access per thread and
+    row), so each row's lane sums reduce within its warp, without a barrier; the tile keeps its bytes."""
     elem = min(width, 4)
+    vec = width // elem
     max_seg = spec.max_segment_bytes // elem
-    tile = tuning.tile_bytes // elem
-    # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
-    chunk = _chunk_elems(max_seg, tile)
-    return LaunchConfig(elem, width // elem, tile // chunk, chunk, triton.cdiv(max_seg, chunk), tuning.num_warps)
+    tile = tuning.tile_bytes // _TILE_ELEM_BYTES
+    if checked:
+        # One access per thread and row per step (a row is at most one warp wide), CHECKED_ROWS_PER_THREAD rows.
+        chunk = max(vec, min(32 * vec, _next_pow2(max_seg), tile))
+        rows = max(1, min(tile // chunk, CHECKED_ROWS_PER_THREAD * 32 * vec // chunk * tuning.num_warps))
+    else:
+        # Small pages share a tile (many rows), large ones stream through it (few rows, several chunks).
+        chunk = _chunk_elems(max_seg, tile)
+        rows = max(1, min(tile // chunk, 32 * tuning.num_warps))
+    return LaunchConfig(elem, vec, rows, chunk, triton.cdiv(max_seg, chunk), tuning.num_warps)

@@ -143,9 +143,10 @@ class Checksums:
         if cuda and not self.table.is_pinned():
             raise ValueError("the checksum table must be pinned (page-locked) memory when the KV caches are on CUDA")
 
-    def marker(self, word_bytes: int) -> int:
-        """The row marker a store writes for words of ``word_bytes`` (:func:`triton_offload.integrity.marker`)."""
-        return integrity.marker(self.blocks_per_host_block, word_bytes)
+    def marker(self, word_bytes: int, group_words: int) -> int:
+        """The row marker a store writes for words of ``word_bytes`` in groups of ``group_words``
+        (:func:`triton_offload.integrity.marker`)."""
+        return integrity.marker(self.blocks_per_host_block, word_bytes, group_words)
 
     def failures(self, check: LoadCheck | None) -> tuple[BlockRefs, int]:
         """(the blocks of a finished load whose check failed, blocks loaded unchecked) under this setting:

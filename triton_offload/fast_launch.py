@@ -97,8 +97,9 @@ def _canary_checks(launcher: CopyLauncher, canary: KVCacheSpec, host: torch.Tens
 
     f = launcher.blocks_per_host_block
     store = direction is Direction.STORE
-    word = launcher.config(direction).elem
-    mark = integrity.marker(f, word)
+    cfg = launcher.config(direction)
+    word, group = cfg.elem, cfg.vec
+    mark = integrity.marker(f, word, group)
     table = torch.zeros(host.shape[0], canary.num_regions * (1 + f), dtype=torch.int64, pin_memory=launcher.cuda)
     rng = np.random.default_rng(2)
     identities = rng.integers(-(2**63), 2**63 - 1, size=plan.n_host, dtype=np.int64)
@@ -112,6 +113,7 @@ def _canary_checks(launcher: CopyLauncher, canary: KVCacheSpec, host: torch.Tens
         src,
         plan.host_ids,
         word_bytes=word,
+        group_words=group,
         identities=identities,
         group_regions=canary.group_regions,
         **kw,

@@ -6,6 +6,7 @@ its constants (shared with the kernel), the per-host-row marker, the block ident
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,17 +34,16 @@ __all__ = [
     "ABSENT",
 ]
 
-VERSION = 1
+VERSION = 2
 
 # Per-block status a load reports (the kernel writes it, JobResult carries the failed ones).
 OK, FAILED, ABSENT = 0, 1, 2
 
-# The kernel's constants (kernels/copy_blocks.py reads them from here).
-POS_A = 0x9E3779B1
-POS_B_MUL = 0xCC9E2D51
-POS_B_ADD = 0x1B873593
-FMIX_A = (0x85EBCA6B, 0xC2B2AE35)  # MurmurHash3's fmix32: shifts 16, 13, 16
-FMIX_B = (0x7FEB352D, 0x846CA68B)  # "lowbias32" (C. Wellons): shifts 16, 15, 16
+# The kernel's constants (kernels/copy_blocks.py writes them as literals; tests/unit/test_integrity.py checks both).
+GROUP_MUL = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)  # one odd multiplier per word of a group
+POS_MUL = 0x165667B1  # the group's index in the block's stream
+LANE_A = 0x7FEB352D
+LANE_B = 0x846CA68B
 SUB_MUL = 0x9E3779B97F4A7C15
 LEN_MUL = 0xC2B2AE3D27D4EB4F
 MIX64 = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # SplitMix64's finaliser: shifts 30, 27, 31
@@ -53,22 +53,17 @@ _MAGIC = 0x544F434B  # "TOCK"
 _U32 = np.uint64(0xFFFFFFFF)
 
 
-def _salt(words: int) -> np.ndarray:
-    """(j + 1) * SUB_MUL mod 2**64 for a key's words j < ``words``."""
-    return np.array([((j + 1) * SUB_MUL) & ((1 << 64) - 1) for j in range(words)], dtype=np.uint64)
-
-
-_WORD_SALT = _salt(64)
-
-
-def marker(blocks_per_host_block: int, word_bytes: int) -> int:
-    """The value a store writes at the head of a host row's checksums (as a signed int64): version 1, its f and the
-    word size. A row whose head holds anything else has no checksum a load can check (absent)."""
+def marker(blocks_per_host_block: int, word_bytes: int, group_words: int = 1) -> int:
+    """The value a store writes at the head of a host row's checksums (as a signed int64): the version, its f, the
+    word size and the words per group (:func:`block_checksums`). A row whose head holds anything else has no checksum
+    a load can check (absent)."""
     if not 1 <= blocks_per_host_block < 1 << 16:
         raise ValueError(f"blocks_per_host_block = {blocks_per_host_block} is out of range [1, 65536) for the marker")
     if word_bytes not in (1, 2, 4):
         raise ValueError(f"word_bytes = {word_bytes}, expected 1, 2 or 4")
-    value = (_MAGIC << 32) | (VERSION << 24) | (blocks_per_host_block << 8) | word_bytes
+    if group_words not in (1, 2, 4):
+        raise ValueError(f"group_words = {group_words}, expected 1, 2 or 4")
+    value = (_MAGIC << 32) | (VERSION << 24) | (blocks_per_host_block << 8) | (group_words << 4) | word_bytes
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
@@ -77,38 +72,30 @@ def parse_marker(value: int) -> dict | None:
     value &= (1 << 64) - 1
     if value >> 32 != _MAGIC:
         return None
-    return {"version": (value >> 24) & 0xFF, "blocks_per_host_block": (value >> 8) & 0xFFFF, "word": value & 0xFF}
+    return {
+        "version": (value >> 24) & 0xFF,
+        "blocks_per_host_block": (value >> 8) & 0xFFFF,
+        "group": (value >> 4) & 0xF,
+        "word": value & 0xF,
+    }
 
 
-def identities_of_keys(keys: Sequence[bytes]) -> np.ndarray:
-    """A 64-bit identity (int64) per key, such as vLLM's ``OffloadKey`` (block hash plus group index): the XOR of
-    ``mix64(w_j + (j + 1) * SUB_MUL)`` over the key's little-endian 8-byte words ``w_j`` (the last zero-padded) and
-    of ``mix64(len(key))``. Every byte counts, in its place, keys from any hash function give well-spread identities,
-    identical in every process and on every machine. Vectorised over the keys (the scheduler computes them per call:
-    about 15 us whatever the count)."""
-    keys = list(keys)
-    lengths = set(map(len, keys))
-    if len(lengths) > 1:  # keys of several lengths: each length on its own
-        out = np.empty(len(keys), dtype=np.int64)
-        for length in lengths:
-            where = [i for i, k in enumerate(keys) if len(k) == length]
-            out[where] = identities_of_keys([keys[i] for i in where])
-        return out
-    length = lengths.pop() if keys else 0
-    width = max(8, -(-length // 8) * 8)
-    raw = np.zeros((len(keys), width), dtype=np.uint8)
-    if keys and length:
-        raw[:, :length] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), length)
-    with np.errstate(over="ignore"):
-        salt = _WORD_SALT if width <= 8 * _WORD_SALT.size else _salt(width // 8)
-        words = raw.view("<u8") + salt[: width // 8]
-        z = np.bitwise_xor.reduce(_mix64(words), axis=1) ^ _mix64(np.uint64(length))
-    return z.view(np.int64)
+def identities_of_keys(keys: Sequence[bytes], person: bytes = b"") -> np.ndarray:
+    """A 64-bit identity (int64) per key, such as vLLM's ``OffloadKey`` (block hash plus group index): the key's
+    BLAKE2b digest of 8 bytes, little-endian, personalised with ``person`` (at most 16 bytes: the configuration
+    fingerprint's, so that a block stored under another configuration fails its check; empty: none). Every byte counts,
+    in its place, keys from any hash function give well-spread identities, identical in every process and on every
+    machine. One C call per key and no array set-up (``person`` is in BLAKE2b's parameter block: no extra work): under
+    a microsecond for the one key of a decoding step, where the vectorised form it replaces paid ~15 us a call."""
+    if len(person) > 16:
+        raise ValueError(f"person is {len(person)} bytes; BLAKE2b takes at most 16")
+    digest = hashlib.blake2b
+    return np.frombuffer(b"".join([digest(k, digest_size=8, person=person).digest() for k in keys]), dtype="<i8")
 
 
-def key_identity(key: bytes) -> int:
+def key_identity(key: bytes, person: bytes = b"") -> int:
     """:func:`identities_of_keys` of one key, as an int."""
-    return int(identities_of_keys([key])[0])
+    return int(identities_of_keys([key], person)[0])
 
 
 def slot_identity(identities: np.ndarray, slot: int) -> np.ndarray:
@@ -123,14 +110,6 @@ def slot_identity(identities: np.ndarray, slot: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------
 # The reference (NumPy): what the kernel computes, written for clarity
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _fmix32(x: np.ndarray, mul: tuple[int, int], shifts: tuple[int, int, int]) -> np.ndarray:
-    x = x ^ (x >> np.uint32(shifts[0]))
-    x = x * np.uint32(mul[0])
-    x = x ^ (x >> np.uint32(shifts[1]))
-    x = x * np.uint32(mul[1])
-    return x ^ (x >> np.uint32(shifts[2]))
 
 
 def _mix64(z):
@@ -149,14 +128,22 @@ def _words(blocks: np.ndarray, word_bytes: int) -> np.ndarray:
     return blocks.view(dtype).astype(np.uint32)
 
 
-def lane_sums(blocks: np.ndarray, word_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+def lane_sums(blocks: np.ndarray, word_bytes: int, group_words: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The two 32-bit lane sums of each block's word stream: ``blocks`` is (n, bytes) uint8, each row one block's
     moved bytes in stream order. Returns (lane_a, lane_b), uint32 arrays of n."""
+    w = _words(blocks, word_bytes)
+    if w.shape[1] % group_words:
+        raise ValueError(f"a block of {w.shape[1]} words does not split into groups of {group_words}")
+    g = group_words
     with np.errstate(over="ignore"):
-        w = _words(blocks, word_bytes)
-        i = np.arange(w.shape[1], dtype=np.uint32)[None, :]
-        a = _fmix32(w ^ (i * np.uint32(POS_A)), FMIX_A, (16, 13, 16))
-        b = _fmix32(w ^ (i * np.uint32(POS_B_MUL) + np.uint32(POS_B_ADD)), FMIX_B, (16, 15, 16))
+        t = (w.reshape(len(w), -1, g).astype(np.uint64) * np.array(GROUP_MUL[:g], dtype=np.uint64)).sum(
+            axis=2, dtype=np.uint64
+        )
+        t += np.arange(t.shape[1], dtype=np.uint64) * np.uint64(POS_MUL)
+        lo = (t & _U32).astype(np.uint32)
+        y = lo ^ (t >> np.uint64(32)).astype(np.uint32)
+        a = (lo ^ (lo >> np.uint32(16))) * np.uint32(LANE_A)
+        b = (y ^ (y >> np.uint32(16))) * np.uint32(LANE_B)
         return a.sum(axis=1, dtype=np.uint32), b.sum(axis=1, dtype=np.uint32)
 
 
@@ -172,26 +159,31 @@ def finalize(lane_a, lane_b, identities, subs, num_words) -> np.ndarray:
         return np.asarray(_mix64(h ^ lanes), dtype=np.uint64).view(np.int64)
 
 
-def block_checksums(blocks: np.ndarray, word_bytes: int, identities, subs) -> np.ndarray:
+def block_checksums(blocks: np.ndarray, word_bytes: int, identities, subs, group_words: int = 1) -> np.ndarray:
     """The checksum of each block: ``blocks`` (n, bytes) uint8 in stream order, its identity and sub-block index
     (arrays of n, or scalars).
 
-    Definition (version 1). A GPU block's *word stream* is the bytes the transfer moves for it (its KV-cache group's
+    Definition (version 2). A GPU block's *word stream* is the bytes the transfer moves for it (its KV-cache group's
     segments in order, K before V, exactly what the packed host format lays side by side), read as ``W``-byte
-    little-endian unsigned words, ``W`` the kernel's element size (1, 2 or 4; the row marker records it). Word ``i``
-    (position ``i`` in the stream, ``N`` words in all) contributes to two 32-bit lanes::
+    little-endian unsigned words, ``W`` the kernel's element size (1, 2 or 4), in groups of ``G`` consecutive words,
+    ``G`` the words one access of the kernel moves (1, 2 or 4: a group is at most 16 bytes; the row marker records
+    ``W`` and ``G``). Group ``j`` (words ``w_0 .. w_{G-1}``) folds into 64 bits, then into one term per 32-bit lane::
 
-        a_i = fmix_a(w_i ^ (i * 0x9E3779B1))        b_i = fmix_b(w_i ^ (i * 0xCC9E2D51 + 0x1B873593))
+        t_j = j * POS_MUL + sum_v GROUP_MUL[v] * w_v    (mod 2**64; each product is exact)
+        lo, hi = t_j mod 2**32, t_j >> 32;   y = lo ^ hi
+        a_j = (lo ^ (lo >> 16)) * LANE_A    b_j = (y ^ (y >> 16)) * LANE_B    (mod 2**32)
 
-    (all mod 2**32), two different bijective mixers, so changing any single word always changes both terms. The lanes
-    are plain sums mod 2**32: associative and commutative, so partial sums of any tiles and programs combine to the same
-    value (integer atomics), under Triton's interpreter and on a GPU alike. The block's checksum mixes the lanes with
-    its identity (a 64-bit value naming the block: the key's hash), its sub-block index in the host block and ``N``::
+    The terms of one group are a bijection of ``(lo, hi)``, so any change of one group whose sum
+    ``sum_v GROUP_MUL[v] * delta_v`` is not 0 mod 2**64 (one word, or 1-3 flipped bits of a group: tested exhaustively)
+    changes a lane. The lanes are plain sums mod 2**32: associative and commutative, so partial sums of any tiles
+    and programs combine to the same value (integer atomics), under Triton's interpreter and on a GPU alike. The
+    block's checksum mixes the lanes with its identity (a 64-bit value naming the block: the key's hash), its
+    sub-block index in the host block and its number of words ``N``::
 
         h = mix64(identity ^ mix64(sub * 0x9E3779B97F4A7C15 ^ N * 0xC2B2AE3D27D4EB4F))
         checksum = mix64(h ^ (lane_b << 32 | lane_a))
 
     ``mix64`` is SplitMix64's finaliser (a bijection). Not cryptographic: see docs/integrity.md for what it detects.
     """
-    a, b = lane_sums(blocks, word_bytes)
+    a, b = lane_sums(blocks, word_bytes, group_words)
     return finalize(a, b, identities, subs, blocks.shape[1] // word_bytes)

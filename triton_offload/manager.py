@@ -2,7 +2,10 @@
 copy is still in flight (*storing*: not a hit, never evicted) or done (*ready*: a hit, evictable unless a load in
 flight pins it), and which key the eviction policy gives up when the cache is full. docs/design.md (section 8) states
 the rules it keeps: recency follows use, not completion; a call's first key is evicted last; reuse counts once per
-request. O(1) amortised per key and stdlib only, because it runs in the scheduler's critical path.
+request. Stdlib only, because it runs in the scheduler's critical path, and no call's cost grows with the cache: a
+block's state, key and place in the eviction order sit in arrays indexed by its id (:mod:`triton_offload.block_table`),
+keys map to blocks through a sharded table that never rebuilds more than ~1,300 keys at once, and building a manager is
+O(1) (:mod:`triton_offload.policies.slots`).
 """
 
 from __future__ import annotations
@@ -13,22 +16,17 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 from triton_offload._checks import positive_int
+from triton_offload.block_table import BlockTable
 from triton_offload.manager_types import ManagerSnapshot, ManagerStats, OffloadEvent, RequestUse, StoreAllocation
 from triton_offload.policies import EvictionPolicy, make_policy
+from triton_offload.policies.slots import CHUNK_BITS, CHUNK_MASK, SlotState
 
-__all__ = [
-    "OffloadManager",
-    "StoreAllocation",
-    "OffloadEvent",
-    "ManagerStats",
-    "ManagerSnapshot",
-    "RequestUse",
-]
+__all__ = ["OffloadManager", "StoreAllocation", "OffloadEvent", "ManagerStats", "ManagerSnapshot", "RequestUse"]
 
 logger = logging.getLogger(__name__)
 
 
-class OffloadManager:
+class OffloadManager(SlotState):
     """Host block allocation, pinning and eviction for a cache of ``num_blocks`` host blocks (per pool).
 
     Args:
@@ -55,44 +53,37 @@ class OffloadManager:
         pools: int = 1,
         pool_of: Callable[[Hashable], int] | None = None,
     ) -> None:
-        self.num_blocks = positive_int(num_blocks, "num_blocks")
+        self.num_blocks = n = positive_int(num_blocks, "num_blocks")
         self.num_pools = positive_int(pools, "pools")
         if pools > 1 and pool_of is None:
             raise ValueError(f"pools = {pools} needs pool_of, the pool of a key")
         self._pool_of = pool_of
-        self._policies: list[EvictionPolicy] = [make_policy(eviction_policy, num_blocks) for _ in range(pools)]
-        # A stack per pool: popping from the end hands out low ids first on a fresh cache, and a freed block is
-        # reused first.
-        self._frees: list[list[int]] = [list(range(num_blocks - 1, -1, -1)) for _ in range(pools)]
-        # One pool (the common case) keeps its policy and free list at hand: the per-key loops below use them
-        # directly.
-        self._policy, self._free = self._policies[0], self._frees[0]
-        self._ready: dict[Hashable, int] = {}
-        self._storing: dict[Hashable, int] = {}
-        self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always a subset of _ready
-        # Pinned keys to drop once their last load completes (their bytes failed an integrity check): see discard.
-        self._doomed: set[Hashable] = set()
+        # One table of slots for all pools (pool p's blocks are slots [p * n, (p + 1) * n)) and a policy per pool,
+        # over the whole slot range: the pages of its arrays outside its pool are never touched.
+        self._table = table = BlockTable(n, pools)
+        self._shards, self._mod, self._storing = table.shards, table.mod, table.storing
+        self._policies: list[EvictionPolicy] = [make_policy(eviction_policy, n, pools * n) for _ in range(pools)]
+        self._policy = self._policies[0]
+        self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always ready
+        self._doomed: set[Hashable] = set()  # pinned keys to drop after their last load (failed checks): discard
         self._events: list[OffloadEvent] | None = [] if enable_events else None
         self._hits = self._misses = self._stores = self._store_failures = self._evictions = 0
 
-    def _by_pool(self, keys) -> list[tuple[int, list[Hashable]]]:
-        """``keys`` split by pool, each pool's keys in call order (pools in order, those without keys left out)."""
+    def _blocks(self, slots: list[int]) -> list[int]:
+        """Slots as the block ids of their pools."""
         if self.num_pools == 1:
-            return [(0, list(keys))]
-        split: list[list[Hashable]] = [[] for _ in range(self.num_pools)]
-        pool_of = self._pool_of
-        for key in keys:
-            split[pool_of(key)].append(key)
-        return [(p, ks) for p, ks in enumerate(split) if ks]
+            return slots
+        n = self.num_blocks
+        return [slot % n for slot in slots]
 
     # -- queries -------------------------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Returns how many leading keys are ready; a key whose store is in flight ends the run like a missing one."""
-        ready = self._ready
+        shards, mod = self._shards, self._mod
         hits = 0
         for key in keys:
-            if key not in ready:
+            if key not in shards[hash(key) % mod]:
                 break
             hits += 1
         self._hits += hits
@@ -105,19 +96,25 @@ class OffloadManager:
         For callers that look keys up one at a time and must tell a pending store from a miss (vLLM's
         ``HIT_PENDING``). Changes nothing: no counter, no policy access.
         """
-        if key in self._ready:
+        if key in self._shards[hash(key) % self._mod]:
             return "ready"
         return "storing" if key in self._storing else None
+
+    def lookup_tables(self) -> tuple[list[dict], int, dict]:
+        """What :meth:`key_state` reads, for a caller looking keys up one at a time in its own loop (vLLM's adapter):
+        ``(shards, mod, storing)``; a key is ready when ``key in shards[hash(key) % mod]``, storing when ``key in
+        storing``. Changed in place, so valid as long as the manager."""
+        return self._shards, self._mod, self._storing
 
     @property
     def num_free(self) -> int:
         """Blocks holding no key (all pools)."""
-        return sum(len(free) for free in self._frees)
+        return sum(map(self._table.num_free, range(self.num_pools)))
 
     @property
     def num_cached(self) -> int:
         """Ready keys (hits); in-flight stores are not counted."""
-        return len(self._ready)
+        return len(self._table.ready)
 
     @property
     def num_storing(self) -> int:
@@ -131,7 +128,7 @@ class OffloadManager:
 
     def __len__(self) -> int:
         """Keys holding a block, ready or storing, so ``len(m) + m.num_free == m.num_blocks * m.num_pools``."""
-        return len(self._ready) + len(self._storing)
+        return len(self._table.ready) + len(self._storing)
 
     @property
     def stats(self) -> ManagerStats:
@@ -149,19 +146,19 @@ class OffloadManager:
         Raises:
             ValueError: a key is not ready (not cached, or its store is in flight). Nothing is pinned then.
         """
-        ready = self._ready
-        for key in keys:  # validate everything first so a bad call pins nothing
-            if key not in ready:
-                state = "still being stored" if key in self._storing else "not cached"
-                raise ValueError(f"cannot load key {key!r}: it is {state}")
+        shards, mod = self._shards, self._mod
+        slots = [shards[hash(key) % mod].get(key) for key in keys]
+        if None in slots:  # validate everything first so a bad call pins nothing
+            key = keys[slots.index(None)]
+            state = "still being stored" if key in self._storing else "not cached"
+            raise ValueError(f"cannot load key {key!r}: it is {state}")
         pins = self._pins
-        block_ids = []
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
-            block_ids.append(ready[key])
         # Now, not when the load completes: the request's own stores that follow must not evict what it loads.
-        self._use(keys, request)
-        return block_ids
+        pairs = dict(zip(keys, slots))
+        self._use(pairs, pairs, request)
+        return self._blocks(slots)
 
     def complete_load(self, keys: Sequence[Hashable]) -> None:
         """Unpins keys loaded by :meth:`prepare_load` (one pin per occurrence).
@@ -190,7 +187,10 @@ class OffloadManager:
         A ready key is reused (ARC moves a once-used key to T2) unless ``request`` already stored or reused it; then,
         like a key whose store is in flight, it is only made recent. Without ``request`` every ready key is reused.
         """
-        self._use(keys, request)
+        pairs, ready = self._table.resolve(keys)
+        if None in pairs.values():
+            pairs = {key: slot for key, slot in pairs.items() if slot is not None}
+        self._use(pairs, ready, request)
 
     def finish_request(self, request: RequestUse, order: Sequence[Hashable] | None = None) -> None:
         """Ends a request: every key it stored or used that is still cached becomes recent again, counting no reuse.
@@ -199,57 +199,44 @@ class OffloadManager:
         newer than anything used before; the first key of ``order`` (default: the order the request first named its
         keys) ends up the most recently used. The request's key list is emptied, so a second call does nothing.
         """
-        keys = list(request.keys) if order is None else order
-        for pool, pool_keys in self._by_pool(keys):
-            policy = self._policies[pool]
-            resident, refresh = policy.__contains__, policy.refresh
-            for key in reversed(pool_keys):
-                if resident(key):
-                    refresh(key)
+        last = request.keys
+        keys = last if order is None else dict.fromkeys(order)
+        shards, mod, storing, chunks, get = self._shards, self._mod, self._storing, self._table.chunks, last.get
+        slots = []
+        for key in keys:  # the slot it had when last named if it still holds it (no lookup), else its slot now
+            slot = get(key)
+            if slot is None or chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] != key:
+                slot = shards[hash(key) % mod].get(key, storing.get(key))
+            if slot is not None:
+                slots.append(slot)
+        self._apply(slots, (), {})
         request.keys.clear()
 
-    def _use(self, keys: Sequence[Hashable], request: RequestUse | None, new: frozenset | set = frozenset()) -> None:
-        """Applies one call's keys to the policy in reverse (module docstring); ``new`` keys are inserted.
-
-        A key named twice in one call is one use, at its first position.
-        """
-        keys = dict.fromkeys(keys)
-        if self.num_pools == 1:
-            self._use_pool(self._policy, keys, request, new)
-        else:
-            for pool, pool_keys in self._by_pool(keys):
-                self._use_pool(self._policies[pool], pool_keys, request, new)
-        if request is not None:
-            ready, storing = self._ready, self._storing
-            # dict.update keeps the first position of a key seen before: the request's prefix order.
-            request.keys.update((key, None) for key in keys if key in ready or key in storing)
-
-    def _use_pool(self, policy: EvictionPolicy, keys, request: RequestUse | None, new) -> None:
-        """:meth:`_use` on one pool's keys (distinct, in call order) and its policy."""
-        ready, storing = self._ready, self._storing
-        access, refresh, insert = policy.access, policy.refresh, policy.insert
+    def _use(self, pairs: dict, ready, request: RequestUse | None, new: dict | None = None) -> None:
+        """Applies one call's keys to the policy: ``pairs`` (distinct, in call order, each with its slot), of which
+        ``ready`` are ready and ``new`` (slot -> key) new. A ready key's use is a reuse unless ``request`` stored or
+        reused it already; the keys are applied in reverse, so the first ends up the most recent."""
         if request is None:
-            for key in reversed(keys):
-                if key in new:
-                    insert(key)
-                elif key in ready:
-                    access(key)
-                elif key in storing:
-                    refresh(key)
+            reused = ready
+        else:
+            if new:
+                request.inserted.update(new.values())
+            reused = set(ready).difference(request.inserted, request.reused)
+            request.reused |= reused
+            # dict.update keeps the first position of a key seen before: the request's prefix order.
+            request.keys.update(pairs)
+        reuse = {pairs[key] for key in reused} if reused and self._policy.counts_reuse else ()
+        self._apply(list(pairs.values()), reuse, new or {})
+
+    def _apply(self, slots: list[int], reuse, new: dict) -> None:
+        """Hands the slots of a call to their pools' policies."""
+        if self.num_pools == 1:
+            if slots:
+                self._policy.use(slots, reuse, new)
             return
-        inserted, reused = request.inserted, request.reused
-        for key in reversed(keys):
-            if key in new:
-                insert(key)
-                inserted.add(key)
-            elif key in ready:
-                if key in inserted or key in reused:
-                    refresh(key)  # the request's own block, or a reuse it already counted
-                else:
-                    access(key)
-                    reused.add(key)
-            elif key in storing:
-                refresh(key)  # not loadable yet, so not a reuse; still in use by this request
+        for policy, part in zip(self._policies, self._table.by_pool(slots)):
+            if part:
+                policy.use(part, reuse, new)
 
     # -- stores --------------------------------------------------------------------------------------------------
 
@@ -265,49 +252,78 @@ class OffloadManager:
             The decision, or None when room cannot be made for every key to store; then nothing changed (no
             eviction, no allocation, no counter).
         """
-        ready, storing = self._ready, self._storing
-        # dict.fromkeys drops repeats and keeps call order.
-        to_store = [key for key in dict.fromkeys(keys) if key not in ready and key not in storing]
-        by_pool = self._by_pool(to_store) if to_store else []
-        shortfalls = [(pool, len(pool_keys) - len(self._frees[pool])) for pool, pool_keys in by_pool]
-        victims: list[Hashable] = []
+        table = self._table
+        pairs, ready = table.resolve(keys)
+        to_store = [key for key, slot in pairs.items() if slot is None]
+        if not to_store:
+            self._use(pairs, ready, request)
+            return StoreAllocation([], [], [])
+        by_pool = [(0, to_store)] if self.num_pools == 1 else self._split(to_store)
+        shortfalls = [(pool, len(part) - table.num_free(pool)) for pool, part in by_pool]
+        victims: dict[int, tuple[list[int], list[Hashable]]] = {}
+        evicted = []
         if any(short > 0 for _, short in shortfalls):
             # Pinned keys are ready and never evictable: reject in O(1) rather than walking a cache full of them.
-            if sum(max(0, short) for _, short in shortfalls) > len(ready) - len(self._pins):
+            if sum(max(0, short) for _, short in shortfalls) > len(table.ready) - len(self._pins):
                 return None
-            pins, in_call = self._pins, set(keys)
-            # Collect first, evict after: a call that cannot be satisfied must leave everything untouched. A pool's
-            # policy holds only that pool's keys, so its victims free blocks of that pool.
-            for pool, shortfall in shortfalls:
-                if shortfall <= 0:
+            found = self._victims(shortfalls, pairs)
+            if found is None:
+                return None
+            victims, evicted = found, self._evict(found)
+        slots: dict[Hashable, int] = {}
+        for pool, part in by_pool:
+            # The victims' blocks first, the last victim first (as if freed, then taken from the free stack).
+            got = victims[pool][0][::-1] if pool in victims else []
+            if len(part) > len(got):
+                got += table.take(pool, len(part) - len(got))
+            slots.update(zip(part, got))
+        table.add(slots)
+        pairs.update(slots)
+        self._use(pairs, ready, request, new={slot: key for key, slot in slots.items()})
+        return StoreAllocation(to_store, self._blocks([slots[key] for key in to_store]), evicted)
+
+    def _split(self, keys: list[Hashable]) -> list[tuple[int, list[Hashable]]]:
+        """``keys`` by pool, each pool's keys in call order (pools in order, those without keys left out)."""
+        split: list[list[Hashable]] = [[] for _ in range(self.num_pools)]
+        pool_of = self._pool_of
+        for key in keys:
+            split[pool_of(key)].append(key)
+        return [(pool, part) for pool, part in enumerate(split) if part]
+
+    def _victims(self, shortfalls: list[tuple[int, int]], in_call: dict) -> dict | None:
+        """Each short pool's victims (``pool -> (slots, keys)``), in eviction order, or None when some pool cannot
+        give enough (nothing changed: a pool's policy holds only that pool's slots, so its victims free blocks of
+        that pool)."""
+        chunks, pins, storing = self._table.chunks, self._pins, self._storing
+        victims = {}
+        for pool, shortfall in shortfalls:
+            if shortfall <= 0:
+                continue
+            slots, keys = [], []
+            for slot in self._policies[pool].evict_candidates():
+                key = chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK]
+                if key in pins or key in in_call or key in storing:
                     continue
-                found = 0
-                for key in self._policies[pool].evict_candidates():
-                    if key in pins or key in in_call or key in storing:
-                        continue
-                    victims.append((pool, key))
-                    found += 1
-                    if found == shortfall:
-                        break
-                else:
-                    return None
-        if victims:
-            for pool, key in victims:
-                self._policies[pool].on_evict(key)
-                self._frees[pool].append(ready.pop(key))
-            victims = [key for _, key in victims]
-            self._evictions += len(victims)
-            if self._events is not None:
-                self._events.append(OffloadEvent("removed", list(victims)))
-        if self.num_pools == 1:
-            free = self._free
-            block_ids = [free.pop() for _ in to_store]
-        else:
-            pool_of, frees = self._pool_of, self._frees
-            block_ids = [frees[pool_of(key)].pop() for key in to_store]
-        storing.update(zip(to_store, block_ids))
-        self._use(keys, request, new=set(to_store))
-        return StoreAllocation(to_store, block_ids, victims)
+                slots.append(slot)
+                keys.append(key)
+                if len(slots) == shortfall:
+                    break
+            else:
+                return None
+            victims[pool] = slots, keys
+        return victims
+
+    def _evict(self, victims: dict) -> list[Hashable]:
+        """Evicts the victims; returns their keys, in eviction order. Their blocks go to the keys being stored."""
+        evicted = []
+        for pool, (slots, keys) in victims.items():
+            self._table.forget(keys)
+            self._policies[pool].evict(slots, keys)
+            evicted += keys
+        self._evictions += len(evicted)
+        if self._events is not None:
+            self._events.append(OffloadEvent("removed", list(evicted)))
+        return evicted
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> list[Hashable]:
         """Ends stores started by :meth:`prepare_store`; returns the keys it ended, in call order.
@@ -319,39 +335,42 @@ class OffloadManager:
         stop the engine.
         """
         storing = self._storing
-        unique = []
+        done: dict[Hashable, int] = {}
         for key in dict.fromkeys(keys):
-            if key in storing:
-                unique.append(key)
+            slot = storing.pop(key, None)
+            if slot is not None:
+                done[key] = slot
             else:
-                logger.debug(
-                    "complete_store of key %r ignored: it is %s",
-                    key,
-                    "already stored" if key in self._ready else "not being stored",
-                )
+                stale = "already stored" if key in self._table.ready else "not being stored"
+                logger.debug("complete_store of key %r ignored: it is %s", key, stale)
+        if not done:
+            return []
         if success:
-            ready = self._ready
-            for pool, pool_keys in self._by_pool(unique):
-                on_stored = self._policies[pool].on_stored
-                for key in pool_keys:
-                    ready[key] = storing.pop(key)
-                    on_stored(key)
-            self._stores += len(unique)
-            if self._events is not None and unique:
-                self._events.append(OffloadEvent("stored", unique))
+            n, one = self.num_blocks, self.num_pools == 1  # pool by pool, call order in each: the order reset follows
+            self._table.ready.put_many(done.items() if one else sorted(done.items(), key=lambda item: item[1] // n))
+            self._stores += len(done)
+            for pool in (0,) if one else {slot // n for slot in done.values()}:
+                self._policies[pool].stored()
+            if self._events is not None:
+                self._events.append(OffloadEvent("stored", list(done)))
         else:
-            for pool, pool_keys in self._by_pool(unique):
-                free, remove = self._frees[pool], self._policies[pool].remove
-                for key in pool_keys:
-                    free.append(storing.pop(key))
-                    remove(key)
-            self._store_failures += len(unique)
-        return unique
+            self._release(done.values())
+            self._store_failures += len(done)
+        return list(done)
+
+    def _release(self, slots) -> None:
+        """Takes slots whose keys are out of the tables out of the policy without a trace (no eviction, no ghost)
+        and frees them."""
+        for pool, part in enumerate(self._table.by_pool(list(slots))):
+            remove = self._policies[pool].remove
+            for slot in part:
+                remove(slot)
+            self._table.free(pool, part)
 
     def key_block(self, key: Hashable) -> int | None:
         """The host block of a ready or storing key, or None."""
-        block = self._ready.get(key)
-        return self._storing.get(key) if block is None else block
+        slot = self._shards[hash(key) % self._mod].get(key, self._storing.get(key))
+        return None if slot is None else slot % self.num_blocks
 
     def is_pinned(self, key: Hashable) -> bool:
         """Whether ``key`` has loads in flight."""
@@ -363,8 +382,9 @@ class OffloadManager:
         its last one completes; keys not cached (or only being stored) are ignored. Returns the keys dropped now.
         Not an eviction: removed from the policy without a ghost, reported in one ``"removed"`` event."""
         now = []
+        ready = self._table.ready
         for key in dict.fromkeys(keys):
-            if key not in self._ready:
+            if key not in ready:
                 continue
             if key in self._pins:
                 self._doomed.add(key)
@@ -374,12 +394,9 @@ class OffloadManager:
         return now
 
     def _drop(self, keys: list[Hashable]) -> None:
-        ready = self._ready
-        for pool, pool_keys in self._by_pool(keys):  # each key's block goes back to its own pool
-            free, remove = self._frees[pool], self._policies[pool].remove
-            for key in pool_keys:
-                remove(key)
-                free.append(ready.pop(key))
+        """Removes ready, unpinned keys from the cache and the policy (no eviction, no ghost) and reports them."""
+        ready = self._table.ready
+        self._release([ready.pop(key) for key in keys])
         if self._events is not None and keys:
             self._events.append(OffloadEvent("removed", list(keys)))
 
@@ -393,32 +410,34 @@ class OffloadManager:
         return events
 
     def reset(self) -> list[Hashable]:
-        """Drops every ready key that is not pinned and returns them; pinned keys and in-flight stores stay.
+        """Drops every ready key that is not pinned and returns them (in the key table's order, not the order they
+        became ready); pinned keys and in-flight stores stay. O(n).
 
         The dropped keys are removed from the policy without counting as evictions (ARC keeps no ghost of them)
         and are reported in one ``"removed"`` event when events are enabled.
         """
-        pins, ready = self._pins, self._ready
-        dropped = [key for key in ready if key not in pins]
-        for pool, pool_keys in self._by_pool(dropped):
-            free, remove = self._frees[pool], self._policies[pool].remove
-            for key in pool_keys:
-                remove(key)
-                free.append(ready.pop(key))
-        if self._events is not None and dropped:
-            self._events.append(OffloadEvent("removed", list(dropped)))
+        pins = self._pins
+        dropped = [key for key, _ in self._table.ready.items() if key not in pins]
+        self._drop(dropped)
         return dropped
+
+    def retire(self) -> list:
+        """Empties the manager (not to be used again) into its tables, to drop a few at a time off the step path
+        (dropping a full manager at once is O(n): 150 ms at 10^6 blocks); each is a shard, a key chunk or an array."""
+        return self._table.parts() + [part for policy in self._policies for part in policy.parts()]
 
     def snapshot(self) -> ManagerSnapshot:
         """The complete state as plain values (O(n)); equal snapshots mean nothing changed (dict order aside)."""
+        n, frees = self.num_blocks, self._table.free_ids()
+        key_of = self._table.keys.__getitem__
         return ManagerSnapshot(
-            ready=dict(self._ready),
-            storing=dict(self._storing),
+            ready={key: slot % n for key, slot in self._table.ready.items()},
+            storing={key: slot % n for key, slot in self._storing.items()},
             pins=dict(self._pins),
-            free_block_ids=tuple(self._free) if self.num_pools == 1 else tuple(tuple(free) for free in self._frees),
-            policy=self._policy.snapshot()
+            free_block_ids=frees[0] if self.num_pools == 1 else frees,
+            policy=self._policy.snapshot(key_of)
             if self.num_pools == 1
-            else {"pools": tuple(p.snapshot() for p in self._policies)},
+            else {"pools": tuple(p.snapshot(key_of) for p in self._policies)},
             stats=self.stats,
             pending_events=tuple(self._events or ()),
         )
@@ -427,5 +446,5 @@ class OffloadManager:
         return (
             f"OffloadManager(num_blocks={self.num_blocks}, "
             f"{f'pools={self.num_pools}, ' if self.num_pools > 1 else ''}policy={self._policy.name!r}, "
-            f"ready={len(self._ready)}, storing={len(self._storing)}, pinned={len(self._pins)}, free={self.num_free})"
+            f"ready={self.num_cached}, storing={self.num_storing}, pinned={len(self._pins)}, free={self.num_free})"
         )

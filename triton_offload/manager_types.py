@@ -94,8 +94,8 @@ class RequestUse:
     Attributes:
         inserted: keys this request's stores put into the cache: reading or offering them again is not a reuse.
         reused: keys cached by others that this request has reused (counted once).
-        keys: every key the request stored or used while it was cached, in the order first named: its prefix order
-            when the caller passes keys head first, as vLLM does.
+        keys: every key the request stored or used while it was cached, in the order first named (its prefix order
+            when the caller passes keys head first, as vLLM does), with the slot it held when last named.
     """
 
     __slots__ = ("inserted", "reused", "keys")
@@ -103,7 +103,7 @@ class RequestUse:
     def __init__(self) -> None:
         self.inserted: set[Hashable] = set()
         self.reused: set[Hashable] = set()
-        self.keys: dict[Hashable, None] = {}
+        self.keys: dict[Hashable, int] = {}
 
     def __repr__(self) -> str:
         return f"RequestUse(inserted={len(self.inserted)}, reused={len(self.reused)}, keys={len(self.keys)})"

@@ -1,135 +1,244 @@
-"""Throughput of the scheduler-side :class:`~triton_offload.manager.OffloadManager` on a large, full host cache. The
-manager runs in the serving scheduler's critical path, once per request per step, so what matters is the cost of one
-call with a request's worth of keys. Each operation is timed over ``--ops`` calls of ``--keys-per-call`` keys on a cache
-of ``--blocks`` blocks that is full before timing starts; batches are drawn at random (fixed seed) and built before the
-clock starts. CPU only: no GPU, torch or vLLM involved.
+"""The scheduler-side manager against vLLM's, through vLLM's ``OffloadingManager`` API in one process: ours
+(:class:`~triton_offload.connector.manager.TritonOffloadingManager`) and the installed vLLM's ``CPUOffloadingManager``
+with the same policy, side by side at each cache size. Three parts per size and policy: *steps*, the serving workload of
+:mod:`bench.micro.manager_workload` on a full cache (which side goes first alternates every step; per call and per step
+mean, p99 and max, and the step ratio ours / vLLM as the median over 10 segments of their sums); *stall*, a churn of
+``--churn`` x n fresh keys stored 256 per call past a full cache, each call timed (the longest single call is where a
+table rebuilding itself, or a heap compaction, shows); *memory*, the Python heap (tracemalloc) per host block after
+filling and after churning n more keys, keys aside (both sides hold the same key objects), plus the arrays ours maps
+(their full size, an upper bound), and the time to build an empty manager and to reset a full one (ours drops the old
+tables one per later store call: the longest drop too). The garbage collector is off while calls are timed (after
+``gc.freeze``), as the engine's critical path would want, and a call's time is its thread's CPU time (``--clock wall``
+for wall time), so that a shared machine's descheduling is not billed to whichever side it hits; vLLM's ``touch`` is
+never called by its scheduler, so the step sums leave it out (it is still timed). Run it once per vLLM: the vLLM it
+compares with is the one importable.
 
-    python -m bench.micro.manager                      # 1M blocks, both policies
-    python -m bench.micro.manager --policy arc --ops 20000 --json bench/results/manager.json
+    python -m bench.micro.manager --sizes 10000 100000 1000000 --json bench/results/manager-<date>-vllm0.32.json
+    .venv-vllm33/bin/python -m bench.micro.manager --sizes 10000 100000 --parts steps
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import random
+import statistics
 import time
-from collections.abc import Callable
-from pathlib import Path
+import tracemalloc
+
+import vllm
+from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from bench.common.report import print_table
 from bench.common.results import machine_info, write_json
-from triton_offload.manager import OffloadManager
+from bench.micro.manager_workload import OPS, Engine, fill, new_keys
+from triton_offload.connector.manager import TritonOffloadingManager
 
-KEY_BYTES = 32  # a sha256-sized block hash, like vLLM's
-ROW_KEYS = ("policy", "op", "calls", "keys_per_call", "seconds", "calls_per_s", "keys_per_s", "us_per_call")
-
-
-def make_key(i: int) -> bytes:
-    return i.to_bytes(KEY_BYTES, "little")
+SIDES = ("ours", "vllm")
+STEP_OPS = [op for op in OPS if op != "touch"]  # what vLLM's scheduler calls
 
 
-def timed(fn: Callable[[list], object], batches: list[list]) -> float:
-    """Seconds to call ``fn`` on every batch, after a GC so an earlier phase's garbage is not billed here."""
-    gc.collect()
-    start = time.perf_counter()
-    for batch in batches:
-        fn(batch)
-    return time.perf_counter() - start
+def make(side: str, n: int, policy: str):
+    return TritonOffloadingManager(n, policy) if side == "ours" else CPUOffloadingManager(n, cache_policy=policy)
 
 
-def bench_policy(policy: str, num_blocks: int, ops: int, per_call: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    keys = [make_key(i) for i in range(num_blocks)]
-    m = OffloadManager(num_blocks, policy)
-    rows = []
+def summary(ns: list[int]) -> dict:
+    """Mean, p99 and max of nanosecond times, in microseconds."""
+    if not ns:
+        return {"calls": 0}
+    ordered = sorted(ns)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"calls": len(ns), "mean_us": statistics.fmean(ns) / 1e3, "p99_us": p99 / 1e3, "max_us": ordered[-1] / 1e3}
 
-    def row(op: str, calls: int, keys_per_call: int, seconds: float) -> None:
-        rates = (calls / seconds, calls * keys_per_call / seconds, seconds / calls * 1e6)
-        rows.append(dict(zip(ROW_KEYS, (policy, op, calls, keys_per_call, seconds, *rates))))
 
-    def store(batch: list) -> None:
-        out = m.prepare_store(batch)
-        assert out is not None, "benchmark cache unexpectedly full of pinned or in-flight blocks"
-        m.complete_store(out.keys_to_store)
+class _GCOff:
+    """The garbage collector off, with what exists now frozen (not scanned by a later collection)."""
 
-    # Fill: stores into free blocks only. Every row after this runs on a full cache.
-    fill = [keys[i : i + per_call] for i in range(0, num_blocks, per_call)]
-    row("fill (store, free blocks)", len(fill), per_call, timed(store, fill))
-    assert m.num_free == 0 and m.num_cached == num_blocks
+    def __enter__(self):
+        gc.collect()
+        gc.freeze()
+        gc.disable()
 
-    def random_batches() -> list[list]:
-        starts = [rng.randrange(num_blocks - per_call + 1) for _ in range(ops)]
-        return [keys[s : s + per_call] for s in starts]
+    def __exit__(self, *exc):
+        gc.enable()
+        gc.unfreeze()
 
-    hits = random_batches()
-    row("lookup (all hit)", ops, per_call, timed(m.lookup, hits))
-    missing = b"never stored"
-    misses = [[missing] + batch[1:] for batch in random_batches()]
-    row("lookup (first key misses)", ops, per_call, timed(m.lookup, misses))
-    row("touch", ops, per_call, timed(m.touch, random_batches()))
 
-    def load(batch: list) -> None:
-        m.prepare_load(batch)
-        m.complete_load(batch)
+def steps(n: int, policy: str, count: int, warmup: int, seed: int, clock) -> dict:
+    """The serving workload on a full cache of ``n`` blocks: per call and per step statistics of each side."""
+    ours, theirs = make("ours", n, policy), make("vllm", n, policy)
+    keys = new_keys(0, n, tag=9)
+    fill(ours, keys)
+    fill(theirs, keys)
+    del keys
+    engine = Engine(ours, theirs, seed=seed, clock=clock)
+    for _ in range(warmup):
+        engine.step()
+    calls = {side: {op: [] for op in OPS} for side in SIDES}
+    step_ns = {side: [] for side in SIDES}
+    with _GCOff():
+        for _ in range(count):
+            out = engine.step()
+            for side, times in zip(SIDES, out):
+                for op, pairs in times.items():
+                    calls[side][op] += pairs
+                step_ns[side].append(sum(ns for op in STEP_OPS for ns, _ in times[op]))
+    segment = max(1, count // 10)
+    ratios = [
+        sum(step_ns["ours"][i : i + segment]) / sum(step_ns["vllm"][i : i + segment])
+        for i in range(0, count - segment + 1, segment)
+    ]
+    row = {"part": "steps", "blocks": n, "policy": policy, "steps": count, "step_ratio": statistics.median(ratios)}
+    for side in SIDES:
+        row[f"{side}_step"] = summary(step_ns[side])
+        for op in OPS:
+            pairs = calls[side][op]
+            keys = sum(k for _, k in pairs)
+            row[f"{side}_{op}"] = {
+                **summary([ns for ns, _ in pairs]),
+                "keys": keys,
+                "us_per_key": sum(ns for ns, _ in pairs) / keys / 1e3 if keys else None,
+            }
+    return row
 
-    row("prepare_load + complete_load", ops, per_call, timed(load, random_batches()))
-    row("prepare_store (all cached)", ops, per_call, timed(m.prepare_store, random_batches()))
 
-    # Steady state of a full cache: every new key evicts one. Timed twice: with nothing pinned, then with a
-    # request's worth of keys pinned at the eviction end, which every eviction then has to walk past (as while
-    # loads of the coldest blocks are in flight).
-    fresh = [[make_key(num_blocks + i * per_call + j) for j in range(per_call)] for i in range(2 * ops)]
-    row("store with eviction", ops, per_call, timed(store, fresh[:ops]))
-    pol = m.snapshot().policy  # O(n) once, untimed; ARC evicts from T1 while |T1| > p
-    eviction_end = pol["order"] if policy == "lru" else pol["t1"] if len(pol["t1"]) > pol["p"] else pol["t2"]
-    pinned = list(eviction_end[:per_call])
-    m.prepare_load(pinned)
-    row(f"store with eviction, {len(pinned)} pinned", ops, per_call, timed(store, fresh[ops:]))
-    assert all(m.lookup([key]) for key in pinned), "a pinned key was evicted"
-    m.complete_load(pinned)
-    assert m.stats.evictions == 2 * ops * per_call, m.stats
-    return rows
+def stall(n: int, policy: str, churn: float, clock, batch: int = 256) -> dict:
+    """Fresh keys stored ``batch`` per call, ``churn`` x n of them past a full cache, every call of each side timed."""
+    sides = [make(side, n, policy) for side in SIDES]
+    for m in sides:
+        fill(m, new_keys(0, n, tag=8))
+    times = {side: {"prepare_store": [], "complete_store": []} for side in SIDES}
+    with _GCOff():
+        for i, start in enumerate(range(n, n + int(churn * n), batch)):
+            keys = new_keys(start, batch, tag=8)
+            for s in (0, 1) if i % 2 == 0 else (1, 0):
+                m, rc, out = sides[s], ReqContext(req_id="s"), times[SIDES[s]]
+                t0 = clock()
+                res = m.prepare_store(keys, rc)
+                t1 = clock()
+                m.complete_store(set(res.keys_to_store), rc)
+                t2 = clock()
+                out["prepare_store"].append(t1 - t0)
+                out["complete_store"].append(t2 - t1)
+    row = {"part": "stall", "blocks": n, "policy": policy, "stored": int(churn * n), "batch": batch}
+    for side in SIDES:
+        for op, ns in times[side].items():
+            row[f"{side}_{op}"] = summary(ns)
+        row[f"{side}_max_call_ms"] = max(max(ns) for ns in times[side].values()) / 1e6
+    return row
+
+
+def _mapped_bytes(manager) -> int:
+    """The bytes of the arrays our manager maps (zero pages until touched; all of them touched here, at worst)."""
+    inner = manager._manager
+    holders = [inner._table, *inner._policies]
+    total = 0
+    for obj in holders:
+        for value in vars(obj).values():
+            for view in value if isinstance(value, list) else [value]:
+                total += view.nbytes if isinstance(view, memoryview) else 0
+    return total
+
+
+def memory(n: int, policy: str) -> dict:
+    """Heap per block after filling and after churning n more keys (tracemalloc; the keys made before it starts);
+    construction and reset times."""
+    row = {"part": "memory", "blocks": n, "policy": policy}
+    keys = new_keys(0, 2 * n, tag=7)
+    for side in SIDES:
+        gc.collect()
+        objects = len(gc.get_objects())
+        t0 = time.perf_counter()
+        m = make(side, n, policy)
+        row[f"{side}_build_ms"] = (time.perf_counter() - t0) * 1e3
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        fill(m, keys[:n], batch=256)
+        row[f"{side}_filled_B_per_block"] = (tracemalloc.get_traced_memory()[0] - base) / n
+        fill(m, keys[n:], batch=256)
+        row[f"{side}_steady_B_per_block"] = (tracemalloc.get_traced_memory()[0] - base) / n
+        tracemalloc.stop()
+        if side == "ours":
+            row["ours_mapped_B_per_block"] = _mapped_bytes(m) / n
+        row[f"{side}_gc_objects_per_block"] = (len(gc.get_objects()) - objects) / n  # what every full GC walks
+        t0 = time.perf_counter()
+        m.reset_cache()
+        row[f"{side}_reset_full_ms"] = (time.perf_counter() - t0) * 1e3
+        if side == "ours":  # the old tables, dropped one per later store call: the longest drop
+            worst = 0.0
+            while m._retired:
+                t0 = time.perf_counter()
+                m._retired.pop()
+                worst = max(worst, time.perf_counter() - t0)
+            row["ours_reset_drop_max_ms"] = worst * 1e3
+        del m
+    return row
+
+
+def _print(rows: list[dict]) -> None:
+    table = []
+    for r in rows:
+        if r["part"] == "steps":
+            o, v = r["ours_step"], r["vllm_step"]
+            table.append([r["policy"], f"{r['blocks']:,}", "step", f"{o['mean_us']:.0f} / {v['mean_us']:.0f}",
+                          f"{o['p99_us']:.0f} / {v['p99_us']:.0f}", f"{o['max_us']:.0f} / {v['max_us']:.0f}",
+                          f"{r['step_ratio']:.2f}"])  # fmt: skip
+        elif r["part"] == "stall":
+            o, v = r["ours_prepare_store"], r["vllm_prepare_store"]
+            table.append([r["policy"], f"{r['blocks']:,}", "store 256 (churn)",
+                          f"{o['mean_us']:.0f} / {v['mean_us']:.0f}",
+                          f"{o['p99_us']:.0f} / {v['p99_us']:.0f}",
+                          f"{r['ours_max_call_ms'] * 1e3:.0f} / {r['vllm_max_call_ms'] * 1e3:.0f}", ""])  # fmt: skip
+        else:
+            ours = r["ours_steady_B_per_block"] + r["ours_mapped_B_per_block"]
+            table.append([r["policy"], f"{r['blocks']:,}", "B/block filled, steady",
+                          f"{r['ours_filled_B_per_block'] + r['ours_mapped_B_per_block']:.0f} / "
+                          f"{r['vllm_filled_B_per_block']:.0f}", f"{ours:.0f} / {r['vllm_steady_B_per_block']:.0f}",
+                          f"build {r['ours_build_ms']:.1f} / {r['vllm_build_ms']:.1f} ms", ""])  # fmt: skip
+    print_table(
+        f"ours / vLLM {vllm.__version__} (us unless said)",
+        ["policy", "blocks", "what", "mean", "p99", "max", "ratio"],
+        table,
+        note="step ratio: median over 10 segments of sum(ours) / sum(vLLM); memory: keys aside, ours with its arrays",
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=1_000_000, help="host blocks, all cached before timing")
-    parser.add_argument("--ops", type=int, default=50_000, help="timed calls per operation")
-    parser.add_argument("--keys-per-call", type=int, default=16, help="keys per call (a request's new blocks)")
-    parser.add_argument("--policy", choices=["lru", "arc", "both"], default="both")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000], help="host blocks")
+    parser.add_argument("--policies", nargs="+", choices=["lru", "arc"], default=["lru", "arc"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=["steps", "stall", "memory"], default=["steps", "stall", "memory"]
+    )
+    parser.add_argument("--steps", type=int, default=1500, help="timed engine steps")
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--churn", type=float, default=1.5, help="stall part: keys stored past a full cache, x n")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write the rows here as JSON")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="the thread's CPU time, or wall time")
+    parser.add_argument("--json", help="write the rows here (rewritten after every row)")
     args = parser.parse_args()
-    if args.blocks < args.keys_per_call or args.ops < 1 or args.keys_per_call < 1:
-        parser.error(
-            f"need blocks >= keys-per-call >= 1 and ops >= 1, got {args.blocks}, {args.keys_per_call}, {args.ops}"
-        )
-
-    machine = machine_info()
-    print(f"# OffloadManager throughput: {args.blocks:,} blocks, {args.ops:,} calls x {args.keys_per_call} keys")
-    print(f"# {machine['cpu']} ({machine['cores']} cores), {machine['implementation']} {machine['python']}")
-    policies = ["lru", "arc"] if args.policy == "both" else [args.policy]
-    rows = []
+    doc = {"benchmark": "manager", "mode": "cpu", "complete": False, **machine_info(), "vllm": vllm.__version__}
+    doc.update(args=vars(args), rows=[])
+    clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     wall = time.perf_counter()
-    for policy in policies:
-        rows += bench_policy(policy, args.blocks, args.ops, args.keys_per_call, args.seed)
-        gc.collect()
-    wall = time.perf_counter() - wall
-
-    print_table(
-        "OffloadManager throughput",
-        ["policy", "operation", "calls/s", "keys/s", "us/call"],
-        [[r["policy"], r["op"], f"{r['calls_per_s']:,.0f}", f"{r['keys_per_s']:,.0f}", f"{r['us_per_call']:.2f}"]
-         for r in rows],
-        note="keys/s counts the keys passed in; a lookup that misses on the first key examines only that one.",
-    )  # fmt: skip
-    print(f"# total {wall:.1f} s")
-
+    for n in args.sizes:
+        for policy in args.policies:
+            for part in args.parts:
+                t0 = time.perf_counter()
+                if part == "steps":
+                    row = steps(n, policy, args.steps, args.warmup, args.seed, clock)
+                else:
+                    row = stall(n, policy, args.churn, clock) if part == "stall" else memory(n, policy)
+                row["seconds"] = time.perf_counter() - t0
+                doc["rows"].append(row)
+                print(f"# {part} {policy} {n:,}: {row['seconds']:.0f} s", flush=True)
+                if args.json:
+                    write_json(args.json, doc)
+    _print(doc["rows"])
+    print(f"# total {time.perf_counter() - wall:.0f} s")
     if args.json:
-        doc = {"benchmark": "manager", "mode": "cpu", "complete": True, **machine, "args": vars(args), "rows": rows}
+        doc["complete"] = True
         write_json(args.json, doc)
-        print(f"# wrote {len(rows)} rows to {args.json}")
 
 
 if __name__ == "__main__":

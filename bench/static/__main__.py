@@ -18,10 +18,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no table")
     ap.add_argument("--compare", type=pathlib.Path, nargs="+", metavar="RESULTS",
                     help="the model against these transfer-benchmark JSONs (with --static REPORT)")  # fmt: skip
-    ap.add_argument("--static", type=pathlib.Path, help="a bench.static report (for --compare)")
+    ap.add_argument("--static", type=pathlib.Path, help="a bench.static report (for --compare, --defaults)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="the model's fraction of the peak at 4 programs, per workload (with --static)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.compare:
         return _compare(args)
+    if args.defaults:
+        return _defaults(args)
     if args.merge:
         doc = report.merge([json.loads(p.read_text()) for p in args.merge])
     else:
@@ -31,6 +35,21 @@ def main(argv=None) -> int:
         write_json(args.json, doc)
     if not args.quiet:
         report.table(doc)
+    return 0
+
+
+def _defaults(args) -> int:
+    from bench.static.compare import at_defaults, static_rows
+
+    if args.static is None:
+        raise SystemExit("--defaults needs --static REPORT")
+    rows = at_defaults(static_rows(json.loads(args.static.read_text()), "sm_90", "3.6.0"))
+    print(f"{'workload':<16} {'layout':<12} {'dir':<6} {'blocks':>6} {'at 4':>5} {'bound':<12} programs for 0.95")
+    for r in rows:
+        print(f"{r['workload']:<16} {r['layout']:<12} {r['direction']:<6} {r['blocks']:>6} {r['at_4']:>5.2f} "
+              f"{r['bound_at_4']:<12} {r['programs_for_0.95']}")  # fmt: skip
+    if args.json:
+        write_json(args.json, {"static": str(args.static), "rows": rows})
     return 0
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from bench.static.model import H100, Link, predict
 
-__all__ = ["static_rows", "predictions", "describe"]
+__all__ = ["static_rows", "predictions", "describe", "at_defaults"]
 
 _WORKLOAD_LAYERS = {"llama3-8b": 32, "llama3-70b-tp8": 80, "deepseek-v3-mla": 61, "small-page": 32}
 
@@ -71,3 +71,25 @@ def describe(preds: list[dict]) -> dict:
     return {"all": stats(preds) if preds else None,
             "by_workload": {f"{w}/{d}": stats(ps) for (w, d), ps in sorted(groups.items())},
             "off_by_more_than_0.15": [p for p in preds if abs(p["error"]) > 0.15]}  # fmt: skip
+
+
+def at_defaults(static: dict[str, dict], peak_gbps: float = 52.0, link: Link = H100) -> list[dict]:
+    """Per workload, layout and direction, at 128 and 1024 blocks: the predicted fraction of a ``peak_gbps``
+    contiguous peak at the default programs (4), and the fewest programs (of 1 to 32) predicted to reach 0.95."""
+    out = []
+    for workload, layers in _WORKLOAD_LAYERS.items():
+        for vid, row in sorted(static.items()):
+            page, direction, groups, mode = vid.split("/")
+            if not page.startswith(workload + ".") or groups != "1group" or mode != "plain":
+                continue
+            layout = page.split(".", 1)[1]
+            for blocks in (128, 1024):
+                kw = dict(direction=direction, layout=layout, num_layers=layers, blocks=blocks,
+                          segment_bytes=row["segment_bytes"], peak_gbps=peak_gbps, link=link)  # fmt: skip
+                at4 = predict(row, num_ctas=4, **kw)
+                enough = next((n for n in range(1, 33) if predict(row, num_ctas=n, **kw)["fraction_of_peak"] >= 0.95),
+                              None)  # fmt: skip
+                out.append({"workload": workload, "layout": layout, "direction": direction, "blocks": blocks,
+                            "at_4": at4["fraction_of_peak"], "bound_at_4": at4["bound"],
+                            "programs_for_0.95": enough})  # fmt: skip
+    return out

@@ -154,8 +154,11 @@ def analyse(sass_text: str, width: int, n_chunks: int, copy: bool = True) -> dic
     if outer is not None:
         outer_only = (outer[1] - outer[0] + 1) - len(body)
         per_tile = outer_only + len(body) * n_chunks
+        tile_code = code[outer[0] : outer[1] + 1]
         tile = {"instructions_outside_inner": outer_only, "instructions_per_16B": (
-            round(per_tile * 16 / (loop_bytes * n_chunks), 2) if loop_bytes else None)}  # fmt: skip
+            round(per_tile * 16 / (loop_bytes * n_chunks), 2) if loop_bytes else None),
+            "barriers": _counts(tile_code, BARRIERS), "fences": _counts(tile_code, FENCES),
+            "atomics": _counts(tile_code, ATOMICS)}  # fmt: skip
     inside = set(range(inner[0], inner[1] + 1))
     rest = [i for k, i in enumerate(code) if k not in inside]
     return out | {

@@ -1,7 +1,8 @@
 """The copy kernel's variants as the launcher picks them: per page class (the benchmark's workloads, and pages whose
 addresses allow only 4-, 2- or 1-byte accesses) the :class:`~triton_offload.kernels.shapes.LaunchConfig` a
 :class:`~triton_offload.issuers.launcher.CopyLauncher` derives for each direction, times one KV-cache group or
-several, times the integrity modes (off, checked and copied, checksum only)."""
+several, times the integrity modes (off, checked and copied, checksum only; the checked launches have a shape of
+their own)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import triton_offload as to
+from triton_offload.checksums import Checksums
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels.shapes import LaunchConfig
 from triton_offload.plan import Direction
@@ -93,11 +95,12 @@ def variants(pages=PAGES, modes=MODES) -> list[Variant]:
         for grouped in (False, True):
             spec = page_spec(layout, page, dtype, grouped)
             host = torch.zeros((2, spec.host_block_bytes(1)), dtype=torch.uint8)
-            launcher = CopyLauncher(spec, host, 1)
+            checks = Checksums.allocate("verify", 2, 1, pin=False, regions=spec.num_regions)
+            launchers = {False: CopyLauncher(spec, host, 1), True: CopyLauncher(spec, host, 1, checksums=checks)}
             seg = max(s.nbytes for s in spec.segments)
             for d in Direction:
-                cfg = launcher.config(d)
-                assert cfg.elem * cfg.vec == width, (name, cfg)
-                for mode, _, _ in modes:
+                for mode, integrity, _ in modes:
+                    cfg = launchers[integrity].config(d)
+                    assert cfg.elem * cfg.vec == width, (name, cfg)
                     out.append(Variant(name, layout, seg, width, str(d), grouped, mode, cfg))
     return out

@@ -35,7 +35,10 @@ def test_the_copy_loop_and_its_numbers_are_read_from_sass():
     assert loop["inflight_bytes_per_warp"] == 32 * 32
     # The tile loop (0x10-0xb0) adds six instructions around four trips of the inner one.
     per_16b = round((6 + 4 * 5) * 16 / (4 * 32), 2)
-    assert out["tile_loop"] == {"instructions_outside_inner": 6, "instructions_per_16B": per_16b}
+    # Its synchronisation (the barrier and the atomic at 0x90-0xa0) is counted as the tile loop's too.
+    assert out["tile_loop"] == {
+        "instructions_outside_inner": 6, "instructions_per_16B": per_16b, "barriers": {"BAR.SYNC.DEFER_BLOCKING": 1},
+        "fences": {}, "atomics": {"ATOMG.E.ADD.64.STRONG.GPU": 1}}  # fmt: skip
     assert out["outside_loop"]["barriers"] == {"BAR.SYNC.DEFER_BLOCKING": 1}
     assert out["outside_loop"]["atomics"] == {"ATOMG.E.ADD.64.STRONG.GPU": 1}
     assert out["spill_stores"] == 1 and out["global_accesses"]["LDG.E.128"] == 2
@@ -85,3 +88,31 @@ def test_the_model_takes_the_slower_bound_and_caps_at_the_peak():
     # 16 blocks of 64 rows each fill 16 tiles: more programs than that do not run.
     few = dict(kw, blocks=16)
     assert model.predict(cheap, num_ctas=32, **few)["programs"] == 16
+
+
+def test_the_gpu_summary_puts_the_model_beside_each_kernel_case(tmp_path):
+    """tools/gpu/summary.py: a transfer stage's kernel rows, each with the model's prediction from the newest static
+    report committed beside the results (the run's Triton; sm_90 off a B200)."""
+    import json
+
+    from tools.gpu import summary
+
+    row = {**_static(20, 100), "variant": "small-page.kv_first/load/1group/plain", "arch": "sm_90",
+           "segment_bytes": 1024, "triton": "3.6.0"}  # fmt: skip
+    (tmp_path / "static-aaaa-2026-11-01.json").write_text(json.dumps({"rows": [{**row, "triton": "3.5.0"}]}))
+    (tmp_path / "static-bbbb-2026-11-28.json").write_text(json.dumps({"rows": [row]}))
+    case = dict(workload="small-page", layout="kv_first", page_bytes=2048, blocks=128, blocks_per_host_block=1,
+                skip=0, direction="load", num_layers=32)  # fmt: skip
+    doc = {"mode": "gpu", "device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "rows": [
+        {**case, "method": "peak", "gbps": 50.0},
+        {**case, "method": "triton", "num_ctas": 4, "gbps": 40.0},
+        {**case, "method": "memcpy_batch", "gbps": 20.0},
+    ]}  # fmt: skip
+    fig = summary.model_figures(doc, tmp_path)
+    assert fig["static"] == "static-bbbb-2026-11-28.json" and fig["arch"] == "sm_90"
+    (only,) = fig["cases"]
+    assert only["measured"] == 0.8 and only["method"] == "triton" and only["num_ctas"] == 4
+    expect = model.predict(row, direction="load", layout="kv_first", num_layers=32, blocks=128, segment_bytes=1024,
+                           num_ctas=4, peak_gbps=50.0)["fraction_of_peak"]  # fmt: skip
+    assert only["predicted"] == expect and only["error"] == round(expect - 0.8, 3)
+    assert summary.model_figures(doc, tmp_path / "nothing") == {"error": "no static report committed (./dev static)"}

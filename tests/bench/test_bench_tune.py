@@ -80,8 +80,8 @@ def test_a_variant_that_moves_wrong_bytes_is_reported_and_not_timed(mods, monkey
     env = Env(torch.device("cpu"), None, "none")
     real = shapes.launch_config
 
-    def broken(spec, width, tuning):  # the 16-byte tile (two chunks per 32-byte segment) drops the last chunk
-        cfg = real(spec, width, tuning)
+    def broken(spec, width, tuning, checked=False):  # the 16-byte tile (two chunks per 32-byte segment) drops one
+        cfg = real(spec, width, tuning, checked)
         if tuning.tile_bytes == 16:
             assert cfg.n_chunks == 2, cfg
             return shapes.LaunchConfig(cfg.elem, cfg.vec, cfg.rows, cfg.chunk, cfg.n_chunks - 1, cfg.num_warps)

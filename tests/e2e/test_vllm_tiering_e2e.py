@@ -39,12 +39,13 @@ def a_then_b(
     model: pathlib.Path, root: pathlib.Path, block_size: int, writer: str, numa_node: str | int | None = None
 ) -> tuple[dict, dict]:
     chunks = 192 // block_size
-    ours = [] if numa_node is None else ["--extra", json.dumps({"numa_node": numa_node})]
-    a = run_engine(
-        model, root, block_size, "--spec", writer, "--wait-stored", str(chunks), *(ours * (writer == "ours"))
-    )
+    ours = {} if numa_node is None else {"numa_node": numa_node}
+    a_args = ["--extra", json.dumps(ours)] if writer == "ours" else []
+    a = run_engine(model, root, block_size, "--spec", writer, "--wait-stored", str(chunks), *a_args)
     assert len(a["stored"][0]) == chunks, f"A's chunks did not all reach the fs tier: {a['stored'][0]}"
-    b = run_engine(model, root, block_size, *ours, env=vllm_harness.KEEP_WORKER_TOTALS)  # test_b_... reads its totals
+    # vLLM's own spec names its files without our configuration fingerprint: B shares them by turning it off.
+    b_extra = {**ours, **({"config_fingerprint": "off"} if writer == "native" else {})}
+    b = run_engine(model, root, block_size, "--extra", json.dumps(b_extra), env=vllm_harness.KEEP_WORKER_TOTALS)
     return a, b
 
 
@@ -79,6 +80,17 @@ def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
     assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:fs}"] == 192 // a["block_size"]
     assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
     assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * b['block_bytes']}" in b["log"]
+
+
+def test_every_process_of_both_engines_logs_one_configuration_fingerprint(pair):
+    """Computed in each process from vLLM's config (B's scheduler and worker are processes of their own): the same
+    digest in every process of both runs, which is what lets B find A's files."""
+    name, a, b, _ = pair
+    if name.startswith("native"):
+        assert "config_fingerprint = 'off': the tiers' namespace is vLLM's alone" in b["log"]
+        return
+    digests = re.findall(r"triton-offload configuration fingerprint ([0-9a-f]{16}): model=", a["log"] + b["log"])
+    assert len(digests) >= 3 and len(set(digests)) == 1, digests
 
 
 def test_worker_says_where_its_slots_are(pair):
@@ -129,3 +141,58 @@ def test_missing_root_dir_stops_the_engine_at_startup_naming_the_key(tiny_model,
     assert out["returncode"] != 0
     assert "kv_connector_extra_config['secondary_tiers'][0] (type 'fs') needs 'root_dir'" in out["log"]
     assert not region_files(out["log"]), "nothing may be allocated for a refused config"
+
+
+# The configuration fingerprint (issue 62; docs/tiering.md): after ours-f1's A (writer) and B (the same
+# configuration: a hit), engines that change one thing read A's files; one driver process runs them one after the other
+# (vLLM's in-process engine; tests/e2e/vllm_tiering_driver.py --variants), each on the same model path: config.json is
+# changed in place as a deployment edits it, and put back after. "off" writes under vLLM's namespace alone, and
+# "off-rope" then shows what the fingerprint prevents (the other RoPE's KV loaded, and another answer than its own),
+# and that these in-process engines do load what they find.
+STALE_ROPE = {"rope_parameters": {"rope_theta": 100.0}}  # the tiny Llama's is 10000
+VARIANTS = [
+    {"name": "rope", "config": STALE_ROPE},
+    {"name": "kv_dtype", "engine": {"kv_cache_dtype": "bfloat16"}},
+    {"name": "block_size", "engine": {"block_size": 64}, "extra": {"block_size": 64}},
+    {"name": "off", "extra": {"config_fingerprint": "off"}, "wait_stored": 6},
+    {"name": "off-rope", "config": STALE_ROPE, "extra": {"config_fingerprint": "off"}},
+]
+
+
+@pytest.fixture(scope="module")
+def variants(pair, tiny_model):
+    name, a, _, shared = pair
+    assert name == "ours-f1"
+    out = run_engine(
+        tiny_model,
+        shared / "kv" / "cache",
+        32,
+        "--variants",
+        json.dumps(VARIANTS),
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    (a_out,) = a["requests"]
+    return a_out, {v["name"]: v["requests"][0] for v in out["variants"]}, out["log"]
+
+
+@pytest.mark.parametrize("pair", ["ours-f1"], indirect=True)
+@pytest.mark.parametrize("changed", ["rope", "kv_dtype", "block_size"])
+def test_a_block_of_another_configuration_is_never_loaded(variants, changed):
+    """The issue's case (rope_theta changed in config.json, same weights, same path), another KV-cache dtype and
+    another block size: nothing of A's is loaded, so the engine answers as it does cold. (The same configuration
+    hits: B above.)"""
+    _, runs, _ = variants
+    assert runs[changed]["cached"] == 0, f"{changed}: {runs[changed]['cached']} tokens of another configuration loaded"
+
+
+@pytest.mark.parametrize("pair", ["ours-f1"], indirect=True)
+def test_without_the_fingerprint_the_stale_kv_is_loaded_and_changes_the_answer(variants):
+    """config_fingerprint = 'off' (vLLM's namespace alone, warned of): the engine with the other RoPE loads the
+    blocks written under the first (192 cached tokens) and answers otherwise than cold: the bug the fingerprint
+    prevents, so the misses above are its doing."""
+    a, runs, log = variants
+    assert runs["rope"]["tokens"] != a["tokens"], "the RoPE change must change the answer"
+    assert runs["off"]["cached"] == 0 and runs["off-rope"]["cached"] == 192
+    assert runs["off-rope"]["tokens"] != runs["rope"]["tokens"], "stale KV loaded, yet the engine's own answer"
+    assert "config_fingerprint = 'off': the tiers' namespace is vLLM's alone" in log
+    assert '"rope_theta":100.0' in log, "the fingerprint logged at startup shows the changed field"

@@ -21,7 +21,9 @@ through its region views (tests/e2e/vllm_native_tiering.py). A real model's fold
 tokens (and the real model's text), the cached tokens vLLM reports, its finish reason and the seconds it took; the
 model's KV bytes per GPU block; the chunks each tier holds (fs:
 files, obj: objects; null for others), the labelled cache-hit metrics (and the integrity checks' counters) and the
-``/dev/shm`` files the engine's processes use.
+``/dev/shm`` files the engine's processes use. ``--variants`` runs several engines one after the other in this process
+(vLLM's in-process engine), each with its own changes to the model's config.json (made in place, undone after it), to
+the engine's arguments and to the extra config, and prints their requests under ``"variants"``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,111 @@ def scramble_region(llm) -> int:
     return int(rows.shape[0])
 
 
+def engine(args, extra: dict, **overrides):
+    """The engine over ``args.model`` with ``extra`` as its ``kv_connector_extra_config`` (``overrides``: more
+    arguments of ``tiny_llm``)."""
+    if args.connector == "OffloadingConnector" and args.policy is None:
+        return tiny_llm(args.model, extra, **overrides)
+    from vllm.config import KVTransferConfig
+
+    policy = {} if args.policy is None else {"kv_load_failure_policy": args.policy}
+    transfer = KVTransferConfig(
+        kv_connector=args.connector, kv_role="kv_both", kv_connector_extra_config=extra, **policy
+    )
+    return tiny_llm(args.model, None, kv_transfer_config=transfer, **overrides)
+
+
+def serve(llm, requests: list[dict], model: str) -> list[dict]:
+    """Serves each request one after the other: its greedy tokens (and a real model's text), cached tokens, finish
+    reason and time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    served = []
+    for request in requests:
+        extra_args = {"kv_transfer_params": request["kv_transfer_params"]} if "kv_transfer_params" in request else None
+        params = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=is_real(model), extra_args=extra_args
+        )
+        t = time.monotonic()  # CLOCK_MONOTONIC: comparable with other processes' on this machine
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(model, request["prompt"]))], params, use_tqdm=False)
+        served.append(
+            {
+                "prompt": request["prompt"],
+                **output(out[0]),
+                "seconds": round(time.monotonic() - t, 2),
+                "span": [t, time.monotonic()],
+            }
+        )
+    return served
+
+
+def wait_stored(llm, tiers: list[dict], chunks: int) -> None:
+    """Stores reach the CPU tier, then cascade to the secondary tiers, as the engine steps: keeps it stepping with
+    prompts too short to fill a block (so they store nothing) until each fs or obj tier holds ``chunks`` chunks."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tick = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    deadline = time.monotonic() + 60
+
+    def waiting() -> bool:
+        return any(len(held) < chunks for held in map(stored_chunks, tiers) if held is not None)
+
+    while waiting() and time.monotonic() < deadline:
+        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)
+        time.sleep(0.05)
+
+
+def read_metrics(llm) -> dict:
+    """The labelled cache-hit metrics, vLLM's tiering metrics and the integrity checks' counters."""
+    metrics = {}
+    wanted = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_tiering_", "vllm:external_prefix_cache_hits",
+              "vllm:triton_offload_integrity_")  # fmt: skip
+    for m in llm.get_metrics():
+        if m.name.startswith(wanted) and hasattr(m, "value"):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
+            metrics[f"{m.name}{{{labels}}}" if labels else m.name] = m.value
+    return metrics
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    return {**base, **{k: _merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in patch.items()}}
+
+
+def variant(args, extra: dict, spec: dict, tiers: list[dict]) -> dict:
+    """One engine of ``--variants``, in this process: ``spec["config"]`` merged into the model's config.json (in
+    place: the model keeps its path, part of the tiers' namespace) until the engine is shut down, ``spec["engine"]``
+    passed to ``tiny_llm``, ``spec["extra"]`` merged into the extra config; serves ``args.requests``, then waits for
+    ``spec["wait_stored"]`` chunks."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise SystemExit("--variants needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the in-process engine)")
+    path = os.path.join(args.model, "config.json")
+    with open(path) as f:
+        original = f.read()
+    try:
+        with open(path, "w") as f:
+            json.dump(_merge(json.loads(original), spec.get("config", {})), f, indent=2)
+        t0 = time.perf_counter()
+        llm = engine(args, {**extra, **spec.get("extra", {})}, **spec.get("engine", {}))
+        served = serve(llm, json.loads(args.requests), args.model)
+        wait_stored(llm, tiers, spec.get("wait_stored", 0))
+        result = {"name": spec["name"], "requests": served, "stored": [stored_chunks(t) for t in tiers]}
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        return result
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory; its path is part of the tiers' namespace")
@@ -117,6 +224,11 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-until", help="after printing the result, keep the engine up until this file exists")
     ap.add_argument("--serve-timeout", type=float, default=300, help="bound on --serve-until, seconds")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
+    ap.add_argument(
+        "--variants",
+        help="JSON list of engines run one after the other in this process (in-process engine): {'name': ..., "
+        "'config': config.json changes, 'engine': tiny_llm arguments, 'extra': extra config, 'wait_stored': n}",
+    )
     ap.add_argument("--umask", help="octal umask for the engine and its processes, e.g. 022 (default: inherited)")
     ap.add_argument("--connector", default="OffloadingConnector", help="kv_connector (TritonOffloadingConnector)")
     ap.add_argument("--policy", choices=["recompute", "fail"], help="kv_load_failure_policy (default: vLLM's)")
@@ -130,8 +242,6 @@ def main(argv=None) -> int:
     dump_stacks_on_request()  # a producer that stops answering its peers says where it is (Background.state)
     if args.umask is not None:
         os.umask(int(args.umask, 8))  # before vLLM starts: its processes inherit it
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     if (args.root is None) == (args.tiers is None):
         ap.error("give --root or --tiers")
@@ -148,53 +258,15 @@ def main(argv=None) -> int:
         "secondary_tiers": tiers,
         **json.loads(args.extra),
     }
+    if args.variants:
+        print_result(TIERING_RESULT, {"variants": [variant(args, extra, v, tiers) for v in json.loads(args.variants)]})
+        return 0
     t0 = time.perf_counter()
-    if args.connector == "OffloadingConnector" and args.policy is None:
-        llm = tiny_llm(args.model, extra)
-    else:
-        from vllm.config import KVTransferConfig
-
-        policy = {} if args.policy is None else {"kv_load_failure_policy": args.policy}
-        transfer = KVTransferConfig(
-            kv_connector=args.connector, kv_role="kv_both", kv_connector_extra_config=extra, **policy
-        )
-        llm = tiny_llm(args.model, None, kv_transfer_config=transfer)
+    llm = engine(args, extra)
     t_start = time.perf_counter()
-    served = []
-    for request in json.loads(args.requests):
-        extra_args = {"kv_transfer_params": request["kv_transfer_params"]} if "kv_transfer_params" in request else None
-        params = SamplingParams(
-            temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=is_real(args.model), extra_args=extra_args
-        )
-        ids = prompt(args.model, request["prompt"])
-        t = time.monotonic()  # CLOCK_MONOTONIC: comparable with other processes' on this machine
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-        served.append(
-            {
-                "prompt": request["prompt"],
-                **output(out),
-                "seconds": round(time.monotonic() - t, 2),
-                "span": [t, time.monotonic()],
-            }
-        )
-    # Stores reach the CPU tier, then cascade to the secondary tiers, as the engine steps: keep it stepping with
-    # prompts too short to fill a block (so they store nothing) until the chunks are there.
-    tick = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    deadline = time.monotonic() + 60
-
-    def waiting() -> bool:
-        return any(len(held) < args.wait_stored for held in map(stored_chunks, tiers) if held is not None)
-
-    while waiting() and time.monotonic() < deadline:
-        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)
-        time.sleep(0.05)
-    metrics = {}
-    wanted = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_tiering_", "vllm:external_prefix_cache_hits",
-              "vllm:triton_offload_integrity_")  # fmt: skip
-    for m in llm.get_metrics():
-        if m.name.startswith(wanted) and hasattr(m, "value"):
-            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
-            metrics[f"{m.name}{{{labels}}}" if labels else m.name] = m.value
+    served = serve(llm, json.loads(args.requests), args.model)
+    wait_stored(llm, tiers, args.wait_stored)
+    metrics = read_metrics(llm)
     result = {
         "spec": args.spec,
         "block_size": args.block_size,

@@ -303,7 +303,7 @@ def test_tiering_worker_slots_reserve_every_group_and_packed_rows_do_not():
         slots, packed = _tiering(kv, "worker_slots"), _tiering(kv, "packed")
         assert (slots.num_chunks, packed.num_chunks) == (slots_keys, packed_keys), name
         assert packed.num_chunks * packed.kv_bytes_per_chunk >= 0.95 * BUDGET
-        assert packed.config.model.name == "tiny" + PACKED_NAMESPACE
+        assert packed.config.model.name == "tiny" + packed.fingerprint.namespace + PACKED_NAMESPACE
         roots = [FileMapper.from_offloading_spec("/kv", s).base_path for s in (slots, packed)]
         assert roots[0] != roots[1], "packed rows must never be read as vLLM's worker slots"
 
@@ -358,7 +358,7 @@ def test_tiering_packed_rows_with_the_integrity_checks_carry_a_trailer():
         spec = OffloadingSpecFactory.create_spec(config)
         assert spec.cpu_page_size_per_worker == plain.cpu_page_size_per_worker + trailer_bytes(F)
         assert spec.num_chunks == plain.num_chunks, "the checks cost no chunk its place"
-        assert spec.config.model.name == "tiny" + PACKED_NAMESPACE + INTEGRITY_NAMESPACE
+        assert spec.config.model.name == "tiny" + spec.fingerprint.namespace + PACKED_NAMESPACE + INTEGRITY_NAMESPACE
         roots = [FileMapper.from_offloading_spec("/kv", s).base_path for s in (plain, spec)]
         assert roots[0] != roots[1]
         role = _worker_role(kv, spec)

@@ -54,6 +54,8 @@ def test_the_setting_is_checked_in_both_specs():
     assert packed.integrity == "off"
     checked = {"cpu_bytes_to_use": 1 << 20, "integrity": "Require"}
     assert TritonOffloadConfig.from_extra_config(checked, blocks_per_host_block=1).integrity == "require"
+    verify = TritonOffloadConfig.from_extra_config({**checked, "integrity": "verify"}, blocks_per_host_block=1)
+    assert (verify.integrity, verify.checks, packed.checks) == ("verify", "require", "off")
     assert TritonTieringConfig.from_extra_config({**checked, "integrity": "verify"}).integrity == "verify"
     for parse in (
         lambda e: TritonOffloadConfig.from_extra_config(e, blocks_per_host_block=1),
@@ -197,6 +199,42 @@ def test_the_worker_checks_each_host_region_of_a_row_on_its_own():
         worker.shutdown()
 
 
+@pytest.mark.parametrize("setting", ["verify", "require"])
+def test_a_zeroed_marker_fails_the_load_under_the_specs_setting(setting):
+    """TritonOffloadingSpec checks with "require" semantics whichever setting turned the checks on: within one process
+    every row is stored with its checksums, so a row whose marker was zeroed (or garbled) is a failed block, never a
+    block loaded unchecked."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from triton_offload.connector.manager import HostBlocksSpec
+    from triton_offload.connector.worker import TritonOffloadingWorker
+
+    cfg = TritonOffloadConfig.from_extra_config(
+        {"cpu_bytes_to_use": 1 << 20, "integrity": setting}, blocks_per_host_block=1
+    )
+    assert (cfg.integrity, cfg.checks) == (setting, "require")
+    gen = torch.Generator().manual_seed(6)
+    tensor = CanonicalKVCacheTensor(torch.randint(-128, 128, (10, 32), dtype=torch.int8, generator=gen), 32)
+    kv = CanonicalKVCaches([tensor], [[CanonicalKVCacheRef(0, 32)]])
+    worker = TritonOffloadingWorker(
+        kv, num_host_blocks=4, blocks_per_host_block=1, integrity=cfg.checks, numa_node="off"
+    )
+    try:
+        ident = integrity.identities_of_keys([key(7, 0)])
+        assert worker.submit_store(0, GPULoadStoreSpec([3], [1], [0]), HostBlocksSpec([1], ident))
+        assert all(r.success for r in finished(worker))
+        for marker in (0, 0x1234):  # zeroed, then garbled
+            worker.host_cache.checksums.table[1, 0] = marker
+            submit_load(
+                worker, 1 + marker, HostBlocksSpec([1], ident), GPULoadStoreSpec([5], [1], [0]), expedited=False
+            )
+            assert finished(worker)[0].success
+            errors, unchecked = worker.take_load_errors()
+            assert ([e.gpu_block_ids for e in errors], unchecked) == ([(5,)], 0), marker
+    finally:
+        worker.shutdown()
+
+
 def test_discard_is_not_an_eviction_and_ignores_what_is_not_cached():
     """OffloadManager.discard: a ready key goes at once (a "removed" event, no eviction counted, its block free),
     a pinned one when its last load completes, a storing or unknown key is left alone."""
@@ -269,7 +307,8 @@ def test_the_checked_layout_adds_a_trailer_to_each_slot_and_its_own_namespace(f)
     assert on.num_chunks == off.num_chunks
     grown = on.kv_bytes_per_chunk - off.kv_bytes_per_chunk
     assert grown == (4096 if f == 16 else 0) and grown <= 4096 + trailer_bytes(f)
-    assert on.config.model.name == "tiny" + INTEGRITY_NAMESPACE and off.config.model.name == "tiny"
+    assert on.config.model.name == "tiny" + on.fingerprint.namespace + INTEGRITY_NAMESPACE
+    assert off.config.model.name == "tiny" + off.fingerprint.namespace
     paths = [FileMapper.from_offloading_spec("/r", s).get_file_name(key(1)) for s in (off, on)]
     assert paths[0] != paths[1] and INTEGRITY_NAMESPACE in paths[1]
 
@@ -297,7 +336,8 @@ def test_blocks_written_without_a_trailer_load_unchecked_under_verify_and_fail_u
     try:
         assert worker.submit_store(0, GPULoadStoreSpec([1, 2, 3], [3], [0]), IdentifiedChunks([4, 1], ident))
         assert all(r.success for r in finished(worker))
-        mark = integrity.marker(f, worker.engine._launcher.config(Direction.STORE).elem)
+        cfg = worker.engine._launcher.config(Direction.STORE)
+        mark = integrity.marker(f, cfg.elem, cfg.vec)
         assert worker.checksums.table[4, 0].item() == worker.checksums.table[1, 0].item() == mark
         submit_load(worker, 1, IdentifiedChunks([4, 1], ident), GPULoadStoreSpec([5, 6, 7], [3], [0]), expedited=False)
         assert finished(worker)[0].success

@@ -7,6 +7,7 @@ misplaced, truncated or stale block, for every layout, factor and skip, and flag
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from triton_offload import integrity
 from triton_offload.checksums import Checksums
 from triton_offload.engine import TransferEngine
 from triton_offload.issuers import CopyLauncher, KernelIssuer
-from triton_offload.kernels import shapes
+from triton_offload.kernels import shapes, tables
 from triton_offload.kernels.reference import checksums_ref
 from triton_offload.layouts import HostSlots
 from triton_offload.plan import Direction, TransferPlanner
@@ -138,13 +139,15 @@ def test_a_load_finds_every_corrupted_misplaced_truncated_or_stale_block(fmt, f,
     finished(engine, 1)
 
     # What was written is the reference checksum of each block, under its row's marker.
-    word = engine._launcher.config(Direction.STORE).elem
-    kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
+    cfg = engine._launcher.config(Direction.STORE)
+    word, group = cfg.elem, cfg.vec
+    kw = dict(word_bytes=word, group_words=group, blocks_per_host_block=f, skip=skip, groups=spec.groups,
+              group_sizes=sizes)  # fmt: skip
     rr, cols, rc = checksums_ref(spec.kv_caches, spec.layout, g, h, identities=ident, group_regions=spec.group_regions,
                                  **kw)  # fmt: skip
     assert torch.equal(table[rr, cols], torch.from_numpy(rc))
     marks = table[:, :: 1 + f]  # each row's marker per region
-    assert set(marks.flatten().tolist()) == {0, integrity.marker(f, word)}
+    assert set(marks.flatten().tolist()) == {0, integrity.marker(f, word, group)}
     assert {tuple(x) for x in np.argwhere(marks.numpy())} == set(zip(rr.tolist(), (cols // (1 + f)).tolist()))
 
     free = np.setdiff1d(np.arange(spec.num_blocks), g)
@@ -226,7 +229,8 @@ def test_the_copy_engine_path_checks_as_the_kernel_does(fmt):
         e.submit_store(1, g, h, skip=skip, group_sizes=sizes, identities=ident)
         finished(e, 1)
     assert torch.equal(k_host, d_host) and torch.equal(k_table, d_table)
-    assert int(k_table[int(h[0]), 0]) == integrity.marker(f, kernel._launcher.config(Direction.STORE).elem)
+    cfg = kernel._launcher.config(Direction.STORE)
+    assert int(k_table[int(h[0]), 0]) == integrity.marker(f, cfg.elem, cfg.vec)
 
     dst = np.arange(n) * 2 + 1
     cols = block_columns(spec, f, int(sub[2]), int(group_of[2]))
@@ -258,8 +262,8 @@ def test_the_keys_of_one_row_in_two_host_regions_keep_their_own_checksums(f, pat
     finished(engine, 1)
     engine.submit_store(2, g1, h1, group_sizes=[0, n1], identities=i1)  # the same row, the other region
     finished(engine, 2)
-    word = engine._launcher.config(Direction.STORE).elem
-    assert table[3, 0] == table[3, 1 + f] == integrity.marker(f, word) and table[1, 1 + f] == 0
+    cfg = engine._launcher.config(Direction.STORE)
+    assert table[3, 0] == table[3, 1 + f] == integrity.marker(f, cfg.elem, cfg.vec) and table[1, 1 + f] == 0
     dst0, dst1 = 8 + np.arange(n0), 8 + n0 + np.arange(n1)
     assert load(engine, 3, dst0, h0, 0, [n0, 0], i0) == ([], 0)
     assert load(engine, 4, dst1, h1, 0, [0, n1], i1) == ([], 0)
@@ -317,18 +321,21 @@ def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
     planner = TransferPlanner(spec, rows, f)
     plan = planner.plan(g, h, direction=Direction.STORE, skip=skip, group_sizes=sizes, identities=ident)
     results = []
-    for tile, ctas in [(64, 1), (256, 5), (1024, 2), (4096, 3), (128, 4)]:
+    width = tables.access_width(spec, host_buffer(spec, rows, f))
+    # The checked launches' own shapes, and the plain copy's (any shape must give the same sums).
+    for tile, ctas, checked in [(64, 1, True), (256, 5, False), (1024, 2, True), (4096, 3, False), (128, 4, True)]:
         host = host_buffer(spec, rows, f)
         checks = Checksums.allocate("verify", rows, f, pin=False, regions=spec.num_regions)
         table = checks.table
-        tunings = {d: shapes.LaunchTuning(tile, 4) for d in Direction}
-        launcher = CopyLauncher(spec, host, f, Direction.STORE, tunings, checksums=checks)
+        cfg = shapes.launch_config(spec, width, shapes.LaunchTuning(tile, 4), checked)
+        launcher = CopyLauncher(spec, host, f, Direction.STORE, configs={Direction.STORE: cfg}, checksums=checks)
         KernelIssuer(launcher, None, ctas).issue(plan)
         results.append((host, table, launcher.config(Direction.STORE)))
-    word = results[0][2].elem
-    assert {cfg.elem for _, _, cfg in results} == {word}
+    word, group = results[0][2].elem, results[0][2].vec
+    assert {(cfg.elem, cfg.vec) for _, _, cfg in results} == {(word, group)}
     assert len({(cfg.rows, cfg.chunk) for _, _, cfg in results}) > 2, "the tilings should differ"
-    kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
+    kw = dict(word_bytes=word, group_words=group, blocks_per_host_block=f, skip=skip, groups=spec.groups,
+              group_sizes=sizes)  # fmt: skip
     rr, cols, rc = checksums_ref(spec.kv_caches, spec.layout, g, h, identities=ident, group_regions=spec.group_regions,
                                  **kw)  # fmt: skip
     for host, table, _ in results:
@@ -336,40 +343,89 @@ def test_checksums_do_not_depend_on_tiles_or_programs(fmt):
         assert torch.equal(table[rr, cols], torch.from_numpy(rc))
 
 
-def test_the_checksum_covers_every_word_position_and_identity():
-    """The reference itself: changing any one word of a block changes its checksum (each word's terms are bijective
-    in the word), as does swapping two different words, another identity, another sub-block index, or another length;
-    two random blocks differ."""
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_checksum_covers_every_word_position_and_identity(group):
+    """The reference itself: changing any one word of a block changes its checksum (a group's terms are a bijection
+    of its 64-bit fold, which any one word moves), as does swapping two different words (in one group or two),
+    another identity, sub-block index, length, word size or group size; identical blocks at two positions differ."""
     rng = np.random.default_rng(0)
     block = rng.integers(0, 256, size=(1, 64), dtype=np.uint8)
-    base = integrity.block_checksums(block, 4, 7, 1)[0]
+
+    def checksum(b, ident=7, sub=1, word=4, g=group):
+        return integrity.block_checksums(b, word, ident, sub, g)[0]
+
+    base = checksum(block)
     for word in range(16):
         for flip in (1, 0x80000000, 0xFFFFFFFF):
             b = block.copy()
             b.view("<u4")[0, word] ^= flip
-            assert integrity.block_checksums(b, 4, 7, 1)[0] != base
-    swapped = block.copy()
-    swapped.view("<u4")[0, [3, 9]] = swapped.view("<u4")[0, [9, 3]]
-    assert integrity.block_checksums(swapped, 4, 7, 1)[0] != base
-    assert integrity.block_checksums(block, 4, 8, 1)[0] != base
-    assert integrity.block_checksums(block, 4, 7, 0)[0] != base
-    assert integrity.block_checksums(block[:, :60], 4, 7, 1)[0] != base
+            assert checksum(b) != base
+    for i, j in [(3, 9), (0, 1), (4, 7)]:
+        swapped = block.copy()
+        swapped.view("<u4")[0, [i, j]] = swapped.view("<u4")[0, [j, i]]
+        assert checksum(swapped) != base
+    assert checksum(block, ident=8) != base and checksum(block, sub=0) != base and checksum(block[:, :48]) != base
     zero = np.zeros((2, 64), dtype=np.uint8)
-    a, b = integrity.block_checksums(zero, 4, [7, 7], [0, 1])
+    a, b = integrity.block_checksums(zero, 4, [7, 7], [0, 1], group)
     assert a != b, "identical blocks at two positions must differ"
-    assert integrity.block_checksums(block, 2, 7, 1)[0] != base, "the word size is part of the definition"
+    assert checksum(block, word=2) != base, "the word size is part of the definition"
+    assert checksum(block, g=2 if group != 2 else 4) != base, "so is the group size"
+
+
+def test_any_one_to_three_flipped_bits_of_one_group_change_its_fold():
+    """Certain detection within a group of 4 words (16 bytes): a change of one group is missed only if its 64-bit
+    fold ``sum_v GROUP_MUL[v] * delta_v`` is 0 mod 2**64. No pattern of 1, 2 or 3 flipped bits (either direction:
+    each delta is +-2**bit) does that, so none is ever missed, whatever the data."""
+    mod = 1 << 64
+    terms = np.array([(m << b) % mod for m in integrity.GROUP_MUL for b in range(32)], dtype=object)
+    values = {int(t) for t in terms} | {int(-t % mod) for t in terms}
+    assert 0 not in values
+    signed = np.concatenate([terms, (-terms) % mod]).astype(np.uint64)  # +-2**b * m, mod 2**64
+    n = len(terms)
+    idx = np.arange(2 * n)
+    with np.errstate(over="ignore"):  # uint64 sums wrap mod 2**64, as the fold does
+        for i in range(2 * n):  # pairs, then triples of distinct bits
+            other = idx[(idx % n) > (i % n)]
+            pair = signed[i] + signed[other]
+            assert not (pair == 0).any(), (i, other[pair == 0])
+            for j in other:
+                rest = idx[(idx % n) > (j % n)]
+                assert not (signed[i] + signed[j] + signed[rest] == 0).any(), (i, j)
+
+
+def test_two_flipped_sign_bits_in_two_groups_are_caught():
+    """Why each lane mixes its group's fold rather than summing words times constants: in a sum mod 2**32, bit 31
+    flipped in two words cancels whatever their multipliers (2**31 * odd + 2**31 * odd = 0). Here, over many random
+    blocks, the same flips (the sign bits of two float32 words, or of two bf16 halves) always change the checksum."""
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(4000, 256), dtype=np.uint8)
+    for group in (1, 4):
+        base = integrity.block_checksums(blocks, 4, 7, 0, group)
+        for i, j, bit in [(0, 5, 31), (3, 40, 31), (17, 18, 15), (2, 63, 31)]:
+            flipped = blocks.copy()
+            w = flipped.view("<u4")
+            w[:, i] ^= np.uint32(1 << bit)
+            w[:, j] ^= np.uint32(1 << bit)
+            assert (integrity.block_checksums(flipped, 4, 7, 0, group) != base).all(), (group, i, j, bit)
 
 
 def test_settings_and_markers():
     assert integrity.integrity_setting("VERIFY") == "verify"
     with pytest.raises(ValueError, match=r"integrity = 'on' is not one of \['off', 'require', 'verify'\]"):
         integrity.integrity_setting("on")
-    mark = integrity.marker(3, 4)
-    assert integrity.parse_marker(mark) == {"version": integrity.VERSION, "blocks_per_host_block": 3, "word": 4}
+    mark = integrity.marker(3, 4, 4)
+    fields = {"version": integrity.VERSION, "blocks_per_host_block": 3, "group": 4, "word": 4}
+    assert integrity.parse_marker(mark) == fields and integrity.VERSION == 2
     assert integrity.parse_marker(0) is None
-    assert integrity.marker(3, 2) != mark and integrity.marker(2, 4) != mark
+    assert len({mark, integrity.marker(3, 2, 4), integrity.marker(2, 4, 4), integrity.marker(3, 4, 1)}) == 4
+    with pytest.raises(ValueError, match="group_words = 3, expected 1, 2 or 4"):
+        integrity.marker(3, 4, 3)
     k = b"\x01" * 32 + (7).to_bytes(4, "little")
     assert integrity.key_identity(k) == integrity.key_identity(bytes(k)) != integrity.key_identity(k[:-1] + b"\x08")
+    # The definition (docs/integrity.md): the key's 8-byte BLAKE2b digest, little-endian; keys of mixed lengths.
+    keys = [k, b"", b"\x00", k[:5]]
+    want = [int.from_bytes(hashlib.blake2b(x, digest_size=8).digest(), "little", signed=True) for x in keys]
+    assert integrity.identities_of_keys(keys).tolist() == want and integrity.identities_of_keys([]).size == 0
 
 
 def test_the_checks_are_one_value_checked_once_and_identities_are_checked_per_call():
@@ -499,8 +555,9 @@ def test_on_a_gpu_the_compiled_checks_agree_with_the_reference(make_host_cache, 
     engine.submit_store(1, g, h, skip=skip, group_sizes=sizes, identities=ident)
     engine.wait([1])
     finished(engine, 1)
-    word = engine._launcher.config(Direction.STORE).elem
-    kw = dict(word_bytes=word, blocks_per_host_block=f, skip=skip, groups=spec.groups, group_sizes=sizes)
+    cfg = engine._launcher.config(Direction.STORE)
+    kw = dict(word_bytes=cfg.elem, group_words=cfg.vec, blocks_per_host_block=f, skip=skip, groups=spec.groups,
+              group_sizes=sizes)  # fmt: skip
     rr, cols, rc = checksums_ref([t.cpu() for t in caches], layout, g, h, identities=ident, **kw)
     assert torch.equal(cache.checksums.table[rr, cols], torch.from_numpy(rc))
     dst = spec.num_blocks // 2 + rng.permutation(spec.num_blocks // 2)[:n]

@@ -83,7 +83,13 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
     assert tables.access_width(spec, host) == width
     tuning = shapes.DEFAULT_TUNINGS[Direction.STORE if store else Direction.LOAD]
     cfg = shapes.launch_config(spec, width, tuning)
-    assert cfg.elem * cfg.vec == width and cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
+    assert cfg.elem * cfg.vec == width
+    # A tile holds as many elements as 4-byte words fill the tuning's bytes, in at most one row per thread (narrow
+    # pages: more spilled kilobytes per thread).
+    threads = 32 * cfg.num_warps
+    assert cfg.rows * cfg.chunk <= tuning.tile_bytes // 4 and cfg.rows <= threads
+    if width == 16:
+        assert cfg.rows * cfg.chunk * cfg.elem == tuning.tile_bytes
     ptx = compile_ptx(cfg, store, grouped)
     data_ld = re.findall(r"ld\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
     data_st = re.findall(r"st\.global(?:\.[a-z]+)*(?:\.v(\d))?\.b(\d+)", ptx)
@@ -94,7 +100,6 @@ def test_compiles_for_hopper_with_expected_access_width(layout, page, dtype, wid
     if width == 16:
         assert len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) >= 1
         # Every data load is 16 bytes: ROWS*CHUNK elements over the program's threads, 4 per access.
-        threads = 32 * cfg.num_warps
         assert len(re.findall(r"st\.global(?:\.[a-z]+)*\.v4\.b32", ptx)) == cfg.rows * cfg.chunk // (4 * threads)
 
 

@@ -421,15 +421,15 @@ def test_make_policy_builds_named_class():
 
 @BOTH
 def test_policy_refuses_insert_beyond_capacity(policy):
-    """A policy never holds more resident keys than its capacity, nor a key twice."""
-    p = make_policy(policy, 2)
-    p.insert(k(0))
+    """A policy never holds more resident slots (host blocks) than its capacity, nor a slot twice."""
+    p = make_policy(policy, 2, slots=4)
+    p.insert(0, k(0))
     with pytest.raises(ValueError, match="already resident"):
-        p.insert(k(0))
-    p.insert(k(1))
+        p.insert(0, k(0))
+    p.insert(1, k(1))
     with pytest.raises(ValueError, match="capacity 2"):
-        p.insert(k(2))
-    assert len(p) == 2 and k(2) not in p
+        p.insert(2, k(2))
+    assert len(p) == 2 and 2 not in p and 0 in p
 
 
 @BOTH

@@ -383,6 +383,14 @@ class Runner:
         self._say("targets:")
         for t in doc["targets"]:
             self._say(f"  {t['verdict']:<12} {t['target']}: {t['detail']}")
+        for s in doc["stages"]:  # the compiler's model beside each kernel case measured (bench/static/model.py)
+            model = (s.get("figures") or {}).get("model") or {}
+            if model.get("cases"):
+                self._say(f"model vs measured, {s['stage']} ({model['static']}, {model['arch']}): {model['summary']}")
+            for c in model.get("cases", []):
+                self._say(f"  {c['workload']}/{c['layout']} n={c['blocks']} f={c['f']} {c['direction']} "
+                          f"{c['method']}@{c['num_ctas'] or '-'}: measured {c['measured']:.2f}, predicted "
+                          f"{c['predicted']:.2f} ({c['error']:+.2f}, {c['bound']})")  # fmt: skip
         self._say(f"OUTDIR {self.outdir} holds {len(self._written)} files: {', '.join(sorted(self._written))}")
         self._say("to commit them: ./dev gpu merge <the returned folder> (here) puts " +
                   "; ".join(f"{k} -> {v}" for k, v in doc["commit_to"].items()))  # fmt: skip

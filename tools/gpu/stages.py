@@ -41,8 +41,9 @@ HOST_MEMORY_ARGS = ("--sizes-gib", "8", "32", "--threads", "1", "8", "--placemen
 # the stage): the library's, then, in a process of their own, those that import vLLM's code. tests/bench/test_gpu_run.py
 # checks that these and SLOW_TESTS are every file `pytest -m gpu` collects.
 GPU_TESTS_CORE = ("tests/gpu/test_gpu_kernels.py", "tests/gpu/test_gpu_engine.py", "tests/unit/test_fast_launch.py",
-                  "tests/unit/test_integrity.py", "tests/unit/test_launch_shape.py", "tests/unit/test_path_choice.py",
-                  "tests/unit/test_host_cache.py", "tests/unit/test_host_memory.py")  # fmt: skip
+                  "tests/unit/test_integrity.py", "tests/unit/test_integrity_hand_off.py",
+                  "tests/unit/test_launch_shape.py", "tests/unit/test_path_choice.py", "tests/unit/test_host_cache.py",
+                  "tests/unit/test_host_memory.py")  # fmt: skip
 GPU_TESTS_VLLM = ("tests/gpu/test_gpu_tiering.py", "tests/unit/test_connector.py",
                   "tests/unit/test_connector_worker_role.py", "tests/bench/test_bench_vllm_native.py")  # fmt: skip
 TEST_TIMEOUT_S, SLOW_TEST_TIMEOUT_S = 45, 480  # per test, under pytest-timeout

@@ -13,7 +13,9 @@ import xml.etree.ElementTree as ET
 from bench.common import targets
 from bench.common.targets import INTEGRITY_MAX_HOST_US, target_result
 
-__all__ = ["VERDICTS", "stage_figures", "evaluate", "junit_results", "launch_shape"]
+__all__ = ["VERDICTS", "stage_figures", "evaluate", "junit_results", "launch_shape", "model_figures"]
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
 
 VERDICTS = {"PASS": "pass", "FAIL": "miss", "n/a": "not measured"}
 CALL_COST_US = 30.0  # median host time per call at 1024 blocks x 80 layers
@@ -132,7 +134,33 @@ def stage_figures(kind: str, files: dict[str, pathlib.Path]) -> dict:
         out["failures"] = len(doc.get("failures") or [])
     if kind == "launch-shape":
         out["launch_shape"] = launch_shape(doc.get("rows") or [], doc.get("default_num_ctas"))
+    if kind in ("transfer", "launch-shape") and doc.get("mode") == "gpu":
+        out["model"] = model_figures(doc)
     return out
+
+
+def _static_report(results: pathlib.Path) -> pathlib.Path | None:
+    """The newest committed static report (bench/results/static-<commit>-<date>.json, ./dev static)."""
+    reports = sorted(results.glob("static-*.json"), key=lambda p: (p.stem.rsplit("-", 3)[-3:], p.name))
+    return reports[-1] if reports else None
+
+
+def model_figures(doc: dict, results: pathlib.Path = RESULTS) -> dict:
+    """The compiler's model (bench/static/model.py) beside the measurement: per kernel case the predicted and the
+    measured fraction of the run's contiguous peak, from the newest committed static report (sm_100 on a B200, sm_90
+    otherwise; the run's Triton where the report has it)."""
+    from bench.static.compare import describe, predictions, static_rows
+
+    path = _static_report(results)
+    if path is None:
+        return {"error": "no static report committed (./dev static)"}
+    arch = "sm_100" if "b200" in str(doc.get("device", "")).lower() else "sm_90"
+    static = static_rows(json.loads(path.read_text()), arch, doc.get("triton"))
+    preds = predictions(doc.get("rows") or [], static)
+    keys = ("workload", "layout", "blocks", "f", "skip", "direction", "method", "num_ctas", "measured", "predicted",
+            "error", "bound")  # fmt: skip
+    summary = describe(preds)["all"] if preds else None
+    return {"static": path.name, "arch": arch, "summary": summary, "cases": [{k: p[k] for k in keys} for p in preds]}
 
 
 def _entry(t: dict, stages: list[str]) -> dict:

@@ -29,7 +29,7 @@ class _SpecKernelState:
     def __init__(self) -> None:
         # Segment tables by (element size, f key); the integrity checks' tables by ("checks", element size).
         self.tables: dict[tuple, torch.Tensor] = {}
-        self.configs: dict[tuple[int, shapes.LaunchTuning], shapes.LaunchConfig] = {}
+        self.configs: dict[tuple[int, shapes.LaunchTuning, bool], shapes.LaunchConfig] = {}
         # By CopyLauncher.variant_key: a proven direct runner (triton_offload/fast_launch.py), or why that variant
         # keeps Triton's launch.
         self.direct: dict[tuple, object] = {}
@@ -95,10 +95,11 @@ class CopyLauncher:
             checksums.check_for(host_buffer.shape[0], blocks_per_host_block, spec.num_regions, self.cuda)
         for d in self.directions:
             cfg = None if configs is None else configs[d]
+            shape_key = (width, tunings[d], checksums is not None)
             if cfg is None:
-                cfg = state.configs.get((width, tunings[d]))
+                cfg = state.configs.get(shape_key)
             if cfg is None:
-                cfg = state.configs[(width, tunings[d])] = shapes.launch_config(spec, width, tunings[d])
+                cfg = state.configs[shape_key] = shapes.launch_config(spec, width, tunings[d], checksums is not None)
             assert cfg.elem * cfg.vec <= width, "a launch shape may not access wider than the buffers allow"
             key = (cfg.elem, tables.table_key(spec, blocks_per_host_block))
             table = state.tables.get(key)
@@ -117,7 +118,7 @@ class CopyLauncher:
                     ck = state.tables[("checks", cfg.elem)] = tables.build_integrity_table(spec, cfg.elem)
                 # The table stays a tensor in a direct launch too (host memory, translated as the host buffer is).
                 tab = checksums.table
-                self._checks[d] = (ck, ck.data_ptr(), tab, tab.stride(0), checksums.marker(cfg.elem))
+                self._checks[d] = (ck, ck.data_ptr(), tab, tab.stride(0), checksums.marker(cfg.elem, cfg.vec))
         self._current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def twin(

@@ -1,59 +1,63 @@
-"""The interface of an eviction policy for the host KV cache: which resident key gives up its block when the cache is
-full. A policy only orders keys; the :class:`~triton_offload.manager.OffloadManager` owns blocks, pins and in-flight
-stores and tells the policy what happens to each key. Every operation is O(1) amortised.
+"""The interface of an eviction policy for the host KV cache: which resident slot (host block) gives up its block when
+the cache is full. A policy only orders slots; the :class:`~triton_offload.manager.OffloadManager` owns keys, blocks,
+pins and in-flight stores and tells the policy what happens to each slot. Every operation costs a fixed number of
+array reads and writes (no hashing but ARC's ghost lookup), and creating a policy is O(1) (:mod:`.slots`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 __all__ = ["EvictionPolicy"]
 
 
 class EvictionPolicy(Protocol):
-    """The interface the manager drives. ``capacity`` is the most keys that may be resident at once.
+    """The interface the manager drives. ``capacity`` is the most slots that may be resident at once; slots are ints
+    in ``[0, slots)`` (``slots`` defaults to ``capacity``: the manager's pools give each policy a range of its own).
 
-    Methods that name a resident key raise ``KeyError`` when it is not resident: the manager never does that, so it
-    is a bug in the caller, not an expected condition.
+    Methods that name a resident slot misbehave when it is not resident: the manager never does that, so it is a bug
+    in the caller, not an expected condition.
     """
 
     name: str
     capacity: int
+    counts_reuse: bool  # whether :meth:`use` tells a reuse from a use (the manager skips ``reuse`` otherwise)
 
-    def insert(self, key: Hashable) -> None:
-        """Makes a key given a block resident (its store may be in flight); it counts as its first use.
+    def insert(self, slot: int, key: Hashable = None) -> None:
+        """Makes a slot given a key resident (its store may be in flight); it counts as its first use. ``key`` lets
+        a policy with a history recognise it (ARC's ghosts).
 
         ``ValueError`` if it already is resident or the policy is at capacity.
         """
 
-    def on_stored(self, key: Hashable) -> None:
-        """A resident key's store completed (it was inserted when the store was prepared); its order is unchanged."""
+    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, Hashable]) -> None:
+        """Applies one call's uses: ``slots`` distinct, resident or in ``new`` (slot -> key: inserted, the key lets a
+        policy with a history recognise it, as ARC's ghosts), the call's first key first. They are applied in
+        reverse, so the first ends up the most recently used; a slot in ``reuse`` counts a reuse (ARC: to T2), the
+        others are only made recent."""
 
-    def access(self, key: Hashable) -> None:
-        """Records a reuse of a resident key (a load or touch by a request that did not count it yet)."""
+    def stored(self) -> None:
+        """Stores completed (called once per call that completed any); their slots' order is unchanged."""
 
-    def refresh(self, key: Hashable) -> None:
-        """Makes a resident key the most recently used without counting a reuse (ARC keeps it in its list)."""
+    def remove(self, slot: int) -> None:
+        """Drops a resident slot that is not being evicted (failed store, reset): it leaves no history behind."""
 
-    def remove(self, key: Hashable) -> None:
-        """Drops a resident key that is not being evicted (failed store, reset): it leaves no history behind."""
+    def evict(self, slots: Sequence[int], keys: Sequence[Hashable]) -> None:
+        """Drops resident slots the manager evicted, in order; a policy may remember their keys (ARC's ghosts)."""
 
-    def on_evict(self, key: Hashable) -> None:
-        """Drops a resident key the manager evicted; a policy may remember it (ARC's ghost lists)."""
+    def evict_candidates(self) -> Iterator[int]:
+        """Yields every resident slot once, in eviction order, lazily (the first one costs O(1)).
 
-    def evict_candidates(self) -> Iterator[Hashable]:
-        """Yields every resident key once, in eviction order, lazily (the first key costs O(1)).
-
-        The caller must stop iterating before it changes the policy (``on_evict`` and the rest): the iterator walks
+        The caller must stop iterating before it changes the policy (``evict`` and the rest): the iterator walks
         the live lists.
         """
 
-    def snapshot(self) -> dict[str, object]:
-        """The full internal state as plain values, O(n): for tests and debugging, not the hot path."""
+    def snapshot(self, key_of: Callable[[int], Hashable] = int) -> dict[str, object]:
+        """The full internal state as plain values, slots named by ``key_of``, O(n): for tests and debugging."""
 
     def __len__(self) -> int:
-        """The number of resident keys."""
+        """The number of resident slots."""
 
-    def __contains__(self, key: object) -> bool:
-        """Whether ``key`` is resident (ghost entries are not)."""
+    def __contains__(self, slot: object) -> bool:
+        """Whether ``slot`` is resident (ghost entries are not)."""

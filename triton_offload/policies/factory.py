@@ -10,7 +10,7 @@ from triton_offload.policies.lru import LRUPolicy
 
 __all__ = ["POLICIES", "policy_name", "make_policy"]
 
-POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 def policy_name(name: str) -> str:
@@ -24,11 +24,12 @@ def policy_name(name: str) -> str:
     return name.lower()
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """Builds the policy registered under ``name`` (see :func:`policy_name`) for ``capacity`` resident keys.
+def make_policy(name: str, capacity: int, slots: int | None = None) -> EvictionPolicy:
+    """Builds the policy registered under ``name`` (see :func:`policy_name`) for ``capacity`` resident slots, the
+    slots being ints in ``[0, slots)`` (default ``[0, capacity)``).
 
     Raises:
         ValueError: ``name`` is not a supported policy (the message lists them), or ``capacity`` is not a positive
             int.
     """
-    return POLICIES[policy_name(name)](capacity)
+    return POLICIES[policy_name(name)](capacity, slots)

@@ -1,0 +1,111 @@
+"""The manager's block bookkeeping (:class:`BlockTable`): which ready key holds which slot, which keys are being stored,
+each slot's key, and the free slots of each pool; the rules (what to evict, what counts as a use) stay in
+:mod:`triton_offload.manager`. Slots are
+the host blocks of all pools in one id space: pool ``p``'s block ``b`` is slot ``p * num_blocks + b``. Creating a table
+is O(1) and no method's cost grows with the cache (:mod:`triton_offload.policies.slots`). Stdlib only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+from triton_offload.policies.slots import CHUNK_BITS, CHUNK_MASK, KeyTable, SlotKeys, SlotState, int_array
+
+__all__ = ["BlockTable"]
+
+
+class BlockTable(SlotState):
+    """Keys and free lists of ``pools`` pools of ``num_blocks`` slots each.
+
+    Attributes (read by the manager's per-key loops directly):
+        ready, shards, mod: ready key -> slot (:class:`~triton_offload.policies.slots.KeyTable`): a ready key's slot
+            is ``shards[hash(key) % mod].get(key)``; ``key in shards[hash(key) % mod]`` tells whether it is ready
+            without reading the slot (an int object elsewhere in memory: a cache miss).
+        storing: key -> slot of the keys whose store is in flight (a plain dict: as many keys as the copies in flight).
+        chunks: slot -> key (:class:`~triton_offload.policies.slots.SlotKeys`' chunks).
+    Each pool hands out its freed slots first, the last freed first, then slots never handed out in increasing order
+    (a fresh cache hands out block 0 first), the free list the manager has always had, built lazily.
+    """
+
+    def __init__(self, num_blocks: int, pools: int) -> None:
+        self.num_blocks, self.pools = num_blocks, pools
+        self.ready = KeyTable(pools * num_blocks)
+        self.shards, self.mod = self.ready.shards, self.ready.mod
+        self.storing: dict[Hashable, int] = {}
+        self.keys = SlotKeys(pools * num_blocks)
+        self.chunks = self.keys.chunks
+        self._frees = [int_array(num_blocks) for _ in range(pools)]  # stacks of freed slots
+        self._tops = [0] * pools
+        self._fresh = [p * num_blocks for p in range(pools)]  # the pool's first slot never handed out
+
+    def resolve(self, keys: Iterable[Hashable]) -> tuple[dict[Hashable, int | None], list[Hashable]]:
+        """The keys, repeats dropped (first position kept), each with its slot (None when not cached), and the ready
+        ones."""
+        shards, mod, storing = self.shards, self.mod, self.storing
+        pairs: dict[Hashable, int | None] = {}
+        ready = []
+        for key in keys:
+            slot = shards[hash(key) % mod].get(key)
+            if slot is None:
+                pairs[key] = storing.get(key)
+            else:
+                pairs[key] = slot
+                ready.append(key)
+        return pairs, ready
+
+    def by_pool(self, slots: list[int]) -> list[list[int]]:
+        """``slots`` split by pool (a list per pool, in order)."""
+        if self.pools == 1:
+            return [slots]
+        parts: list[list[int]] = [[] for _ in range(self.pools)]
+        n = self.num_blocks
+        for slot in slots:
+            parts[slot // n].append(slot)
+        return parts
+
+    def num_free(self, pool: int) -> int:
+        return (pool + 1) * self.num_blocks - self._fresh[pool] + self._tops[pool]
+
+    def take(self, pool: int, count: int) -> list[int]:
+        """``count`` free slots of ``pool`` (at most :meth:`num_free`), in the order they are handed out."""
+        top = self._tops[pool]
+        reused = min(count, top)
+        slots = self._frees[pool][top - reused : top].tolist()[::-1]
+        self._tops[pool] = top - reused
+        if count > reused:
+            fresh = self._fresh[pool]
+            self._fresh[pool] = fresh + count - reused
+            self.keys.grow(fresh, fresh + count - reused)
+            slots += range(fresh, fresh + count - reused)
+        return slots
+
+    def add(self, slots: dict[Hashable, int]) -> None:
+        """Gives each new key its slot (taken by :meth:`take`): its store is in flight."""
+        chunks = self.chunks
+        for key, slot in slots.items():
+            chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] = key
+        self.storing.update(slots)
+
+    def free(self, pool: int, slots: list[int]) -> None:
+        """Frees slots of ``pool`` (their keys already out of :attr:`ready` and :attr:`storing`)."""
+        chunks, free, top = self.chunks, self._frees[pool], self._tops[pool]
+        for slot in slots:
+            chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] = None
+            free[top] = slot
+            top += 1
+        self._tops[pool] = top
+
+    def forget(self, keys: list[Hashable]) -> None:
+        """Takes ready keys out of :attr:`ready` (their slots' entries are overwritten by the keys that take them)."""
+        shards, mod = self.shards, self.mod
+        for key in keys:
+            del shards[hash(key) % mod][key]
+        self.ready.size -= len(keys)
+
+    def free_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Each pool's free block ids, in the order they are handed out, last first (O(n))."""
+        n = self.num_blocks
+        return tuple(
+            tuple(range((p + 1) * n - 1 - p * n, fresh - 1 - p * n, -1)) + tuple(s - p * n for s in free[:top].tolist())
+            for p, (free, top, fresh) in enumerate(zip(self._frees, self._tops, self._fresh))
+        )
