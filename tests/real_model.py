@@ -54,3 +54,18 @@ def tokenizer(model_dir: str):
 
         _TOKENIZERS[model_dir] = AutoTokenizer.from_pretrained(model_dir)
     return _TOKENIZERS[model_dir]
+
+
+def private_copy(model_dir, dest) -> pathlib.Path:
+    """``model_dir`` as a folder of its own at ``dest``: its config.json copied (a test may change it in place), every
+    other file a symbolic link to the original."""
+    import shutil
+
+    src, dest = pathlib.Path(model_dir), pathlib.Path(dest)
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "config.json":
+            shutil.copyfile(f, dest / f.name)
+        else:
+            (dest / f.name).symlink_to(f.resolve())
+    return dest

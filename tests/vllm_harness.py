@@ -27,6 +27,11 @@ METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cach
 # workers to exit, then kills them; a loaded 2-core CI machine reached that deadline before the teardown got to our
 # code (our shutdown itself takes ~0.4 s). The engine process's own deadline: ENGINE_SHUTDOWN_S.
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
+# vLLM's in-process engine (the driver's process runs the engine core: on the CPU platform at TP 1 the scheduler and
+# the worker share that process either way), for the drivers whose tests read no metric after the last step nor the
+# front end's view of a dead engine: an engine core process of its own costs ~15 s more per engine on a 2-core machine
+# (another interpreter importing torch and vLLM, and its exit), which CI's time limit needs back.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # tests/ (this file's folder: the shared factories) and tests/e2e/ (the drivers and the test-only plugins vLLM imports
 # by module name).
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -322,8 +327,9 @@ def run_driver(
 
 
 def run_tiering(model, *args: str, check: bool = True, env: dict | None = None, timeout: int = 400) -> dict:
-    """One engine of tests/e2e/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end;
-    its result: :func:`run_driver`'s."""
+    """One engine of tests/e2e/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end,
+    in-process (:data:`IN_PROCESS`, unless ``env`` says otherwise); its result: :func:`run_driver`'s."""
+    env = {**IN_PROCESS, **(env or {})}
     return run_driver(
         TIERING_DRIVER, ["--model", str(model), *args], TIERING_RESULT, timeout=timeout, check=check, env=env
     )

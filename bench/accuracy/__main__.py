@@ -16,6 +16,7 @@ import time
 
 from bench.accuracy.compare import compare
 from bench.accuracy.run import offload_config
+from bench.accuracy.texts import LENGTHS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -35,9 +36,13 @@ def configuration(spec: str, model: str) -> tuple[str, dict | None]:
 def run_one(model: str, extra: dict | None, args, out: pathlib.Path) -> dict:
     """One configuration in its own process (vLLM: one engine per process); its JSON."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    # vLLM's in-process engine: a configuration's process is its engine's (an engine core process of its own costs
+    # ~15 s more per configuration on a 2-core machine: another interpreter importing torch and vLLM, and its exit).
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "bench.accuracy.run", "--model", model, "--extra", json.dumps(extra)]
     cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens), "--top-k", str(args.top_k)]
+    cmd += ["--lengths", *map(str, args.lengths)]
     subprocess.run([*cmd, "--out", str(out)], check=True, cwd=ROOT, env=env, timeout=args.timeout)
     return json.loads(out.read_text())
 
@@ -48,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=200, help="how many of bench/accuracy/texts.py's prompts")
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--top-k", type=int, default=5, help="logprobs kept per step")
+    ap.add_argument("--lengths", type=int, nargs=2, default=LENGTHS, metavar=("SHORTEST", "LONGEST"),
+                    help="prompt tokens, at least and at most (default: %(default)s)")  # fmt: skip
     ap.add_argument("--reference", default="off")
     ap.add_argument("--compare", nargs="+", default=["offload"], help="off, offload or NAME=JSON (over offload's)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
@@ -68,6 +75,7 @@ def main(argv=None) -> int:
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "top_k": args.top_k,
+        "lengths": args.lengths,
         "date": time.strftime("%Y-%m-%d"),
         "reference": ref_name,
         "summaries": {},

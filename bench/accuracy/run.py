@@ -103,13 +103,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, required=True)
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--top-k", type=int, required=True)
+    ap.add_argument("--lengths", type=int, nargs=2, required=True, help="prompt tokens, at least and at most")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
     from bench.accuracy.texts import prompt_set
 
-    prompts = prompt_set(AutoTokenizer.from_pretrained(args.model), args.prompts)
+    prompts = prompt_set(AutoTokenizer.from_pretrained(args.model), args.prompts, *args.lengths)
     t0 = time.perf_counter()
     rows = run(args.model, json.loads(args.extra), prompts, args.max_tokens, args.top_k)
     with open(args.out, "w") as f:

@@ -100,9 +100,10 @@ def text_ids(tokenizer, seed: int, length: int, prefix: list[int] = ()) -> list[
 
 
 STEP_WORDS = 5  # prompts of one passage start this many words apart
+LENGTHS = (256, 448)  # a prompt's tokens, at least and at most
 
 
-def prompt_set(tokenizer, count: int, shortest: int = 256, longest: int = 448) -> list[list[int]]:
+def prompt_set(tokenizer, count: int, shortest: int = LENGTHS[0], longest: int = LENGTHS[1]) -> list[list[int]]:
     """``count`` prompts of ``shortest`` to ``longest`` tokens: prompt ``i`` starts at word ``STEP_WORDS * (i // 8)``
     of passage ``i % 8`` and goes on through the passages after it, cut at a length drawn from ``i``. No two start
     alike (at most 8 x 31 = 248 prompts: the shortest passage has 158 words)."""

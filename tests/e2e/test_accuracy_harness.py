@@ -1,8 +1,9 @@
 """End to end: the accuracy harness (bench/accuracy) on the real model (SmolLM2-135M-Instruct), a sample of its prompts
-(:data:`PROMPTS` of up to 248, :data:`TOKENS` greedy tokens each; the full set is ``python -m bench.accuracy``, whose
-run is committed under bench/results/). Lossless offloading agrees 100 % with the engine without offloading, every
-whole block of every prompt coming back from the host; the same offloading with one byte of every host block flipped
-before its first load (tests/e2e/integrity_plugin.py's PerturbingSpec) is caught: its tokens and top-k differ."""
+(:data:`PROMPTS` of up to 248, cut to :data:`LENGTHS` tokens, :data:`TOKENS` greedy tokens each; the full set is
+``python -m bench.accuracy``, whose run is committed under bench/results/). Lossless offloading agrees 100 % with the
+engine without offloading, every whole block of every prompt coming back from the host; the same offloading with one
+byte of every host block flipped before its first load (tests/e2e/integrity_plugin.py's PerturbingSpec) is caught:
+its tokens and top-k differ."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from vllm_harness import E2E, GPU_BLOCK, ROOT, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine()]
 
-PROMPTS, TOKENS = 8, 16
+PROMPTS, TOKENS, LENGTHS = 4, 16, (256, 448)
 PERTURBED = {"spec_name": "PerturbingSpec", "spec_module_path": "integrity_plugin"}
 
 
@@ -26,7 +27,8 @@ def report(real_model, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E), env.get("PYTHONPATH")) if p)  # the plugin
     cmd = [sys.executable, "-m", "bench.accuracy", "--model", str(real_model), "--prompts", str(PROMPTS)]
-    cmd += ["--max-tokens", str(TOKENS), "--compare", "offload", f"perturbed={json.dumps(PERTURBED)}"]
+    cmd += ["--max-tokens", str(TOKENS), "--lengths", *map(str, LENGTHS)]
+    cmd += ["--compare", "offload", f"perturbed={json.dumps(PERTURBED)}"]
     run = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return json.loads(out.read_text()) | {"printed": run.stdout}

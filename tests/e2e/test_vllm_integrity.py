@@ -42,7 +42,7 @@ CHUNK = 2 * GPU_BLOCK  # the tiering engines' chunk: 2 GPU blocks, 3 chunks per 
 
 def run(model, scenario: str, policy: str, *extra: str, timeout: int = 400) -> dict:
     args = ["--model", str(model), "--scenario", scenario, "--policy", policy, *extra]
-    return vllm_harness.run_driver(DRIVER, args, "INTEGRITY_RESULT", timeout=timeout)
+    return vllm_harness.run_driver(DRIVER, args, "INTEGRITY_RESULT", timeout=timeout, env=vllm_harness.IN_PROCESS)
 
 
 def rounds(result: dict) -> dict[str, dict]:

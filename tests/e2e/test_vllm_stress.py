@@ -1,8 +1,9 @@
 """Stress end to end: a real vLLM engine (CPU platform) offloading through TritonOffloadingSpec under heavy eviction.
 
-Each configuration runs once, in a subprocess (tests/e2e/vllm_stress_driver.py): 320 token-id prompts from a dozen
-shared prefixes with random suffixes, generated in batches of 80, twice, with ``reset_prefix_cache()`` between the
-passes; a host cache of about a quarter of the working set; LRU and ARC, at tensor parallelism 1 and 2. LRU at TP 1
+Each configuration runs once, in a subprocess (tests/e2e/vllm_stress_driver.py): 192 token-id prompts from a dozen
+shared prefixes with random suffixes, generated in batches of 64, twice, with ``reset_prefix_cache()`` between the
+passes; a host cache of about a quarter of the working set; LRU and ARC at tensor parallelism 1, LRU at 2 (the policy
+runs in the scheduler, the same at any TP). LRU at TP 1
 runs the real model (SmolLM2-135M-Instruct) on real text, a sample of :data:`REAL_PROMPTS` prompts, and its texts are
 compared too. The reference is the same engine without the connector, run the same way. About 5 minutes on a 2-core
 CPU machine.
@@ -50,7 +51,7 @@ def tp2_unavailable() -> str | None:
 # Each configuration runs once per session (the reference serves both policies).
 result_for = functools.cache(run_driver)
 # The real model's sample: prompts (real text, prefixes shared as above) and tokens written per prompt.
-REAL_PROMPTS, REAL_TOKENS = 24, 8
+REAL_PROMPTS, REAL_TOKENS = 8, 8
 
 
 CONFIGS = [  # policy, tensor parallelism, the real model
@@ -58,7 +59,6 @@ CONFIGS = [  # policy, tensor parallelism, the real model
     pytest.param(("arc", 1, False), id="arc-tp1"),
     # Tensor parallelism: one host cache per rank, each with its share of the budget.
     pytest.param(("lru", 2, False), id="lru-tp2"),
-    pytest.param(("arc", 2, False), id="arc-tp2"),
 ]
 
 
@@ -97,7 +97,7 @@ def test_heavy_eviction_and_loads_from_the_host_in_the_second_pass(run):
     # reset_prefix_cache() emptied the device cache: prefix hits of pass 2 beyond the device's come from the host.
     loaded_tokens = second["vllm:external_prefix_cache_hits"] - first["vllm:external_prefix_cache_hits"]
     loaded_blocks = second["vllm:triton_offload_hit_blocks"] - first.get("vllm:triton_offload_hit_blocks", 0)
-    least = 20 if result["model"] == "tiny" else 4  # the real model's sample is 24 prompts, not 320 (48: 16 blocks)
+    least = 20 if result["model"] == "tiny" else 4  # the real model's sample is 8 prompts, not 192
     assert loaded_tokens >= 32 * least and loaded_blocks >= least, (loaded_tokens, loaded_blocks)
     loaded_bytes = second["vllm:kv_offload_load_bytes"] - first.get("vllm:kv_offload_load_bytes", 0)
     assert loaded_bytes == loaded_blocks * result["block_bytes"]

@@ -40,10 +40,10 @@ from vllm_harness import (
 
 # A dozen shared prefixes, whole blocks and not, 1 to 12 blocks long.
 PREFIX_LENS = (32, 40, 64, 90, 128, 150, 192, 210, 256, 300, 352, 384)
-NUM_PROMPTS = 320
+NUM_PROMPTS = 192
 SUFFIX_LENS = (8, 96)  # random suffix length range, so prompts end anywhere in a block
 MAX_TOKENS = 4
-BATCH = 80  # prompts per generate() call; vLLM keeps max_num_seqs of them running at once
+BATCH = 64  # prompts per generate() call; vLLM keeps max_num_seqs of them running at once
 MAX_NUM_SEQS = 32
 # Device KV cache in blocks: a dozen running prompts' worth, so the device prefix cache keeps little beyond the running
 # requests and lookups go to the host cache in both passes, not only after the reset.
