@@ -46,6 +46,15 @@ def tiny_model(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def real_model():
+    """The real model's folder (tests/real_model.py: made once per cache directory; skipped, or failed in CI, where it
+    cannot be made), for the end-to-end tests where the text matters."""
+    import real_model as real
+
+    return real.real_model()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,6 +1,6 @@
-"""What every end-to-end test shares: the tiny random-weight model, the engine it runs in, and, for the test
-modules, the skip conditions and the log check. The drivers (``e2e/vllm_*_driver.py``) run as scripts in their own
-process, one engine each; the test modules start them and read their JSON."""
+"""What every end-to-end test shares: the tiny random-weight model, the engine it or the real one (tests/real_model.py)
+runs in, and, for the test modules, the skip conditions and the log check. The drivers (``e2e/vllm_*_driver.py``) run
+as scripts in their own process, one engine each; the test modules start them and read their JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pathlib
 import re
 import signal
 import time
+
+from real_model import is_real, prompt_ids  # noqa: F401  (prompt_ids: for the drivers)
 
 GPU_BLOCK = 32  # tokens; CPU attention needs a multiple of 32
 # The whole model's KV bytes per GPU block: 2 layers x K,V x 2 KV heads x 32 tokens x 64 dims x fp32.
@@ -25,10 +27,16 @@ METRIC_PREFIXES = ("vllm:triton_offload_", "vllm:kv_offload_", "vllm:prefix_cach
 # workers to exit, then kills them; a loaded 2-core CI machine reached that deadline before the teardown got to our
 # code (our shutdown itself takes ~0.4 s). The engine process's own deadline: ENGINE_SHUTDOWN_S.
 KEEP_WORKER_TOTALS = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}
+# vLLM's in-process engine (the driver's process runs the engine core: on the CPU platform at TP 1 the scheduler and
+# the worker share that process either way), for the drivers whose tests read no metric after the last step nor the
+# front end's view of a dead engine: an engine core process of its own costs ~15 s more per engine on a 2-core machine
+# (another interpreter importing torch and vLLM, and its exit), which CI's time limit needs back.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # tests/ (this file's folder: the shared factories) and tests/e2e/ (the drivers and the test-only plugins vLLM imports
 # by module name).
 TESTS = pathlib.Path(__file__).resolve().parent
 E2E = TESTS / "e2e"
+ROOT = TESTS.parent  # the real model's prompts: bench/accuracy/texts.py
 # The tiering test engine (one process per engine) and the marker of the result line it prints.
 TIERING_DRIVER = E2E / "vllm_tiering_driver.py"
 TIERING_RESULT = "TIERING_RESULT"
@@ -153,24 +161,51 @@ def build_tiny_llama(path: str, seed: int = 0, sliding_window: int | None = None
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 
+def block_bytes(model_dir) -> int:
+    """The whole model's KV bytes per GPU block in the engine :func:`tiny_llm` starts over ``model_dir``: layers x
+    K,V x KV heads x head size x :data:`GPU_BLOCK` tokens x 4 (fp32). :data:`GPU_BLOCK_BYTES` for the tiny model;
+    1440 KiB for the real one (30 layers, 3 KV heads of 64)."""
+    import json
+
+    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * kv_heads * head * GPU_BLOCK * 4
+
+
+def output(out) -> dict:
+    """A request's result as the drivers report it: the greedy tokens, the cached tokens vLLM reports, the finish
+    reason, and the text (the real model's; None for the tiny one, which has no tokenizer)."""
+    first = out.outputs[0]
+    return {
+        "tokens": list(first.token_ids),
+        "text": first.text if first.text else None,
+        "cached": out.num_cached_tokens,
+        "finish": first.finish_reason,
+    }
+
+
 def tiny_llm(model_dir: str, extra_config: dict | None = None, **overrides):
-    """A ``vllm.LLM`` over the tiny model: fp32 (stable greedy tokens), no tokenizer (token-id prompts), prefix
-    caching on, a 32 MiB device KV cache, metrics kept (``get_metrics()``). With ``extra_config``, vLLM's
-    ``OffloadingConnector`` with that ``kv_connector_extra_config``; without, the same engine without offloading."""
+    """A ``vllm.LLM`` over the tiny model or the real one (:func:`is_real`): fp32 (stable greedy tokens), prefix
+    caching on, metrics kept (``get_metrics()``). The tiny model: no tokenizer (token-id prompts), a 32 MiB device KV
+    cache (512 blocks); the real one: its tokenizer (outputs detokenized), a device KV cache of 96 blocks (140 MiB).
+    With ``extra_config``, vLLM's ``OffloadingConnector`` with that ``kv_connector_extra_config``; without, the same
+    engine without offloading."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2-core CI machine: no core pinning
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    real = is_real(model_dir)
     kwargs = dict(
-        model=model_dir,
-        skip_tokenizer_init=True,
+        model=str(model_dir),
+        skip_tokenizer_init=not real,
         dtype="float32",
         block_size=GPU_BLOCK,
         max_model_len=512,
         max_num_seqs=4,
         max_num_batched_tokens=512,
         enable_prefix_caching=True,
-        kv_cache_memory_bytes=32 << 20,
+        kv_cache_memory_bytes=96 * block_bytes(model_dir) if real else 32 << 20,
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,  # keeps the Prometheus registry, so get_metrics() shows the connector's counters
@@ -199,13 +234,13 @@ def shutdown(llm) -> None:
 def _driver_env(env: dict | None) -> dict:
     """The environment a driver runs in: this one minus TRITON_INTERPRET (the kernels pick the interpreter for CPU
     tensors themselves) and VLLM_CPU_KVCACHE_SPACE (it would override the driver's KV-cache size), with INFO logging
-    (the tests read startup and shutdown lines) and :data:`E2E` and :data:`TESTS` on PYTHONPATH (vLLM imports the
-    test plugins in e2e/ by module name in every process it starts; the drivers import this module); ``env`` adds to
-    that (a None value removes the variable)."""
+    (the tests read startup and shutdown lines) and :data:`E2E`, :data:`TESTS` and :data:`ROOT` on PYTHONPATH (vLLM
+    imports the test plugins in e2e/ by module name in every process it starts; the drivers import this module);
+    ``env`` adds to that (a None value removes the variable)."""
 
     child = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_CPU_KVCACHE_SPACE")}
     child["VLLM_LOGGING_LEVEL"] = "INFO"
-    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E), str(TESTS), child.get("PYTHONPATH")) if p)
+    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E), str(TESTS), str(ROOT), child.get("PYTHONPATH")) if p)
     for name, value in (env or {}).items():
         if value is None:
             child.pop(name, None)
@@ -292,8 +327,9 @@ def run_driver(
 
 
 def run_tiering(model, *args: str, check: bool = True, env: dict | None = None, timeout: int = 400) -> dict:
-    """One engine of tests/e2e/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end;
-    its result: :func:`run_driver`'s."""
+    """One engine of tests/e2e/vllm_tiering_driver.py over ``model`` (its other arguments: ``args``), run to the end,
+    in-process (:data:`IN_PROCESS`, unless ``env`` says otherwise); its result: :func:`run_driver`'s."""
+    env = {**IN_PROCESS, **(env or {})}
     return run_driver(
         TIERING_DRIVER, ["--model", str(model), *args], TIERING_RESULT, timeout=timeout, check=check, env=env
     )

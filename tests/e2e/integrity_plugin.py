@@ -6,7 +6,9 @@ vLLM loads them in each of its processes through ``kv_connector_extra_config``'s
 a subclass whose only addition is this: before submitting a load, if the file named by ``TRITON_OFFLOAD_CORRUPT``
 exists, it reads an order from it (JSON: ``{"block": i, "byte": b, "bit": k}``), deletes it, and flips bit k of byte
 b of the host block the load's i-th host id names, as a bad DIMM, a stray write or a kernel bug would, then records
-what it did (``TRITON_OFFLOAD_CORRUPT_RECORD``, one JSON line).
+what it did (``TRITON_OFFLOAD_CORRUPT_RECORD``, one JSON line). ``"spec_name": "PerturbingSpec"`` is the accuracy
+harness's lossy stand-in (bench/accuracy): its worker flips one byte of every host block once, before the block's first
+load after its store (``TRITON_OFFLOAD_PERTURB``: ``"offset:mask"``, the byte and what it is XORed with).
 """
 
 from __future__ import annotations
@@ -46,6 +48,33 @@ class CorruptsLoads:
         if not store:
             corrupt_host(self, host)
         return super()._submit(job_id, gpu, host, store, **kwargs)
+
+
+class PerturbsLoads:
+    """Put before our worker: XORs one byte of each host block a load reads, once per stored content."""
+
+    def _submit(self, job_id, gpu, host, store, **kwargs):
+        ids = [int(i) for i in self._host_ids(host)]
+        done = self.__dict__.setdefault("_perturbed", set())
+        if store:
+            done.difference_update(ids)  # new content: to be perturbed at its first load
+        else:
+            offset, mask = (int(x, 0) for x in os.environ.get("TRITON_OFFLOAD_PERTURB", "3:0x08").split(":"))
+            buffer = self.engine.host_buffer
+            for host_id in set(ids) - done:
+                buffer[host_id, offset % buffer.shape[1]] ^= mask
+                done.add(host_id)
+        return super()._submit(job_id, gpu, host, store, **kwargs)
+
+
+class PerturbingWorker(PerturbsLoads, TritonOffloadingWorker):
+    pass
+
+
+class PerturbingSpec(TritonOffloadingSpec):
+    @staticmethod
+    def _worker_class():
+        return PerturbingWorker
 
 
 class CorruptingWorker(CorruptsLoads, TritonOffloadingWorker):

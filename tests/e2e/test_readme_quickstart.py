@@ -3,15 +3,16 @@ it work" commands get the documented answers, the server logs the documented lin
 the workers' transfer totals. Then the same command with a misspelt key stops in the front end, before any engine
 process loads the model.
 
-What the test changes in the README's commands, and only that: the model (``MODEL=...``: a tiny random-weight Llama
-built here with a word-level tokenizer, so nothing is downloaded) and the port (``8000``: a free one, so runs on one
-machine do not collide). Everything else is the README's text, run by bash, with the ``python`` of this environment
-first on ``PATH``. One server start (~1 min on the 2-core CI machine) and one refused start (~15 s).
+What the test changes in the README's commands, and only that: the port (``8000``: a free one, so runs on one machine
+do not collide). Everything else is the README's text, run by bash, with the ``python`` of this environment first on
+``PATH``: the model is the README's, SmolLM2-135M-Instruct's folder from ``python -m triton_offload.models`` (made
+before, by the ``real_model`` fixture: the same cache directory), served without the Hugging Face hub. The answer
+must be the same with and without the host hit, and name Paris. One server start (~1 min on the 2-core CI machine)
+and one refused start (~15 s).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -24,23 +25,24 @@ import urllib.request
 
 import pytest
 from doc_recipes import README, block
-from vllm_harness import add_word_tokenizer, build_tiny_llama, free_port, kill_group, require_engine
+from vllm_harness import free_port, kill_group, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine()]
 if shutil.which("curl") is None or shutil.which("bash") is None:
     pytest.skip("the README's commands need bash and curl", allow_module_level=True)
 
 STARTUP_S = 400
-HOST_BLOCKS_HIT = 4  # 270-word prompt (+ BOS) = 271 tokens: 4 whole host blocks of 64 tokens before the last token
+HOST_BLOCKS_HIT = 4  # the chat prompt is 4 whole host blocks of 64 tokens and a part, before its last token
+MODEL_LINE = "MODEL=$(python -m triton_offload.models)"
 
 
-def as_written(name: str, model: pathlib.Path, port: int) -> str:
-    """The README block ``name`` with its model and port replaced (the two substitutions, both visible here)."""
+def as_written(name: str, port: int) -> str:
+    """The README block ``name`` with its port replaced (the one substitution, visible here)."""
     code = block(name, README)
     first, rest = code.split("\n", 1)
-    assert first.startswith("MODEL="), f"{name}: the block no longer starts with MODEL=...: {first!r}"
+    assert first == MODEL_LINE, f"{name}: the block no longer starts with {MODEL_LINE}: {first!r}"
     assert "8000" in rest, f"{name}: the block no longer uses port 8000"
-    return f"MODEL={model}\n" + rest.replace("8000", str(port))
+    return code.replace("8000", str(port))
 
 
 def environment() -> dict:
@@ -52,14 +54,14 @@ def environment() -> dict:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> pathlib.Path:
-    """The tiny model, servable as the README serves a model: a tokenizer, and 4096 positions (its --max-model-len)."""
-    path = tmp_path_factory.mktemp("quickstart") / "tiny_llama"
-    build_tiny_llama(str(path))
-    add_word_tokenizer(str(path))
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    return path
+def model(real_model) -> pathlib.Path:
+    """The README's model folder, made (or found) by the fixture, so that the server's start is not the one that
+    makes it; the README's own command then prints the same folder."""
+    out = subprocess.run(
+        ["bash", "-c", MODEL_LINE + ' && echo "$MODEL"'], capture_output=True, text=True, env=environment(), timeout=600
+    )
+    assert out.returncode == 0 and out.stdout.strip() == str(real_model), out
+    return real_model
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: pathlib.Path) -> None:
@@ -94,7 +96,7 @@ def served(model, tmp_path_factory):
     log = tmp_path_factory.mktemp("quickstart-log") / "server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            ["bash", "-c", as_written("quickstart:server", model, port)],
+            ["bash", "-c", as_written("quickstart:server", port)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=environment(),
@@ -103,7 +105,7 @@ def served(model, tmp_path_factory):
     try:
         wait_healthy(server, port, log)
         asked = subprocess.run(
-            ["bash", "-c", as_written("quickstart:see-it-work", model, port)],
+            ["bash", "-c", as_written("quickstart:see-it-work", port)],
             capture_output=True,
             text=True,
             env=environment(),
@@ -128,8 +130,13 @@ def test_see_it_work_answers_as_documented(served):
     asked = served["asked"]
     assert asked.returncode == 0, asked.stderr
     lines = asked.stdout.splitlines()
-    answers = [line for line in lines if line.startswith(('"cached_tokens"', '{"success"'))]
-    assert answers == ['"cached_tokens":0', '{"success":true}', '"cached_tokens":256'], asked.stdout
+    answers = [line for line in lines if line.startswith(('"content"', '"cached_tokens"', '{"success"'))]
+    assert len(answers) == 5, asked.stdout
+    print("\n".join(answers))  # the answer and the cached tokens, cold then from the host (pytest -s shows them)
+    cold, hit = answers[0], answers[3]
+    assert answers[1:3] + answers[4:] == ['"cached_tokens":0', '{"success":true}', '"cached_tokens":256'], asked.stdout
+    assert cold == hit and "Paris" in cold, f"the answers differ or miss the point: {cold} / {hit}"
+    assert f"Both answers are `{cold}`" in README.read_text(), f"the README no longer shows the answer {cold}"
     metrics = {}
     for line in lines:
         found = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.e+]+)$", line)
@@ -170,7 +177,7 @@ def test_a_misspelt_key_stops_the_server_before_the_model_loads(model):
     misspells, before any engine process starts (so before the model loads: ~15 s, not ~1 min and a long
     traceback)."""
     port = free_port()
-    script = as_written("quickstart:server", model, port).replace('"block_size": 64', '"eviction_polcy": "arc"')
+    script = as_written("quickstart:server", port).replace('"block_size": 64', '"eviction_polcy": "arc"')
     assert "eviction_polcy" in script
     t0 = time.monotonic()
     out = subprocess.run(

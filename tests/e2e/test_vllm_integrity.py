@@ -10,7 +10,9 @@ on loopback), and a p2p producer whose CPU tier is changed before a consumer fet
 (tests/e2e/vllm_tiering_driver.py ``--scramble-region``). With ``kv_load_failure_policy = "recompute"`` every request
 gives the tokens of an engine without offloading (its prompt's cold run); with ``"fail"`` the request fails and the log
 names the request, the GPU and host blocks and the tier. The failed checks are counted, a failed block becomes a miss
-(never loaded again), and intact blocks always load.
+(never loaded again), and intact blocks always load. The "recompute" engines of the host cache and of the fs and obj
+tiers, and the engine without the checks, run the real model (SmolLM2-135M-Instruct) on real text: a corrupted block
+gives exactly the cold run's text, and without the checks another text; the others run the tiny model.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ CHUNK = 2 * GPU_BLOCK  # the tiering engines' chunk: 2 GPU blocks, 3 chunks per 
 
 def run(model, scenario: str, policy: str, *extra: str, timeout: int = 400) -> dict:
     args = ["--model", str(model), "--scenario", scenario, "--policy", policy, *extra]
-    return vllm_harness.run_driver(DRIVER, args, "INTEGRITY_RESULT", timeout=timeout)
+    return vllm_harness.run_driver(DRIVER, args, "INTEGRITY_RESULT", timeout=timeout, env=vllm_harness.IN_PROCESS)
 
 
 def rounds(result: dict) -> dict[str, dict]:
@@ -64,8 +66,8 @@ def s3_tier(endpoint: str, bucket: str | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def host_recompute(tiny_model):
-    return run(tiny_model, "host", "recompute")
+def host_recompute(real_model):
+    return run(real_model, "host", "recompute")
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +95,20 @@ def s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiers_recompute(tiny_model, s3, tmp_path_factory):
+def tiers_recompute(real_model, s3, tmp_path_factory):
     tiers = [fs_tier(tmp_path_factory.mktemp("fs") / "kv")]
     if s3 is not None:
         tiers.append(s3_tier(s3))
-    return run(tiny_model, "tiers", "recompute", "--block-size", str(CHUNK), "--tiers", json.dumps(tiers))
+    return run(real_model, "tiers", "recompute", "--block-size", str(CHUNK), "--tiers", json.dumps(tiers))
+
+
+def assert_cold_text(result: dict, *labels: str) -> None:
+    """The real model's rounds ``labels`` wrote exactly their prompt's cold text (a real text, not empty)."""
+    assert result["model"] == "real"
+    r = rounds(result)
+    cold = {x["prompt"]: x["text"] for x in reversed(result["rounds"])}  # each prompt's first round: its cold run
+    for label in labels:
+        assert r[label]["text"] and r[label]["text"] == cold[r[label]["prompt"]], (label, r[label], cold)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +136,7 @@ def test_a_flipped_bit_in_a_host_block_is_recomputed_and_the_block_becomes_a_mis
     next run loads the first block and recomputes and stores the rest, and the one after loads all of it again."""
     r = rounds(host_recompute)
     assert all(x["match"] and x["finish"] == "length" and not x["trigger_left"] for x in r.values()), r
+    assert_cold_text(host_recompute, "intact", "corrupted", "after", "healed")
     assert [r[k]["cached"] for k in ("cold", "intact", "after", "healed")] == [0, 192, GPU_BLOCK, 192]
     metrics = host_recompute["metrics"]
     assert metrics[FAILED] == 1 and metrics[UNCHECKED] == 0
@@ -159,6 +171,7 @@ def test_a_same_size_corrupted_fs_file_is_recomputed(tiers_recompute):
     r = rounds(tiers_recompute)
     assert r["from_fs"]["cached"] == 192 and r["from_fs"]["match"]
     assert r["fs_corrupted"]["match"] and r["fs_again"]["match"]
+    assert_cold_text(tiers_recompute, "from_fs", "fs_corrupted", "fs_again")
     assert r["fs_again"]["cached"] == 0
     assert all(c["size"] == tiers_recompute["corrupted"]["fs"][0]["size"] for c in tiers_recompute["corrupted"]["fs"])
     # The first 256 bytes of each file are in its chunk's first GPU block: 3 blocks fail (and one more object's).
@@ -174,6 +187,7 @@ def test_a_changed_object_in_the_s3_store_is_recomputed(tiers_recompute):
     r = rounds(tiers_recompute)
     assert r["cold2"]["cached"] == 0
     assert r["obj_corrupted"]["match"], r["obj_corrupted"]
+    assert_cold_text(tiers_recompute, "obj_corrupted")
     assert tiers_recompute["corrupted"]["obj"]["offset"] == 100
     lines = [line for line in tiers_recompute["log"].splitlines() if "failed their integrity check" in line]
     assert len(lines) == 2, lines  # the fs round's and this one's
@@ -209,16 +223,18 @@ def test_with_fail_a_changed_object_in_the_s3_store_fails_the_request(tiers_fail
     assert tiers_fail["metrics"][FAILED] == 3 + 1
 
 
-def test_without_the_checks_a_same_size_corrupted_file_changes_the_tokens(tiny_model, tmp_path):
+def test_without_the_checks_a_same_size_corrupted_file_changes_the_tokens(real_model, tmp_path):
     """What the checks are for (issue 41): the same rounds with integrity = "off": the changed files are loaded as they
-    are and the tokens differ from the cold run's, with no error anywhere."""
+    are and the real model writes another text than the cold run's, with no error anywhere."""
     tiers = [fs_tier(tmp_path / "kv")]
     result = run(
-        tiny_model, "tiers", "recompute", "--integrity", "off", "--block-size", str(CHUNK), "--tiers", json.dumps(tiers)
+        real_model, "tiers", "recompute", "--integrity", "off", "--block-size", str(CHUNK), "--tiers", json.dumps(tiers)
     )
     r = rounds(result)
     assert r["from_fs"]["match"] and r["from_fs"]["cached"] == 192
+    assert_cold_text(result, "from_fs")
     assert r["fs_corrupted"]["cached"] == 192 and not r["fs_corrupted"]["match"]
+    assert r["fs_corrupted"]["text"] != r["cold"]["text"], r["fs_corrupted"]
     assert "integrity check" not in result["log"]
 
 

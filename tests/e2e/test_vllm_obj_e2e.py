@@ -1,14 +1,15 @@
 """End to end: an ``obj`` tier (KV chunks as S3 objects through NIXL's OBJ plugin) against a real S3 protocol server
 that the test starts on 127.0.0.1 (moto's server mode), every engine with ``TritonTieringOffloadingSpec``.
 
-Engine A (chunk = 2 GPU blocks) serves a 200-token prompt cold with two secondary tiers, the object store and an
-``fs`` directory, and exits once both hold its 3 chunks. Engine B, a fresh process with an empty CPU tier and only the
-object store, serves the same prompt: all 192 whole-block tokens come back from the objects through our kernel, with
-A's greedy tokens. The tier is :class:`triton_offload.connector.obj_tier.ObjectStoreTier` (vLLM 0.32's obj tier dies at
-its first finished transfer; this is it with vLLM 0.33's two changes), so its object names are vLLM 0.33's, which are
-the ``fs`` tier's file names under the tier's ``prefix``: the test checks that, and that each object holds exactly the
-bytes of the file (one chunk row of the CPU tier). An endpoint nobody listens on stops the engine at startup, naming it.
-The tier entry is docs/tiering.md's recipe, read from the page; the S3 server is started as the recipe starts it
+Engine A (chunk = 2 GPU blocks) serves a 200-token prompt cold with two secondary tiers, the object store and an ``fs``
+directory, and exits once both hold its 3 chunks. Engine B, a fresh process with an empty CPU tier and only the object
+store, serves the same prompt: all 192 whole-block tokens come back from the objects through our kernel, with A's greedy
+tokens and text (both run the real model, SmolLM2-135M-Instruct, on real text). The tier is
+:class:`triton_offload.connector.obj_tier.ObjectStoreTier` (vLLM 0.32's obj tier dies at its first finished transfer;
+this is it with vLLM 0.33's two changes), so its object names are vLLM 0.33's, which are the ``fs`` tier's file names
+under the tier's ``prefix``: the test checks that, and that each object holds exactly the bytes of the file (one chunk
+row of the CPU tier). An endpoint nobody listens on stops the engine at startup, naming it. The tier entry is
+docs/tiering.md's recipe, read from the page; the S3 server is started as the recipe starts it
 (tests/unit/test_readme.py checks the two agree).
 """
 
@@ -26,7 +27,6 @@ import vllm_harness
 from doc_recipes import recipe_json
 from vllm_harness import (
     GPU_BLOCK,
-    GPU_BLOCK_BYTES,
     assert_shm_released,
     free_port,
     kill_group,
@@ -100,15 +100,15 @@ def s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model, s3, tmp_path_factory):
+def pair(real_model, s3, tmp_path_factory):
     root = tmp_path_factory.mktemp("fs")
     fs = {"type": "fs", "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
     common = ["--block-size", str(BLOCK_SIZE)]
     a = vllm_harness.run_tiering(
-        tiny_model, *common, "--tiers", json.dumps([obj_tier(s3), fs]), "--wait-stored", str(CHUNKS)
+        real_model, *common, "--tiers", json.dumps([obj_tier(s3), fs]), "--wait-stored", str(CHUNKS)
     )
     b = vllm_harness.run_tiering(
-        tiny_model, *common, "--tiers", json.dumps([obj_tier(s3)]), env=vllm_harness.KEEP_WORKER_TOTALS
+        real_model, *common, "--tiers", json.dumps([obj_tier(s3)]), env=vllm_harness.KEEP_WORKER_TOTALS
     )
     return a, b, root
 
@@ -119,9 +119,10 @@ def test_b_loads_the_whole_prefix_from_the_objects_with_a_tokens(pair):
     assert a_out["cached"] == 0, "A runs cold"
     assert b_out["cached"] == 192, "B should find all 6 GPU blocks of the prefix in the object store"
     assert b_out["tokens"] == a_out["tokens"], "greedy tokens differ: the KV loaded back is not A's"
+    assert a_out["text"] and b_out["text"] == a_out["text"], (a_out, b_out)
     assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:ObjectStoreTier}"] == CHUNKS
     assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
-    assert "'load_jobs': 1," in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}," in b["log"]
+    assert "'load_jobs': 1," in b["log"] and f"'loaded_bytes': {6 * b['block_bytes']}," in b["log"]
 
 
 def test_objects_are_named_and_filled_like_the_fs_tier_files(pair, s3):
@@ -134,7 +135,7 @@ def test_objects_are_named_and_filled_like_the_fs_tier_files(pair, s3):
     client = boto3.client("s3", **client_args(s3))
     for name in files:
         body = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}")["Body"].read()
-        assert len(body) == 2 * GPU_BLOCK_BYTES, "one row: 2 GPU blocks of the whole model (no padding here)"
+        assert len(body) == 2 * a["block_bytes"], "one row: 2 GPU blocks of the whole model (no padding here)"
         assert body == (root / name).read_bytes(), f"{name}: the object's bytes differ from the fs tier's file"
 
 

@@ -20,7 +20,8 @@ The consumers' failing requests come after their successful ones on purpose: vLL
 other sessions ~10-16 s after it tried a peer that refused the connection (a ZMQ monitor closed under a lingering
 DEALER; see docs/tiering.md), and a lookup waiting on such a session never ends.
 
-Every request's greedy tokens must equal the cold tokens A1 computed (a wrong byte loaded changes them); hits are
+Every engine runs the real model (SmolLM2-135M-Instruct) on real text: every request's greedy tokens, so its text,
+must equal those A1 computed cold (a wrong byte loaded changes them); hits are
 counted by vLLM (cached tokens, ``source=p2p``) and by our workers' totals; every engine's ``/dev/shm`` files are
 gone once it has exited or been killed.
 """
@@ -37,7 +38,6 @@ import pytest
 from doc_recipes import recipe_env, recipe_json
 from vllm_harness import (
     GPU_BLOCK,
-    GPU_BLOCK_BYTES,
     TIERING_DRIVER,
     TIERING_RESULT,
     Background,
@@ -121,7 +121,7 @@ def start(
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model, tmp_path_factory):
+def run(real_model, tmp_path_factory):
     """The four engines' results (the scenario above), each with its log and ``/dev/shm`` files."""
     tmp = tmp_path_factory.mktemp("p2p")
     marker = tmp / "stalled"
@@ -129,14 +129,14 @@ def run(tiny_model, tmp_path_factory):
     prompts = [{"prompt": p} for p in (1, 2, 3, 4)]
     engines = []
     try:
-        a1, a1_out, a1_port = start("A1", tiny_model, GPU_BLOCK, prompts, tmp, serve=True, env=env)
+        a1, a1_out, a1_port = start("A1", real_model, GPU_BLOCK, prompts, tmp, serve=True, env=env)
         engines.append(a1)
-        a3, a3_out, a3_port = start("A3", tiny_model, 3 * GPU_BLOCK, prompts[:3], tmp, serve=True, env=env, stalls=True)
+        a3, a3_out, a3_port = start("A3", real_model, 3 * GPU_BLOCK, prompts[:3], tmp, serve=True, env=env, stalls=True)
         engines.append(a3)
         dead_port = free_port()  # nobody listens there
 
         b1_requests = [fetch(1, "b1-1", a1_port), fetch(2, "b1-2", a3_port), fetch(4, "b1-4", dead_port)]
-        b1, b1_out, _ = start("B1", tiny_model, GPU_BLOCK, b1_requests, tmp, serve=False, env=env)
+        b1, b1_out, _ = start("B1", real_model, GPU_BLOCK, b1_requests, tmp, serve=False, env=env)
         engines.append(b1)
         assert b1.wait(120) == 0
         (tmp / "A1.stop").touch()
@@ -159,7 +159,7 @@ def run(tiny_model, tmp_path_factory):
         killer.start()
         b3_requests = [fetch(1, "b3-1", a3_port), fetch(3, "stall-b3-3", a3_port)]
         try:
-            b3, b3_out, _ = start("B3", tiny_model, 3 * GPU_BLOCK, b3_requests, tmp, serve=False, env=env)
+            b3, b3_out, _ = start("B3", real_model, 3 * GPU_BLOCK, b3_requests, tmp, serve=False, env=env)
             engines.append(b3)
             assert b3.wait(120) == 0
         finally:
@@ -196,11 +196,12 @@ def test_a_consumer_gets_the_producers_prefix_over_p2p_with_its_tokens(run, cons
     first = b["requests"][0]
     assert first["prompt"] == 1 and first["cached"] == HIT, f"{consumer} should fetch all 6 GPU blocks from its peer"
     assert first["tokens"] == tokens(run["A1"])[1], "greedy tokens differ: the KV fetched is not the producer's"
+    assert first["text"] and first["text"] == run["A1"]["requests"][0]["text"]
     metrics = b["metrics"]
     assert metrics["vllm:prompt_tokens_cached_by_source{source=p2p}"] == HIT
     assert metrics["vllm:kv_offload_tiering_chunk_hits{tier=1:P2PTier}"] == found
     # Fetched into the CPU tier by NIXL, then to the GPU by our kernel: one load job of 6 GPU blocks, nothing else.
-    assert "'load_jobs': 1," in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}," in b["log"]
+    assert "'load_jobs': 1," in b["log"] and f"'loaded_bytes': {6 * b['block_bytes']}," in b["log"]
 
 
 def test_a_peer_with_another_chunk_size_is_refused_and_nothing_of_it_is_loaded(run):
@@ -210,7 +211,7 @@ def test_a_peer_with_another_chunk_size_is_refused_and_nothing_of_it_is_loaded(r
     assert refused["tokens"] == tokens(run["A1"])[2]
     rejections = [line for line in b1["log"].splitlines() if "rejecting peer connect: block_len mismatch" in line]
     assert rejections, "B1 did not refuse A3's connect"
-    assert f"remote={3 * GPU_BLOCK_BYTES}, local={GPU_BLOCK_BYTES}" in rejections[0]
+    assert f"remote={3 * b1['block_bytes']}, local={b1['block_bytes']}" in rejections[0]
     assert refused["seconds"] < FALLBACK_BOUND_S
 
 

@@ -1,15 +1,15 @@
 """End to end: two vLLM engines (CPU platform), one after the other, sharing nothing but an ``fs`` tier directory.
 
-Engine A serves a 200-token prompt cold and exits once its chunks have cascaded GPU -> CPU tier -> files. Engine B,
-a fresh process with an empty CPU tier and the same ``root_dir``, serves the same prompt: its prefix must be promoted
-from the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 GPU blocks of 32, the last prompt
-token is always recomputed), with A's greedy tokens (a wrong byte changes them: tests/e2e/vllm_e2e_driver.py's tiny
-Llama). A and B run ``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that
-writes vLLM's native layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region
-file must be gone once it exits. Both run with umask 022 and a ``root_dir`` that does not exist yet, under a
-world-readable directory: our spec creates it 0700, so no KV file is readable by other users (vLLM's own spec, as A
-of the native case, leaves them 0644 in 0755 directories, and B then warns). One process per engine:
-tests/e2e/vllm_tiering_driver.py.
+Engine A serves a 200-token prompt cold and exits once its chunks have cascaded GPU -> CPU tier -> files. Engine B, a
+fresh process with an empty CPU tier and the same ``root_dir``, serves the same prompt: its prefix must be promoted from
+the files into its CPU tier and loaded by our kernel (192 cached tokens: 6 GPU blocks of 32, the last prompt token is
+always recomputed), with A's greedy tokens (a wrong byte changes them: tests/e2e/vllm_e2e_driver.py's tiny Llama; the
+ours cases run the real model, SmolLM2-135M-Instruct, on real text, and compare A's and B's text). A and B run
+``TritonTieringOffloadingSpec``, or A runs vLLM's own tiering spec with a test-only worker that writes vLLM's native
+layout through its region views (vLLM's real worker needs CUDA). Each engine's shared region file must be gone once it
+exits. Both run with umask 022 and a ``root_dir`` that does not exist yet, under a world-readable directory: our spec
+creates it 0700, so no KV file is readable by other users (vLLM's own spec, as A of the native case, leaves them 0644 in
+0755 directories, and B then warns). One process per engine: tests/e2e/vllm_tiering_driver.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import stat
 import pytest
 import vllm_harness
 from permissions import exposed_below
-from vllm_harness import GPU_BLOCK_BYTES, assert_shm_released, region_files, require_engine
+from real_model import private_copy
+from vllm_harness import assert_shm_released, region_files, require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *require_engine("vllm.v1.kv_offload.tiering.spec")]
 
@@ -50,20 +51,26 @@ def a_then_b(
 
 
 CASES = {  # block size, A's spec, the numa_node of our engines (None: the default, 'auto')
-    "ours-f1": (32, "ours", None),  # host block (chunk) = GPU block
-    "ours-f2": (64, "ours", 0),  # chunk = 2 GPU blocks
+    "ours-f1": (32, "ours", None),  # host block (chunk) = GPU block; the real model (a copy: the variants below)
+    "ours-f2": (64, "ours", 0),  # chunk = 2 GPU blocks; the real model
     "native-f2": (64, "native", "off"),  # A writes vLLM's native layout
 }
+REAL = {"ours-f1", "ours-f2"}  # the cases that run the real model on real text
+MODELS: dict[str, pathlib.Path] = {}  # each case's model folder
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tiny_model, tmp_path_factory):
+def pair(request, tmp_path_factory):
     """The case's name, A's and B's results and the world-readable directory that holds the (missing) root_dir."""
     block_size, writer, numa_node = CASES[request.param]
+    model = request.getfixturevalue("real_model" if request.param in REAL else "tiny_model")
+    if request.param == "ours-f1":  # the variants change its config.json in place: a copy of its own
+        model = private_copy(model, tmp_path_factory.mktemp("model") / model.name)
+    MODELS[request.param] = model
     shared = tmp_path_factory.mktemp(request.param) / "shared"
     shared.mkdir()
     shared.chmod(0o755)
-    a, b = a_then_b(tiny_model, shared / "kv" / "cache", block_size, writer, numa_node)
+    a, b = a_then_b(model, shared / "kv" / "cache", block_size, writer, numa_node)
     return request.param, a, b, shared
 
 
@@ -73,10 +80,11 @@ def test_b_loads_the_whole_prefix_from_the_files_with_a_tokens(pair):
     assert a_out["cached"] == 0, "A runs cold"
     assert b_out["cached"] == 192, f"{name}: B should find all 6 GPU blocks of the prefix in the fs tier"
     assert b_out["tokens"] == a_out["tokens"], f"{name}: greedy tokens differ: the KV loaded back is not A's"
+    assert b_out["text"] == a_out["text"] and (bool(a_out["text"]) == (name in REAL)), (a_out, b_out)
     # Promoted from the files (vLLM's tiering metrics), then moved to the GPU by our kernel (our worker's totals).
     assert b["metrics"]["vllm:kv_offload_tiering_chunk_hits{tier=1:fs}"] == 192 // a["block_size"]
     assert b["metrics"]["vllm:prompt_tokens_cached_by_source{source=disk}"] == 192
-    assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * GPU_BLOCK_BYTES}" in b["log"]
+    assert "'load_jobs': 1" in b["log"] and f"'loaded_bytes': {6 * b['block_bytes']}" in b["log"]
 
 
 def test_every_process_of_both_engines_logs_one_configuration_fingerprint(pair):
@@ -146,7 +154,7 @@ def test_missing_root_dir_stops_the_engine_at_startup_naming_the_key(tiny_model,
 # changed in place as a deployment edits it, and put back after. "off" writes under vLLM's namespace alone, and
 # "off-rope" then shows what the fingerprint prevents (the other RoPE's KV loaded, and another answer than its own),
 # and that these in-process engines do load what they find.
-STALE_ROPE = {"rope_parameters": {"rope_theta": 100.0}}  # the tiny Llama's is 10000
+STALE_ROPE = {"rope_parameters": {"rope_theta": 100.0}}  # SmolLM2's is 100000
 VARIANTS = [
     {"name": "rope", "config": STALE_ROPE},
     {"name": "kv_dtype", "engine": {"kv_cache_dtype": "bfloat16"}},
@@ -157,16 +165,15 @@ VARIANTS = [
 
 
 @pytest.fixture(scope="module")
-def variants(pair, tiny_model):
+def variants(pair):
     name, a, _, shared = pair
     assert name == "ours-f1"
     out = run_engine(
-        tiny_model,
+        MODELS[name],
         shared / "kv" / "cache",
         32,
         "--variants",
         json.dumps(VARIANTS),
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
     (a_out,) = a["requests"]
     return a_out, {v["name"]: v["requests"][0] for v in out["variants"]}, out["log"]
@@ -188,8 +195,8 @@ def test_without_the_fingerprint_the_stale_kv_is_loaded_and_changes_the_answer(v
     blocks written under the first (192 cached tokens) and answers otherwise than cold: the bug the fingerprint
     prevents, so the misses above are its doing."""
     a, runs, log = variants
-    assert runs["rope"]["tokens"] != a["tokens"], "the RoPE change must change the answer"
+    assert runs["rope"]["text"] != a["text"], "the RoPE change must change the answer"
     assert runs["off"]["cached"] == 0 and runs["off-rope"]["cached"] == 192
-    assert runs["off-rope"]["tokens"] != runs["rope"]["tokens"], "stale KV loaded, yet the engine's own answer"
+    assert runs["off-rope"]["text"] != runs["rope"]["text"], "stale KV loaded, yet the engine's own answer"
     assert "config_fingerprint = 'off': the tiers' namespace is vLLM's alone" in log
     assert '"rope_theta":100.0' in log, "the fingerprint logged at startup shows the changed field"

@@ -2,13 +2,15 @@
 
 Used by tests/e2e/test_vllm_e2e.py, one subprocess per configuration (vLLM takes ~15 s to start, so each configuration
 runs all its scenarios in one ``LLM``). Prints ``E2E_RESULT {json}``: per probe, the cached tokens vLLM reports
-(device prefix cache plus offload hits) and whether the greedy tokens equal those of the prompt's cold run.
+(device prefix cache plus offload hits), whether the greedy tokens equal those of the prompt's cold run, and with
+``--model`` (the real model: real text prompts) the text.
 
 From the repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_harness):
 
     python tests/e2e/vllm_e2e_driver.py --config f1    # host block = GPU block, budget of 14 host blocks: eviction
     python tests/e2e/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
     python tests/e2e/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
+    python tests/e2e/vllm_e2e_driver.py --config f1 --model "$(python -m triton_offload.models)"  # the real model
 """
 
 from __future__ import annotations
@@ -23,55 +25,71 @@ import time
 
 from vllm_harness import (
     GPU_BLOCK,
-    GPU_BLOCK_BYTES,
+    block_bytes,
     build_tiny_llama,
+    is_real,
     offload_metrics,
+    output,
     print_result,
+    prompt_ids,
     shutdown,
     tiny_llm,
 )
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 
-CONFIGS = {
-    # Host block = GPU block; room for 14 host blocks, fewer than three prompts of 6 blocks each.
-    "f1": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * GPU_BLOCK_BYTES, "eviction_policy": "lru"},
-    # Host block = 2 GPU blocks; a budget given as a string, ample for every prompt here.
-    "f2": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": "16MiB", "num_ctas": 4},
-    # A hybrid model (sliding window + full attention), host block = 2 GPU blocks, a host region per KV-cache group:
-    # room for 5 rows, fewer than the 3 + 3 full-attention keys of two prompts (one row also holds a sliding-window
-    # key): the second prompt's store evicts the first's tail, in its group's pool only.
-    "hybrid": {
-        "block_size": 2 * GPU_BLOCK,
-        "cpu_bytes_to_use": 5 * 4 * GPU_BLOCK_BYTES // 2,
-        "host_regions": "per_group",
-    },
-}
+
+def configs(block: int) -> dict[str, dict]:
+    """The configurations for a model of ``block`` KV bytes per GPU block (vllm_harness.block_bytes)."""
+    return {
+        # Host block = GPU block; room for 14 host blocks, fewer than three prompts of 6 blocks each.
+        "f1": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * block, "eviction_policy": "lru"},
+        # Host block = 2 GPU blocks; a budget given as a string, ample for every prompt here (11 rows of the real
+        # model are stored: 31 MiB).
+        "f2": {
+            "block_size": 2 * GPU_BLOCK,
+            "cpu_bytes_to_use": "16MiB" if block <= 1 << 16 else "64MiB",
+            "num_ctas": 4,
+        },
+        # A hybrid model (sliding window + full attention), host block = 2 GPU blocks, a host region per KV-cache
+        # group: room for 5 rows, fewer than the 3 + 3 full-attention keys of two prompts (one row also holds a
+        # sliding-window key): the second prompt's store evicts the first's tail, in its group's pool only.
+        "hybrid": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": 5 * 4 * block // 2, "host_regions": "per_group"},
+    }
+
+
+CONFIG_NAMES = ("f1", "f2", "hybrid")
 # The hybrid model's sliding window, in tokens (2 GPU blocks).
 SLIDING_WINDOW = 2 * GPU_BLOCK
 
 
 class Runner:
-    def __init__(self, llm, seed: int):
+    def __init__(self, llm, seed: int, model_dir: str):
         from vllm import SamplingParams
 
-        self.llm = llm
+        self.llm, self.model_dir, self.real = llm, model_dir, is_real(model_dir)
         self.rng = random.Random(seed)
-        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        self.seed = seed
+        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=self.real)
         self.cold: dict[str, list[int]] = {}  # prompt name -> tokens of its first run
         self.probes: list[dict] = []
 
     def prompt(self, prefix: list[int] = (), length: int = PROMPT_LEN) -> list[int]:
+        """The next prompt: real text from the next passage on (the real model), else random ids."""
+        if self.real:
+            self.seed += 1
+            return prompt_ids(self.model_dir, self.seed, length, prefix)
         return list(prefix) + [self.rng.randrange(3, 512) for _ in range(length - len(prefix))]
 
     def run(self, label: str, name: str, ids: list[int]) -> dict:
         """Generates for one prompt; the first run of a name is its reference, later runs are compared to it."""
         from vllm.inputs import TokensPrompt
 
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0]
-        tokens = list(out.outputs[0].token_ids)
-        ref = self.cold.setdefault(name, tokens)
-        probe = {"label": label, "prompt": name, "cached": out.num_cached_tokens, "match": tokens == ref}
+        out = output(self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0])
+        ref = self.cold.setdefault(name, out["tokens"])
+        probe = {"label": label, "prompt": name, "cached": out["cached"], "match": out["tokens"] == ref}
+        if self.real:
+            probe["text"] = out["text"]
         self.probes.append(probe)
         return probe
 
@@ -123,26 +141,34 @@ SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid}
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    ap.add_argument("--config", choices=CONFIG_NAMES, required=True)
+    ap.add_argument("--model", help="a model folder (the real model) instead of the tiny model built here")
     ap.add_argument("--spec-module-path", default=None, help="use spec_module_path instead of the plugin's name")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    extra = {"spec_name": "TritonOffloadingSpec", **CONFIGS[args.config], **json.loads(args.extra)}
-    if args.spec_module_path:
-        extra["spec_module_path"] = args.spec_module_path
-    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
-        build_tiny_llama(model_dir, sliding_window=SLIDING_WINDOW if args.config == "hybrid" else None)
+    if args.model and args.config == "hybrid":
+        ap.error("--config hybrid builds its own (hybrid) tiny model")
+    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as scratch:
+        model_dir = args.model or scratch
+        if not args.model:
+            build_tiny_llama(model_dir, sliding_window=SLIDING_WINDOW if args.config == "hybrid" else None)
+        block = block_bytes(model_dir)
+        extra = {"spec_name": "TritonOffloadingSpec", **configs(block)[args.config], **json.loads(args.extra)}
+        if args.spec_module_path:
+            extra["spec_module_path"] = args.spec_module_path
         t_model = time.perf_counter()
         llm = tiny_llm(model_dir, extra)
         t_llm = time.perf_counter()
-        runner = Runner(llm, seed=1)
+        runner = Runner(llm, seed=1, model_dir=model_dir)
         SCENARIOS[args.config](runner)
         t_runs = time.perf_counter()
         metrics = offload_metrics(llm)
         result = {
             "config": args.config,
+            "model": "real" if runner.real else "tiny",
+            "block_bytes": block,
             "extra_config": extra,
             "probes": runner.probes,
             "metrics": metrics,

@@ -9,8 +9,9 @@ repository root, with tests/ on PYTHONPATH (the drivers import the shared vllm_h
     python tests/e2e/vllm_integrity_driver.py --model M --scenario tiers --policy fail --tiers '[{"type": "fs", ...}]'
 
 Every prompt's first run is cold (nothing cached): its tokens are those of an engine without offloading, which every
-later run of it must give again. Per round: the label, the greedy tokens, whether they equal the cold ones, the tokens
-vLLM reports cached, the finish reason, or the error it raised.
+later run of it must give again. A real model's folder (triton_offload.models) as ``--model`` gets real text prompts
+(tests/texts.py). Per round: the label, the greedy tokens (and the real model's text), whether they equal the cold
+ones, the tokens vLLM reports cached, the finish reason, or the error it raised.
 """
 
 from __future__ import annotations
@@ -19,13 +20,22 @@ import argparse
 import glob
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
 import time
 
-from vllm_harness import GPU_BLOCK, offload_metrics, print_result, shutdown, tiny_llm
+from vllm_harness import (
+    GPU_BLOCK,
+    block_bytes,
+    is_real,
+    offload_metrics,
+    output,
+    print_result,
+    prompt_ids,
+    shutdown,
+    tiny_llm,
+)
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 RESULT = "INTEGRITY_RESULT"
@@ -37,11 +47,11 @@ SPECS = {
 
 
 class Rounds:
-    def __init__(self, llm, trigger: str):
+    def __init__(self, llm, trigger: str, model: str):
         from vllm import SamplingParams
 
-        self.llm, self.trigger = llm, trigger
-        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        self.llm, self.trigger, self.model = llm, trigger, model
+        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=is_real(model))
         self.cold: dict[int, list[int]] = {}
         self.rounds: list[dict] = []
 
@@ -55,16 +65,13 @@ class Rounds:
         if corrupt is not None:
             with open(self.trigger, "w") as f:
                 json.dump(corrupt, f)
-        rng = random.Random(seed)
-        ids = [rng.randrange(3, 512) for _ in range(PROMPT_LEN)]
+        ids = prompt_ids(self.model, seed, PROMPT_LEN)
         entry = {"label": label, "prompt": seed}
         try:
-            out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0]
-            tokens = list(out.outputs[0].token_ids)
-            entry |= {"tokens": tokens, "cached": out.num_cached_tokens, "finish": out.outputs[0].finish_reason}
+            entry |= output(self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0])
             if seed not in self.cold:
-                self.cold[seed] = tokens
-            entry["match"] = tokens == self.cold[seed]
+                self.cold[seed] = entry["tokens"]
+            entry["match"] = entry["tokens"] == self.cold[seed]
         except Exception as e:  # a failed request surfaces here in some vLLM versions
             entry |= {"error": f"{type(e).__name__}: {e}"}
         entry["trigger_left"] = os.path.exists(self.trigger)  # an order no load carried out
@@ -180,7 +187,7 @@ def main(argv=None) -> int:
     extra = {
         **SPECS[args.scenario],
         "block_size": args.block_size,
-        "cpu_bytes_to_use": 4 << 20,
+        "cpu_bytes_to_use": max(4 << 20, 32 * block_bytes(args.model)),  # 64 tiny GPU blocks, 32 of the real model
         "integrity": args.integrity,
     }
     if args.scenario == "tiers":
@@ -197,11 +204,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     llm = tiny_llm(args.model, None, kv_transfer_config=transfer)
     t_start = time.perf_counter()
-    rounds = Rounds(llm, trigger)
+    rounds = Rounds(llm, trigger, args.model)
     corruptions = SCENARIOS[args.scenario](rounds, args)
     result = {
         "scenario": args.scenario,
         "policy": args.policy,
+        "model": "real" if is_real(args.model) else "tiny",
         "rounds": rounds.rounds,
         "corrupted": corruptions,
         "metrics": offload_metrics(llm),

@@ -16,8 +16,10 @@ from the repository root with tests/ on PYTHONPATH: the drivers import the share
         "remote_host": "127.0.0.1", "remote_port": 5701}}}]'
 
 ``--spec native`` runs vLLM's own TieringOffloadingSpec with a test-only worker that writes vLLM's native layout
-through its region views (tests/e2e/vllm_native_tiering.py). Prints ``TIERING_RESULT {json}``: per request the greedy
-tokens, the cached tokens vLLM reports, its finish reason and the seconds it took; the chunks each tier holds (fs:
+through its region views (tests/e2e/vllm_native_tiering.py). A real model's folder (triton_offload.models) as
+``--model`` gets real text prompts (tests/texts.py). Prints ``TIERING_RESULT {json}``: per request the greedy
+tokens (and the real model's text), the cached tokens vLLM reports, its finish reason and the seconds it took; the
+model's KV bytes per GPU block; the chunks each tier holds (fs:
 files, obj: objects; null for others), the labelled cache-hit metrics (and the integrity checks' counters) and the
 ``/dev/shm`` files the engine's processes use. ``--variants`` runs several engines one after the other in this process
 (vLLM's in-process engine), each with its own changes to the model's config.json (made in place, undone after it), to
@@ -33,7 +35,18 @@ import os
 import sys
 import time
 
-from vllm_harness import GPU_BLOCK, TIERING_RESULT, dump_stacks_on_request, print_result, shm_files, tiny_llm
+from vllm_harness import (
+    GPU_BLOCK,
+    TIERING_RESULT,
+    block_bytes,
+    dump_stacks_on_request,
+    is_real,
+    output,
+    print_result,
+    prompt_ids,
+    shm_files,
+    tiny_llm,
+)
 
 PROMPT_LEN = 200  # 6 full GPU blocks; vLLM always recomputes the last prompt token
 SPECS = {
@@ -43,12 +56,9 @@ SPECS = {
 STEP_PAUSE_S = 0.01  # a serving producer's pause between engine steps (see --serve-until)
 
 
-def prompt(seed: int = 1) -> list[int]:
-    """A ``PROMPT_LEN``-token prompt; prompts of different seeds share no leading block."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(PROMPT_LEN)]
+def prompt(model: str, seed: int = 1) -> list[int]:
+    """A ``PROMPT_LEN``-token prompt for ``model``; prompts of different seeds share no leading block."""
+    return prompt_ids(model, seed, PROMPT_LEN)
 
 
 def stored_chunks(tier: dict) -> list[str] | None:
@@ -102,23 +112,24 @@ def engine(args, extra: dict, **overrides):
     return tiny_llm(args.model, None, kv_transfer_config=transfer, **overrides)
 
 
-def serve(llm, requests: list[dict]) -> list[dict]:
-    """Serves each request one after the other: its greedy tokens, cached tokens, finish reason and time."""
+def serve(llm, requests: list[dict], model: str) -> list[dict]:
+    """Serves each request one after the other: its greedy tokens (and a real model's text), cached tokens, finish
+    reason and time."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     served = []
     for request in requests:
         extra_args = {"kv_transfer_params": request["kv_transfer_params"]} if "kv_transfer_params" in request else None
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, extra_args=extra_args)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=is_real(model), extra_args=extra_args
+        )
         t = time.monotonic()  # CLOCK_MONOTONIC: comparable with other processes' on this machine
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(request["prompt"]))], params, use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(model, request["prompt"]))], params, use_tqdm=False)
         served.append(
             {
                 "prompt": request["prompt"],
-                "tokens": list(out.outputs[0].token_ids),
-                "cached": out.num_cached_tokens,
-                "finish": out.outputs[0].finish_reason,
+                **output(out[0]),
                 "seconds": round(time.monotonic() - t, 2),
                 "span": [t, time.monotonic()],
             }
@@ -178,7 +189,7 @@ def variant(args, extra: dict, spec: dict, tiers: list[dict]) -> dict:
             json.dump(_merge(json.loads(original), spec.get("config", {})), f, indent=2)
         t0 = time.perf_counter()
         llm = engine(args, {**extra, **spec.get("extra", {})}, **spec.get("engine", {}))
-        served = serve(llm, json.loads(args.requests))
+        served = serve(llm, json.loads(args.requests), args.model)
         wait_stored(llm, tiers, spec.get("wait_stored", 0))
         result = {"name": spec["name"], "requests": served, "stored": [stored_chunks(t) for t in tiers]}
         result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -242,7 +253,8 @@ def main(argv=None) -> int:
     extra = {
         **SPECS[args.spec],
         "block_size": args.block_size,
-        "cpu_bytes_to_use": 4 << 20,
+        # 64 tiny GPU blocks; 32 of the real model (of 1440 KiB: A3 of the p2p test holds 3 prompts in chunks of 3)
+        "cpu_bytes_to_use": max(4 << 20, 32 * block_bytes(args.model)),
         "secondary_tiers": tiers,
         **json.loads(args.extra),
     }
@@ -252,12 +264,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     llm = engine(args, extra)
     t_start = time.perf_counter()
-    served = serve(llm, json.loads(args.requests))
+    served = serve(llm, json.loads(args.requests), args.model)
     wait_stored(llm, tiers, args.wait_stored)
     metrics = read_metrics(llm)
     result = {
         "spec": args.spec,
         "block_size": args.block_size,
+        "block_bytes": block_bytes(args.model),
         "requests": served,
         "stored": [stored_chunks(tier) for tier in tiers],
         "metrics": metrics,

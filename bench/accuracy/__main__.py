@@ -1,0 +1,99 @@
+"""The accuracy harness's command: runs the reference and each configuration to compare in an engine of its own
+(``python -m bench.accuracy.run``), then compares (``bench.accuracy.compare``), prints one line per configuration and
+writes everything as JSON. A configuration is ``off`` (no offloading), ``offload`` (TritonOffloadingSpec, host block =
+GPU block) or ``NAME=JSON``: that JSON over ``offload``'s ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.accuracy.compare import compare
+from bench.accuracy.run import offload_config
+from bench.accuracy.texts import LENGTHS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def configuration(spec: str, model: str) -> tuple[str, dict | None]:
+    """``off``, ``offload`` or ``NAME=JSON`` as (name, kv_connector_extra_config or None)."""
+    if spec == "off":
+        return "off", None
+    if spec == "offload":
+        return "offload", offload_config(model)
+    name, sep, changes = spec.partition("=")
+    if not sep:
+        raise SystemExit(f"a configuration is off, offload or NAME=JSON, not {spec!r}")
+    return name, offload_config(model, **json.loads(changes))
+
+
+def run_one(model: str, extra: dict | None, args, out: pathlib.Path) -> dict:
+    """One configuration in its own process (vLLM: one engine per process); its JSON."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    # vLLM's in-process engine: a configuration's process is its engine's (an engine core process of its own costs
+    # ~15 s more per configuration on a 2-core machine: another interpreter importing torch and vLLM, and its exit).
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "bench.accuracy.run", "--model", model, "--extra", json.dumps(extra)]
+    cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens), "--top-k", str(args.top_k)]
+    cmd += ["--lengths", *map(str, args.lengths)]
+    subprocess.run([*cmd, "--out", str(out)], check=True, cwd=ROOT, env=env, timeout=args.timeout)
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct, triton_offload.models)")
+    ap.add_argument("--prompts", type=int, default=200, help="how many of bench/accuracy/texts.py's prompts")
+    ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    ap.add_argument("--top-k", type=int, default=5, help="logprobs kept per step")
+    ap.add_argument("--lengths", type=int, nargs=2, default=LENGTHS, metavar=("SHORTEST", "LONGEST"),
+                    help="prompt tokens, at least and at most (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--reference", default="off")
+    ap.add_argument("--compare", nargs="+", default=["offload"], help="off, offload or NAME=JSON (over offload's)")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
+    ap.add_argument("--out", help="write the results (configurations, summaries, every output) here as JSON")
+    args = ap.parse_args(argv)
+    if args.model is None:
+        from triton_offload.models import smollm2
+
+        args.model = str(smollm2())
+    configs = [configuration(spec, args.model) for spec in [args.reference, *args.compare]]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
+        for i, (name, extra) in enumerate(configs):
+            results[name] = {"extra_config": extra, **run_one(args.model, extra, args, pathlib.Path(tmp) / f"{i}.json")}
+    ref_name = configs[0][0]
+    report = {
+        "model": args.model,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "top_k": args.top_k,
+        "lengths": args.lengths,
+        "date": time.strftime("%Y-%m-%d"),
+        "reference": ref_name,
+        "summaries": {},
+    }
+    for name, _ in configs[1:]:
+        s = compare(results[ref_name]["rows"], results[name]["rows"])
+        report["summaries"][name] = s
+        print(
+            f"{name} vs {ref_name}: token agreement {s['token_agreement']:.2%}, identical prompts "
+            f"{s['prompts_identical']:.2%}, diverged {s['diverged_prompts']} (first at {s['first_divergence_min']}), "
+            f"top-{args.top_k} KL mean {s['kl_mean']:.3g} max {s['kl_max']:.3g}, cached tokens {s['cached_tokens']}"
+        )
+    report["seconds"] = {name: r["seconds"] for name, r in results.items()}
+    report["results"] = results
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
