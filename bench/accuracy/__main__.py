@@ -1,7 +1,7 @@
 """The accuracy harness's command: runs the reference and each configuration to compare in an engine of its own
 (``python -m bench.accuracy.run``), then compares (``bench.accuracy.compare``), prints one line per configuration and
 writes everything as JSON. A configuration is ``off`` (no offloading), ``offload`` (TritonOffloadingSpec, host block =
-GPU block) or ``NAME=JSON``: that JSON over ``offload``'s ``kv_connector_extra_config``."""
+GPU block) or ``NAME=JSON`` (:func:`configuration`)."""
 
 from __future__ import annotations
 
@@ -21,19 +21,27 @@ from bench.accuracy.texts import LENGTHS
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def configuration(spec: str, model: str) -> tuple[str, dict | None]:
-    """``off``, ``offload`` or ``NAME=JSON`` as (name, kv_connector_extra_config or None)."""
+def configuration(spec: str, model: str) -> tuple[str, dict | None, dict]:
+    """``off``, ``offload`` or ``NAME=JSON`` as (name, kv_connector_extra_config or None, engine arguments). NAME=JSON
+    goes over ``offload``'s extra config, but for two keys of its own: ``"engine"``, more arguments of vLLM's ``LLM``
+    (e.g. ``{"kv_cache_dtype": "fp8"}``), and ``"offload": false``, no connector at all."""
     if spec == "off":
-        return "off", None
+        return "off", None, {}
     if spec == "offload":
-        return "offload", offload_config(model)
+        return "offload", offload_config(model), {}
     name, sep, changes = spec.partition("=")
     if not sep:
         raise SystemExit(f"a configuration is off, offload or NAME=JSON, not {spec!r}")
-    return name, offload_config(model, **json.loads(changes))
+    changes = json.loads(changes)
+    engine, offload = changes.pop("engine", {}), changes.pop("offload", True)
+    if not isinstance(engine, dict) or not isinstance(offload, bool):
+        raise SystemExit(f'{name}: "engine" takes an object of LLM arguments and "offload" true or false')
+    if not offload and changes:
+        raise SystemExit(f'{name}: "offload": false takes no extra config, got {sorted(changes)}')
+    return name, offload_config(model, **changes) if offload else None, engine
 
 
-def run_one(model: str, extra: dict | None, args, out: pathlib.Path) -> dict:
+def run_one(model: str, extra: dict | None, engine: dict, args, out: pathlib.Path) -> dict:
     """One configuration in its own process (vLLM: one engine per process); its JSON."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     # vLLM's in-process engine: a configuration's process is its engine's (an engine core process of its own costs
@@ -42,7 +50,7 @@ def run_one(model: str, extra: dict | None, args, out: pathlib.Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "bench.accuracy.run", "--model", model, "--extra", json.dumps(extra)]
     cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens), "--top-k", str(args.top_k)]
-    cmd += ["--lengths", *map(str, args.lengths)]
+    cmd += ["--lengths", *map(str, args.lengths), "--dtype", args.dtype, "--engine", json.dumps(engine)]
     subprocess.run([*cmd, "--out", str(out)], check=True, cwd=ROOT, env=env, timeout=args.timeout)
     return json.loads(out.read_text())
 
@@ -55,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=5, help="logprobs kept per step")
     ap.add_argument("--lengths", type=int, nargs=2, default=LENGTHS, metavar=("SHORTEST", "LONGEST"),
                     help="prompt tokens, at least and at most (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 for an FP8 host format)")
     ap.add_argument("--reference", default="off")
     ap.add_argument("--compare", nargs="+", default=["offload"], help="off, offload or NAME=JSON (over offload's)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
@@ -67,20 +76,22 @@ def main(argv=None) -> int:
     configs = [configuration(spec, args.model) for spec in [args.reference, *args.compare]]
     results = {}
     with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
-        for i, (name, extra) in enumerate(configs):
-            results[name] = {"extra_config": extra, **run_one(args.model, extra, args, pathlib.Path(tmp) / f"{i}.json")}
+        for i, (name, extra, engine) in enumerate(configs):
+            out = pathlib.Path(tmp) / f"{i}.json"
+            results[name] = {"extra_config": extra, "engine": engine, **run_one(args.model, extra, engine, args, out)}
     ref_name = configs[0][0]
     report = {
         "model": args.model,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "top_k": args.top_k,
+        "dtype": args.dtype,
         "lengths": args.lengths,
         "date": time.strftime("%Y-%m-%d"),
         "reference": ref_name,
         "summaries": {},
     }
-    for name, _ in configs[1:]:
+    for name, _, _ in configs[1:]:
         s = compare(results[ref_name]["rows"], results[name]["rows"])
         report["summaries"][name] = s
         print(

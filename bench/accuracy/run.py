@@ -36,16 +36,17 @@ def offload_config(model: str, **changes) -> dict:
     return {**base, **changes}
 
 
-def engine(model: str, extra: dict | None):
-    """fp32 (stable greedy tokens), prefix caching on, a device KV cache of 160 blocks; with ``extra``, vLLM's
-    OffloadingConnector with that ``kv_connector_extra_config``."""
+def engine(model: str, extra: dict | None, dtype: str = "float32", more: dict | None = None):
+    """``dtype`` (fp32 by default: stable greedy tokens), prefix caching on, a device KV cache of 160 blocks' fp32
+    bytes; with ``extra``, vLLM's OffloadingConnector with that ``kv_connector_extra_config``; ``more``: other
+    arguments of ``LLM``."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs = dict(
         model=model,
-        dtype="float32",
+        dtype=dtype,
         block_size=GPU_BLOCK,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
@@ -59,7 +60,7 @@ def engine(model: str, extra: dict | None):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
-    return LLM(**kwargs)
+    return LLM(**{**kwargs, **(more or {})})
 
 
 def outputs(results) -> list[dict]:
@@ -75,13 +76,13 @@ def outputs(results) -> list[dict]:
     return rows
 
 
-def run(model: str, extra: dict | None, prompts: list[list[int]], max_tokens: int, top_k: int) -> list[dict]:
+def run(model: str, extra: dict | None, prompts: list[list[int]], max_tokens: int, top_k: int, **llm) -> list[dict]:
     """Every prompt, BATCH at a time; with offloading each batch twice, the device prefix cache emptied in between,
     keeping the second pass (its prefixes loaded from the host)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = engine(model, extra)
+    llm = engine(model, extra, **llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top_k, detokenize=False)
     rows = []
     try:
@@ -104,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--top-k", type=int, required=True)
     ap.add_argument("--lengths", type=int, nargs=2, required=True, help="prompt tokens, at least and at most")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--engine", default="{}", help="JSON: more arguments of vLLM's LLM")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
 
     prompts = prompt_set(AutoTokenizer.from_pretrained(args.model), args.prompts, *args.lengths)
     t0 = time.perf_counter()
-    rows = run(args.model, json.loads(args.extra), prompts, args.max_tokens, args.top_k)
+    more = json.loads(args.engine)
+    rows = run(args.model, json.loads(args.extra), prompts, args.max_tokens, args.top_k, dtype=args.dtype, more=more)
     with open(args.out, "w") as f:
         json.dump(
             {"seconds": round(time.perf_counter() - t0, 1), "prompt_tokens": [len(p) for p in prompts], "rows": rows}, f

@@ -50,14 +50,26 @@ def test_configurations(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}'
     )
-    assert configuration("off", str(tmp_path)) == ("off", None)
-    name, extra = configuration("offload", str(tmp_path))
+    assert configuration("off", str(tmp_path)) == ("off", None, {})
+    name, extra, engine = configuration("offload", str(tmp_path))
     assert name == "offload" and extra["spec_name"] == "TritonOffloadingSpec" and extra["block_size"] == 32
-    assert extra["cpu_bytes_to_use"] == 2 * 16 * 16 * 1440 * 1024  # two batches of 16 prompts of 16 blocks
-    name, extra = configuration('p={"spec_name": "PerturbingSpec", "integrity": "off"}', str(tmp_path))
+    assert extra["cpu_bytes_to_use"] == 2 * 16 * 16 * 1440 * 1024 and engine == {}  # two batches, 16 prompts of 16
+    name, extra, _ = configuration('p={"spec_name": "PerturbingSpec", "integrity": "off"}', str(tmp_path))
     assert (name, extra["spec_name"], extra["integrity"], extra["block_size"]) == ("p", "PerturbingSpec", "off", 32)
+    # vLLM's own FP8 KV cache, no offloading: engine arguments only.
+    assert configuration('v={"offload": false, "engine": {"kv_cache_dtype": "fp8"}}', str(tmp_path)) == (
+        "v",
+        None,
+        {"kv_cache_dtype": "fp8"},
+    )
+    name, extra, engine = configuration('f={"host_format": "fp8_e4m3", "engine": {"seed": 1}}', str(tmp_path))
+    assert (extra["host_format"], extra["block_size"], engine) == ("fp8_e4m3", 32, {"seed": 1})
     with pytest.raises(SystemExit, match="NAME=JSON"):
         configuration("offlaod", str(tmp_path))
+    with pytest.raises(SystemExit, match='"offload": false takes no extra config'):
+        configuration('v={"offload": false, "integrity": "off"}', str(tmp_path))
+    with pytest.raises(SystemExit, match='"engine" takes an object'):
+        configuration('v={"engine": "fp8"}', str(tmp_path))
 
 
 class Words:
