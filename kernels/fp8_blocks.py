@@ -9,6 +9,8 @@ docs/design.md ("The FP8 host format") states the numerics, :mod:`.reference_fp8
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -18,12 +20,13 @@ from triton_offload.kernels._triton_compat import interpreted_copy
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import TransferPlan
 
-__all__ = ["fp8_config", "build_fp8_table", "fp8_arguments", "fp8_launch", "fp8_compile_variant"]
+__all__ = ["fp8_vec", "fp8_config", "build_fp8_table", "fp8_arguments", "fp8_launch", "fp8_compile_variant"]
 
-# Elements one program holds per step (a head's tokens x head_dim, padded to powers of two): 16 per thread at 8 warps,
-# i.e. 32 bytes of bf16 read and 16 bytes of FP8 written per thread. Not yet tuned on a GPU (issue 63's GPU stage).
+# Elements one program holds per step (a head's tokens x head_dim, padded to powers of two), and its warps: at most
+# MAX_WARPS, fewer for small heads, so a thread holds 16 elements (32 bytes of bf16 read or written, 16 bytes of FP8
+# on the wire) where the head allows it. Not yet tuned on a GPU (issue 63's GPU stage).
 TILE_ELEMS = 4096
-NUM_WARPS = 8
+MAX_WARPS = 4
 # Programs per launch: a program moves one head per step (8 KiB of bf16 at 16 tokens x 128), much less in flight
 # than the copy kernel's 64 KiB tiles, so more programs than its 4. Unmeasured.
 DEFAULT_PROGRAMS = 16
@@ -75,6 +78,7 @@ def _fp8_blocks_kernel(
     n_blocks: tl.int64, n_host: tl.int64, n_segs: tl.int64, n_heads: tl.int64, items_per_program: tl.int64,
     skip: tl.int64, blocks_per_host_block: tl.int64, host_row_stride: tl.int64, n_tchunks: tl.int64,
     STORE: tl.constexpr, MULTI_GROUP: tl.constexpr, TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr,
+    VEC: tl.constexpr,  # every offset, stride and head_dim is a multiple of VEC elements: enables 16-byte accesses
 ):  # fmt: skip
     """Moves every (GPU block, run, head) item of one transfer; program ``pid`` takes items ``pid, pid + nprog, ...``
     (the copy kernel's position rule: docs/design.md, "Block-size factor and skip")."""
@@ -105,12 +109,13 @@ def _fp8_blocks_kernel(
         host_id = tl.load(ids_ptr + n_blocks + host_idx, mask=live, other=0)
         live = live & (head < tl.load(row + 3, mask=live, other=0))  # padding heads and rows move nothing
         tokens = tl.load(row + 2, mask=live, other=0)
-        head_dim = tl.load(row + 4, mask=live, other=0)
-        token_stride = tl.load(row + 5, mask=live, other=0)
+        head_dim = tl.multiple_of(tl.load(row + 4, mask=live, other=0).to(tl.int32), VEC)
+        token_stride = tl.multiple_of(tl.load(row + 5, mask=live, other=0), VEC)
         in_run = head * tl.load(row + 6, mask=live, other=0)  # the head's first element in the run
         gpu_off = tl.load(row, mask=live, other=0) + gpu_id * tl.load(row + 1, mask=live, other=0) + in_run
+        gpu_off = tl.multiple_of(gpu_off, VEC)
         sub = host_id * host_row_stride + (pos % f32).to(tl.int64) * tl.load(row + 7, mask=live, other=0)
-        host_off = sub + tl.load(row + 8, mask=live, other=0) + in_run
+        host_off = tl.multiple_of(sub + tl.load(row + 8, mask=live, other=0) + in_run, VEC)
         scale_at = (sub + tl.load(row + 9, mask=live, other=0)) // 4 + head
         if STORE:
             # The head's largest finite magnitude (NaN and Inf do not count: they would void the scale).
@@ -191,14 +196,30 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def fp8_config(spec: KVCacheSpec) -> tuple[int, int, int, int, bool]:
-    """(TOK, DIM, token chunks, heads per run at most, bf16) for a quantizing spec: a step holds TOK tokens of one
-    head, DIM (the widest head, a power of two) elements each, at most TILE_ELEMS in all."""
+def fp8_vec(spec: KVCacheSpec, host_row: int) -> int:
+    """The largest power of two <= 16 dividing every element offset and stride both sides use (the host's bytes are
+    the elements' offsets in their run), every head_dim, and the host row stride: 16 gives 16-byte host accesses and
+    two 16-byte GPU accesses (bf16) per thread and step. The table's own address is 64-byte aligned."""
+    esize = spec.kv_caches[0].element_size()
+    values = [host_row]
+    for s in spec.segments:
+        r = spec.quant[s.layer]
+        values += [r.head_dim, r.token_stride, r.head_stride, s.base // esize, s.block_stride // esize]
+        values += [s.base % esize, s.block_stride % esize]  # not whole elements: no vector access
+    return math.gcd(16, *values) or 16
+
+
+def fp8_config(spec: KVCacheSpec, host_row: int) -> tuple[int, int, int, int, bool, int, int]:
+    """(TOK, DIM, token chunks, heads per run at most, bf16, VEC, warps) for a quantizing spec and a host row
+    stride (bytes): a step holds TOK tokens of one head, DIM (the widest head, a power of two) elements each, at most
+    TILE_ELEMS in all, 16 per thread where they fill a warp."""
     runs = spec.quant
     dim = _pow2(max(r.head_dim for r in runs))
     tokens = max(r.tokens for r in runs)
     tok = min(_pow2(tokens), max(1, TILE_ELEMS // dim))
-    return tok, dim, triton.cdiv(tokens, tok), max(r.heads for r in runs), spec.kv_caches[0].dtype == torch.bfloat16
+    bf16 = spec.kv_caches[0].dtype == torch.bfloat16
+    warps = max(1, min(MAX_WARPS, tok * dim // (32 * 16)))
+    return tok, dim, triton.cdiv(tokens, tok), max(r.heads for r in runs), bf16, fp8_vec(spec, host_row), warps
 
 
 def build_fp8_table(spec: KVCacheSpec, blocks_per_host_block: int) -> torch.Tensor:
@@ -229,31 +250,31 @@ def build_fp8_table(spec: KVCacheSpec, blocks_per_host_block: int) -> torch.Tens
 def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_segs, f, host_row, num_ctas):
     """(programs, every kernel argument in signature order, constexprs last) of one launch moving ``plan``;
     ``host_row`` is the host buffer's row stride in bytes."""
-    tok, dim, n_tchunks, heads, bf16 = cfg
+    tok, dim, n_tchunks, heads, bf16, vec, _ = cfg
     n_items = plan.n_blocks * n_segs * heads
     programs = max(1, min(num_ctas or DEFAULT_PROGRAMS, n_items))
     multi_group = len(plan.sizes) > 1
     args = (
         anchor, host, scales, table, ids, plan.n_blocks, plan.n_host, n_segs, heads, triton.cdiv(n_items, programs),
         0 if multi_group else plan.skips[0], f, host_row, n_tchunks,
-        plan.direction == "store", multi_group, tok, dim, bf16,
+        plan.direction == "store", multi_group, tok, dim, bf16, vec,
     )  # fmt: skip
     return programs, args
 
 
-_CONSTEXPRS = ("STORE", "MULTI_GROUP", "TOK", "DIM", "BF16")
+_CONSTEXPRS = ("STORE", "MULTI_GROUP", "TOK", "DIM", "BF16", "VEC")
 
 
-def fp8_launch(programs: int, args: tuple, cuda: bool) -> None:
+def fp8_launch(programs: int, args: tuple, num_warps: int, cuda: bool) -> None:
     """One launch through Triton's dispatch, asynchronously on the current stream; on CPU through the interpreter."""
     kernel = _jit_kernel if cuda else _interpreted_kernel()
     n = len(_CONSTEXPRS)
-    kernel[(programs,)](*args[:-n], **dict(zip(_CONSTEXPRS, args[-n:])), num_warps=NUM_WARPS)
+    kernel[(programs,)](*args[:-n], **dict(zip(_CONSTEXPRS, args[-n:])), num_warps=num_warps)
 
 
-def fp8_compile_variant(args: tuple):
+def fp8_compile_variant(args: tuple, num_warps: int):
     """The compiled kernel a launch with ``args`` uses (compiled now if not cached); CUDA only."""
     from triton_offload.kernels._triton_compat import compile_variant
 
     n = len(_CONSTEXPRS)
-    return compile_variant(_jit_kernel, args[:-n], dict(zip(_CONSTEXPRS, args[-n:])), NUM_WARPS)
+    return compile_variant(_jit_kernel, args[:-n], dict(zip(_CONSTEXPRS, args[-n:])), num_warps)

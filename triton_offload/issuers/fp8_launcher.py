@@ -48,7 +48,7 @@ class Fp8Launcher:
             raise ValueError(f"host_buffer rows must be 4-byte aligned for {spec.host_format!r}, row stride {row}")
         self.spec, self.host_buffer, self.blocks_per_host_block = spec, host_buffer, blocks_per_host_block
         self.directions = tuple(Direction) if direction is None else (direction,)
-        self.cfg = fp8_blocks.fp8_config(spec)
+        self.cfg = fp8_blocks.fp8_config(spec, row)
         self.table = fp8_blocks.build_fp8_table(spec, blocks_per_host_block)
         self.anchor = self.table.view(spec.kv_caches[0].dtype)
         self.host = host_buffer.view(torch.uint8)
@@ -76,4 +76,4 @@ class Fp8Launcher:
         assert ids.dtype == torch.int64 and ids.device == self.spec.device
         assert copy and res is None, "the FP8 launcher has no integrity checks"
         programs, args = self.arguments(plan, ids, num_ctas)
-        fp8_blocks.fp8_launch(programs, args, self.cuda)
+        fp8_blocks.fp8_launch(programs, args, self.cfg[-1], self.cuda)
