@@ -237,3 +237,33 @@ def test_refused_calls_write_nothing():
     with pytest.raises(ValueError, match="host_buffer must be"):  # a native-sized buffer for an FP8 spec
         to.gather_blocks(spec, [0], torch.full((2, 128), SENTINEL, dtype=torch.uint8), [0])
     assert bool((host == SENTINEL).all())
+
+
+def test_engine_moves_the_format_through_the_kernel():
+    """The transfer engine (CPU): auto takes the kernel, the only path that quantizes; a store and a load by job id
+    give the reference's bytes and values; the copy engines and the integrity checks are refused by name."""
+    from triton_offload.checksums import Checksums
+    from triton_offload.engine import TransferEngine
+
+    caches = make("block_first", 6, torch.bfloat16, seed=9, layers=1)
+    spec = to.KVCacheSpec(caches, "block_first", host_format=FP8)
+    host = host_buffer(spec, 3, 2)
+    eng = TransferEngine(spec, host, blocks_per_host_block=2, path="auto", calibration=None)
+    assert eng.path == "kernel"
+    eng.submit_store(1, [4, 0, 2], [2, 0], skip=1)
+    assert [r.ok for r in eng.get_finished()] == [True]
+    expected = torch.full_like(host, SENTINEL)
+    gather_fp8_ref(caches, "block_first", [4, 0, 2], expected, [2, 0], blocks_per_host_block=2, skip=1)
+    assert torch.equal(host, expected)
+    out = [sentinel_like(t) for t in caches]
+    ref = [sentinel_like(t) for t in caches]
+    load_eng = TransferEngine(to.KVCacheSpec(out, "block_first", host_format=FP8), host, blocks_per_host_block=2)
+    load_eng.submit_load(2, [1, 5, 3], [2, 0], skip=1)
+    assert [r.ok for r in load_eng.get_finished()] == [True]
+    scatter_fp8_ref(host, [2, 0], ref, "block_first", [1, 5, 3], blocks_per_host_block=2, skip=1)
+    assert_same_values(out[0], ref[0])
+    with pytest.raises(ValueError, match="copy engines move bytes unchanged"):
+        TransferEngine(spec, host, blocks_per_host_block=2, path="dma")
+    checks = Checksums.allocate("verify", 3, 2, pin=False, regions=spec.num_regions)
+    with pytest.raises(ValueError, match="integrity checks are not offered"):
+        TransferEngine(spec, host, blocks_per_host_block=2, checksums=checks)
