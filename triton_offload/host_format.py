@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_offload._checks import HOST_FORMATS, host_format_setting
+
 __all__ = ["NATIVE", "FP8_E4M3", "HOST_FORMATS", "QuantRun", "check_host_format", "quant_runs", "host_run_bytes"]
 
-NATIVE = "native"
-FP8_E4M3 = "fp8_e4m3"
-HOST_FORMATS = (NATIVE, FP8_E4M3)
+NATIVE, FP8_E4M3 = HOST_FORMATS
 # Caches the FP8 format quantizes; 8-bit caches (vLLM's kv_cache_dtype="fp8" in any of its views) move as bytes.
 QUANTIZABLE = (torch.bfloat16, torch.float16)
 ONE_BYTE = (torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -60,9 +60,7 @@ class QuantRun:
 
 def check_host_format(host_format: str) -> str:
     """The format's name; an unknown one raises ValueError listing the supported ones."""
-    if host_format not in HOST_FORMATS:
-        raise ValueError(f"unknown host_format {host_format!r}; supported: {list(HOST_FORMATS)}")
-    return host_format
+    return host_format_setting(host_format)
 
 
 def _run_geometry(t: torch.Tensor, i: int, label: str) -> QuantRun:

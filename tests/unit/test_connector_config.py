@@ -212,3 +212,14 @@ def test_package_imports_without_vllm():
     assert out.returncode == 0, out.stderr
     assert "IMPORT_ERROR TritonOffloadingSpec needs vLLM >= 0.32" in out.stdout
     assert "REGISTER_ERROR" in out.stdout
+
+
+def test_host_format_native_only_for_the_vllm_spec():
+    """host_format: "native" by default and accepted by name; "fp8_e4m3" refused with why (the worker has only vLLM's
+    canonical int8 pages) rather than ignored; anything else refused with the formats listed."""
+    assert parse(dict(cpu_bytes_to_use=1)).host_format == "native"
+    assert parse(dict(cpu_bytes_to_use=1, host_format="native")).host_format == "native"
+    with pytest.raises(ValueError, match="host_format = 'fp8_e4m3' is not served by .* canonical int8 pages"):
+        parse(dict(cpu_bytes_to_use=1, host_format="fp8_e4m3"))
+    with pytest.raises(ValueError, match=r"unknown host_format 'bf16'; supported: \['native', 'fp8_e4m3'\]"):
+        parse(dict(cpu_bytes_to_use=1, host_format="bf16"))
