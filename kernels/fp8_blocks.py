@@ -61,12 +61,62 @@ def _decode_e4m3_fn(code):
     return tl.where(mag == 0x7F, float("nan"), bits.to(tl.float32, bitcast=True))
 
 
+def _widen_fn(x, BF16: tl.constexpr):
+    """fp32 of bf16 / fp16 ``x``, exactly: bf16 by its bits (Triton's interpreter widens bf16 subnormals wrongly)."""
+    if BF16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
 def _to_bf16_fn(v):
     """bf16 of fp32 ``v`` rounded to nearest even (NaN stays NaN: its payload's top bits are set)."""
     bits = v.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(v != v, bits >> 16, rounded)
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def _restore_fn(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
+                TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """Restores one head in fp32: decode, times the scale, clamped to the cache dtype's finite range, converted."""
+    toks = tl.arange(0, TOK)[:, None]
+    dims = tl.arange(0, DIM)[None, :]
+    for k in range(0, n_tchunks):
+        el = (k * TOK + toks) * token_stride + dims
+        m = ((k * TOK + toks) < tokens) & (dims < head_dim)
+        v = _decode_e4m3(tl.load(host_ptr + host_off + el, mask=m, other=0).to(tl.int32)) * scale
+        limit = 3.3895313892515355e38 if BF16 else 65504.0  # the cache dtype's largest finite value
+        v = tl.where(v > limit, limit, tl.where(v < -limit, -limit, v))  # NaN passes (compares false)
+        tl.store(anchor_ptr + gpu_off + el, _to_bf16(v) if BF16 else v.to(tl.float16), mask=m)
+
+
+def _load_head_fn(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
+                  TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """Restores one head. A bf16 head whose scale 2**e keeps every value a normal bf16 (-110 <= e <= 119: all but
+    extreme heads) takes integer arithmetic: a normal code's bf16 bits are the code's with e added to its exponent,
+    a subnormal code's an exact fp32 product; the same values as the fp32 path, in about half the instructions."""
+    e = (scale.to(tl.int32, bitcast=True) >> 23) - 127
+    if BF16:
+        if (e >= -110) & (e <= 119):
+            toks = tl.arange(0, TOK)[:, None]
+            dims = tl.arange(0, DIM)[None, :]
+            bias = (120 + e) * 8  # E4M3's exponent bias 7 -> bf16's 127, plus e
+            sub_scale = ((e - 9 + 127) << 23).to(tl.float32, bitcast=True)  # a subnormal code m is m * 2**-9
+            for k in range(0, n_tchunks):
+                el = (k * TOK + toks) * token_stride + dims
+                m = ((k * TOK + toks) < tokens) & (dims < head_dim)
+                code = tl.load(host_ptr + host_off + el, mask=m, other=0).to(tl.int32)
+                mag = code & 0x7F
+                sub = (mag.to(tl.float32) * sub_scale).to(tl.int32, bitcast=True) >> 16
+                bits = tl.where(mag >= 8, (mag + bias) << 4, sub) | ((code & 0x80) << 8)
+                bits = tl.where(mag == 0x7F, 0x7FC0, bits)
+                tl.store(anchor_ptr + gpu_off + el, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
+        else:
+            _restore(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
+                     TOK, DIM, BF16)  # fmt: skip
+    else:
+        _restore(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
+                 TOK, DIM, BF16)  # fmt: skip
 
 
 def _fp8_blocks_kernel(
@@ -123,7 +173,7 @@ def _fp8_blocks_kernel(
             for k in range(0, n_tchunks):
                 el = (k * TOK + toks) * token_stride + dims
                 m = ((k * TOK + toks) < tokens) & (dims < head_dim)
-                a = tl.abs(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0).to(tl.float32))
+                a = tl.abs(_widen(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0), BF16))
                 a = tl.where(a <= 3.4028234663852886e38, a, 0.0)
                 amax = tl.maximum(amax, tl.reduce(tl.reduce(a, 1, _max_combine), 0, _max_combine))
             # A power-of-two scale, the smallest with amax / scale <= 448: scaling is then exact both ways.
@@ -135,30 +185,30 @@ def _fp8_blocks_kernel(
             for k in range(0, n_tchunks):
                 el = (k * TOK + toks) * token_stride + dims
                 m = ((k * TOK + toks) < tokens) & (dims < head_dim)
-                x = tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0).to(tl.float32)
+                x = _widen(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0), BF16)
                 tl.store(host_ptr + host_off + el, _encode_e4m3(x * inv).to(tl.uint8), mask=m)
         else:
             scale = tl.load(scale_ptr + scale_at, mask=live, other=0.0)
-            for k in range(0, n_tchunks):
-                el = (k * TOK + toks) * token_stride + dims
-                m = ((k * TOK + toks) < tokens) & (dims < head_dim)
-                code = tl.load(host_ptr + host_off + el, mask=m, other=0).to(tl.int32)
-                v = _decode_e4m3(code) * scale
-                limit = 3.3895313892515355e38 if BF16 else 65504.0  # the cache dtype's largest finite value
-                v = tl.where(v > limit, limit, tl.where(v < -limit, -limit, v))  # NaN passes (compares false)
-                tl.store(anchor_ptr + gpu_off + el, _to_bf16(v) if BF16 else v.to(tl.float16), mask=m)
+            _load_head(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
+                       TOK, DIM, BF16)  # fmt: skip
 
 
 _max_combine = JITFunction(_max_combine_fn)
 _encode_e4m3 = JITFunction(_encode_e4m3_fn)
 _decode_e4m3 = JITFunction(_decode_e4m3_fn)
 _to_bf16 = JITFunction(_to_bf16_fn)
+_widen = JITFunction(_widen_fn)
+_restore = JITFunction(_restore_fn)
+_load_head = JITFunction(_load_head_fn)
 # The helpers' plain functions, for the interpreted kernel (tl.reduce's combine stays a JITFunction: the interpreter
 # calls its .fn).
 _HELPERS = {
     "_encode_e4m3": _encode_e4m3_fn,
     "_decode_e4m3": _decode_e4m3_fn,
     "_to_bf16": _to_bf16_fn,
+    "_widen": _widen_fn,
+    "_restore": _restore_fn,
+    "_load_head": _load_head_fn,
 }
 _NOT_SPECIALIZED = [
     "n_blocks", "n_host", "n_segs", "n_heads", "items_per_program", "skip", "blocks_per_host_block",
@@ -182,7 +232,8 @@ def _interpreted_kernel():
 
         patch_interpreter_scalar_index()
         plain = {"_COLS": _N_COLS, "_max_combine": _max_combine, **_HELPERS}
-        plain.update({name: interpreted_copy(fn, **plain) for name, fn in _HELPERS.items()})
+        for _ in range(2):  # twice: a helper's copy sees the others' copies
+            plain.update({name: interpreted_copy(fn, **plain) for name, fn in _HELPERS.items()})
         _interpreted = InterpretedFunction(interpreted_copy(_fp8_blocks_kernel, **plain))
     return _interpreted
 

@@ -25,3 +25,5 @@ def test_no_spill_and_16_byte_wire_accesses(variant):
     if variant.direction == "store":
         assert row["loop"]["barriers"] == 0
         assert row["amax_loop"] is not None, "a store's first pass (the head's amax) is a loop of its own"
+    else:  # the integer path of ordinary bf16 heads, and the fp32 path, each with 16-byte wire reads
+        assert row["fp32_path_loop"]["accesses"].get(wire, 0) >= 1

@@ -26,7 +26,8 @@ SHAPES = {  # small (the interpreter is slow); head_dim not a power of two where
 def make(layout: str, num_blocks: int, dtype: torch.dtype, seed: int, layers: int = 2) -> list[torch.Tensor]:
     """Caches of normal values whose magnitude varies per head by up to 2**+-12, with the format's edge cases: a head
     of zeros (with a -0.0), NaN, +-Inf, elements 2**-14 below their head's max (E4M3 subnormals after scaling), a
-    head whose max is exactly 448 * 2**-3, an E4M3 tie."""
+    head whose max is exactly 448 * 2**-3, an E4M3 tie, the dtype's largest value; bf16 heads of tiny and huge
+    scales."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(layers):
@@ -44,6 +45,11 @@ def make(layout: str, num_blocks: int, dtype: torch.dtype, seed: int, layers: in
         first[4, :, 0] = first[4, :, 0].clamp(-10, 10)
         first[4, 0, 0, 0] = 448.0 * 2.0**-3
         first[5, 1, 0, 1] = 1.0625 * first[5, :, 0].abs().max()  # a tie in a head scaled by a power of two
+        if dtype is torch.bfloat16:  # heads at bf16's extremes: a load restores them on the fp32 path
+            first[6, :, 0] = first[6, :, 0] * 2.0**-122  # scale 2**-124
+            first[7, :, 0] = first[7, :, 0].clamp(-1, 1) * 3.0e38  # scale 2**120
+        # The dtype's largest value rounds up to 2**16 (fp16) or 2**128 (bf16) in E4M3: restored, it is clamped.
+        first[7, 0, 0, 0] = torch.finfo(dtype).max
         out.append(x.to(dtype))
     return out
 
