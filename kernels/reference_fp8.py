@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from triton_offload.kernels.reference import _ids, _parts
+from triton_offload.kernels.reference import _ids
 from triton_offload.layouts import Layout, resolve_layout
 
 __all__ = ["quantize_head", "dequantize_head", "block_bytes_ref", "gather_fp8_ref", "scatter_fp8_ref"]
@@ -55,6 +55,21 @@ def dequantize_head(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> to
     return torch.where(v.isnan(), v, v.clamp(-limit, limit)).to(dtype)
 
 
+def _parts(t: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """One layer's runs in packed order (K then V, or the latent), block dim first, in their logical dims: (blocks,
+    tokens, heads, head_dim) or (blocks, tokens, latent), whatever their order in memory."""
+    if layout is Layout.KV_FIRST:
+        return [t[0], t[1]]
+    if layout is Layout.BLOCK_FIRST:
+        return [t[:, 0], t[:, 1]]
+    return [t]
+
+
+def _memory_order(block: torch.Tensor) -> list[int]:
+    """A block's dims, outermost in memory first (the order its elements lie in)."""
+    return sorted(range(block.dim()), key=lambda d: (-block.stride(d), d))
+
+
 def _heads(block: torch.Tensor) -> list[torch.Tensor]:
     """A run's heads as views: (tokens, heads, head_dim) -> each (tokens, head_dim); MLA's (tokens, latent) is one."""
     return [block[:, h] for h in range(block.shape[1])] if block.dim() == 3 else [block]
@@ -74,7 +89,7 @@ def block_bytes_ref(kv_caches, layout, layers, g: int) -> list[tuple[int, torch.
                 c, s = quantize_head(head)
                 (codes[:, h] if block.dim() == 3 else codes).copy_(c)
                 scales.append(s)
-            values = codes.flatten()  # _parts lays the block's dims out in memory order
+            values = codes.permute(_memory_order(block)).flatten()
             out.append((at, values))
             at += _align16(values.numel())
             s = torch.tensor(scales, dtype=torch.float32).view(torch.uint8)
@@ -90,7 +105,9 @@ def _restore_block(sub: torch.Tensor, kv_caches, layout: Layout, layers, g: int)
         for part in _parts(kv_caches[i], layout):
             block = part[g]
             n, heads = block.numel(), (block.shape[1] if block.dim() == 3 else 1)
-            codes = sub[at : at + n].view(block.shape)
+            order = _memory_order(block)
+            in_memory = sub[at : at + n].view([block.shape[d] for d in order])
+            codes = in_memory.permute([order.index(d) for d in range(block.dim())])  # back to the logical dims
             at += _align16(n)
             scales = sub[at : at + 4 * heads].view(torch.float32)
             at += _align16(4 * heads)

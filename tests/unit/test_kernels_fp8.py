@@ -273,3 +273,14 @@ def test_engine_moves_the_format_through_the_kernel():
     checks = Checksums.allocate("verify", 3, 2, pin=False, regions=spec.num_regions)
     with pytest.raises(ValueError, match="integrity checks are not offered"):
         TransferEngine(spec, host, blocks_per_host_block=2, checksums=checks)
+
+
+def test_heads_before_tokens_in_memory():
+    """An engine storing a block's heads before its tokens: the values keep the run's memory order on the host, each
+    head still scaled on its own."""
+    gen = torch.Generator().manual_seed(11)
+    base = [torch.randn(5, 2, 2, 3, 8, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    base[0][:, :, :, 1] *= 1000  # one head far larger than the other
+    caches = [t.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4) for t in base]
+    assert not caches[0].is_contiguous()
+    round_trip(caches, "block_first", f=1, skip=0, n=3)
