@@ -284,3 +284,33 @@ def test_heads_before_tokens_in_memory():
     caches = [t.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4) for t in base]
     assert not caches[0].is_contiguous()
     round_trip(caches, "block_first", f=1, skip=0, n=3)
+
+
+def test_host_regions_hold_each_group_in_its_own_compressed_bytes():
+    """group_regions: a row holds f sub-blocks of each region's FP8 bytes, region after region; a host id names one
+    key per region. Each region's bytes equal the reference's for its group alone."""
+    gen = torch.Generator().manual_seed(13)
+    caches = [torch.randn(6, 2, 2, h, 8, generator=gen).to(torch.bfloat16) for h in (2, 1)]
+    spec = to.KVCacheSpec(caches, "block_first", groups=[[0], [1]], group_regions=[0, 1], host_format=FP8)
+    f, sizes = 2, []
+    for i in range(2):
+        sizes.append(to.KVCacheSpec([caches[i]], "block_first", host_format=FP8).host_block_bytes(1))
+    assert spec.host_block_bytes(f) == f * sum(sizes) == f * (2 * (32 + 16) + 2 * (16 + 16))
+    host = host_buffer(spec, 3, f)
+    g0, g1 = [5, 1, 2], [0, 4]
+    to.gather_blocks(spec, g0 + g1, host, [2, 0, 2, 1], blocks_per_host_block=f, skip=[0, 1], group_sizes=[3, 2])
+    start = 0
+    for i, (g, h, skip) in enumerate(((g0, [2, 0], 0), (g1, [2, 1], 1))):
+        want = torch.full((3, f * sizes[i]), SENTINEL, dtype=torch.uint8)
+        gather_fp8_ref([caches[i]], "block_first", g, want, h, blocks_per_host_block=f, skip=skip)
+        assert torch.equal(host[:, start : start + f * sizes[i]], want), f"region {i}"
+        start += f * sizes[i]
+    out = [sentinel_like(t) for t in caches]
+    spec_out = to.KVCacheSpec(out, "block_first", groups=[[0], [1]], group_regions=[0, 1], host_format=FP8)
+    to.scatter_blocks(host, [2, 0, 2, 1], spec_out, g0 + g1, blocks_per_host_block=f, skip=[0, 1], group_sizes=[3, 2])
+    for i, g in enumerate((g0, g1)):
+        ref = [sentinel_like(caches[i])]
+        region = host[:, sum(f * s for s in sizes[:i]) :][:, : f * sizes[i]].contiguous()
+        scatter_fp8_ref(region, [2, 0] if i == 0 else [2, 1], ref, "block_first", g, blocks_per_host_block=f,
+                        skip=[0, 1][i])  # fmt: skip
+        assert_same_values(out[i], ref[0])
