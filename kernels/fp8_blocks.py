@@ -20,7 +20,7 @@ from triton_offload.kernels._triton_compat import interpreted_copy
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import TransferPlan
 
-__all__ = ["fp8_vec", "fp8_config", "build_fp8_table", "fp8_arguments", "fp8_launch", "fp8_compile_variant"]
+__all__ = ["fp8_vec", "fp8_config", "build_fp8_table", "fp8_arguments", "fp8_launch"]
 
 # Elements one program holds per step (a head's tokens x head_dim, padded to powers of two), and its warps: at most
 # MAX_WARPS, fewer for small heads, so a thread holds 16 elements (32 bytes of bf16 read or written, 16 bytes of FP8
@@ -303,6 +303,8 @@ def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_s
     ``host_row`` is the host buffer's row stride in bytes."""
     tok, dim, n_tchunks, heads, bf16, vec, _ = cfg
     n_items = plan.n_blocks * n_segs * heads
+    if n_items >= 2**31:  # the kernel counts items in 32 bits
+        raise ValueError(f"{plan.n_blocks} blocks x {n_segs} runs x {heads} heads is too many heads for one transfer")
     programs = max(1, min(num_ctas or DEFAULT_PROGRAMS, n_items))
     multi_group = len(plan.sizes) > 1
     args = (
@@ -321,11 +323,3 @@ def fp8_launch(programs: int, args: tuple, num_warps: int, cuda: bool) -> None:
     kernel = _jit_kernel if cuda else _interpreted_kernel()
     n = len(_CONSTEXPRS)
     kernel[(programs,)](*args[:-n], **dict(zip(_CONSTEXPRS, args[-n:])), num_warps=num_warps)
-
-
-def fp8_compile_variant(args: tuple, num_warps: int):
-    """The compiled kernel a launch with ``args`` uses (compiled now if not cached); CUDA only."""
-    from triton_offload.kernels._triton_compat import compile_variant
-
-    n = len(_CONSTEXPRS)
-    return compile_variant(_jit_kernel, args[:-n], dict(zip(_CONSTEXPRS, args[-n:])), num_warps)

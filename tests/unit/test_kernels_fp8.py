@@ -314,3 +314,16 @@ def test_host_regions_hold_each_group_in_its_own_compressed_bytes():
         scatter_fp8_ref(region, [2, 0] if i == 0 else [2, 1], ref, "block_first", g, blocks_per_host_block=f,
                         skip=[0, 1][i])  # fmt: skip
         assert_same_values(out[i], ref[0])
+
+
+def test_too_many_heads_for_one_launch_is_refused():
+    """The kernel counts (block, run, head) items in 32 bits: a transfer of 2**31 or more is refused before launch."""
+    from types import SimpleNamespace
+
+    from triton_offload.kernels.fp8_blocks import fp8_arguments
+
+    cfg = (16, 128, 1, 8, True, 16, 4)
+    plan = SimpleNamespace(n_blocks=2**24, n_host=1, sizes=(1,), skips=(0,), direction="store")
+    assert fp8_arguments(cfg, None, None, None, None, None, plan, 15, 1, 64, None)[0] == 16  # 2**31 - 2**27 items
+    with pytest.raises(ValueError, match="too many heads"):
+        fp8_arguments(cfg, None, None, None, None, None, plan, 16, 1, 64, None)
