@@ -17,6 +17,7 @@ __all__ = [
     "LAUNCH_SHAPES",
     "launch_shape",
     "HOST_FORMATS",
+    "FORMAT_VERSIONS",
     "host_format_setting",
 ]
 
@@ -29,6 +30,8 @@ AUTO, KERNEL, DMA = TRANSFER_PATHS
 LAUNCH_SHAPES = ("fixed", "size-aware")
 # What a packed host row holds (triton_offload/host_format.py): the caches' own bytes, or FP8 values and scales.
 HOST_FORMATS = ("native", "fp8_e4m3")
+# Each format's version, in the configuration fingerprint (connector/fingerprint.py): bump it when its bytes change.
+FORMAT_VERSIONS = {"native": 1, "fp8_e4m3": 1}
 
 
 def host_format_setting(value, name: str = "host_format") -> str:

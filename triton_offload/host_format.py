@@ -14,9 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_offload._checks import HOST_FORMATS, host_format_setting
+from triton_offload._checks import FORMAT_VERSIONS, HOST_FORMATS, host_format_setting
 
-__all__ = ["NATIVE", "FP8_E4M3", "HOST_FORMATS", "QuantRun", "check_host_format", "quant_runs", "host_run_bytes"]
+__all__ = [
+    "NATIVE",
+    "FP8_E4M3",
+    "HOST_FORMATS",
+    "FORMAT_VERSIONS",
+    "QuantRun",
+    "check_host_format",
+    "quant_runs",
+    "host_run_bytes",
+]
 
 NATIVE, FP8_E4M3 = HOST_FORMATS
 # Caches the FP8 format quantizes; 8-bit caches (vLLM's kv_cache_dtype="fp8" in any of its views) move as bytes.
