@@ -239,8 +239,8 @@ class TritonOffloadConfig:
             last two checks as ``"require"`` here (:attr:`checks`).
         host_regions: ``"auto"``, ``"per_group"`` or ``"shared"``: which KV-cache groups' keys share a region of
             the host rows (connector/geometry.py).
-        host_format: ``"native"`` only, for now: the worker moves vLLM's canonical int8 pages, which carry neither
-            the element dtype nor the head geometry ``"fp8_e4m3"`` needs (triton_offload/host_format.py).
+        host_format: ``"native"`` or ``"fp8_e4m3"``: what the host rows hold (triton_offload/host_format.py); the
+            spec reads what FP8 needs from vLLM's specs (connector/typed_pages.py).
     """
 
     cpu_bytes_to_use: int
@@ -301,12 +301,6 @@ class TritonOffloadConfig:
                 "(how the KV-cache groups of a hybrid model share the host rows; docs/vllm.md)"
             )
         host_format = host_format_setting(extra.get("host_format", "native"))
-        if host_format != "native":
-            raise ValueError(
-                f"host_format = {host_format!r} is not served by {SPEC_NAME} yet: its worker moves vLLM's canonical "
-                "int8 pages, which carry neither the element dtype nor the head geometry the format needs (the "
-                "library's gather_blocks, scatter_blocks and TransferEngine take it with typed KV tensors)"
-            )
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
