@@ -9,6 +9,7 @@ From the repository root, with tests/ on PYTHONPATH (the drivers import the shar
     python tests/e2e/vllm_e2e_driver.py --config f1    # host block = GPU block, budget of 14 host blocks: eviction
     python tests/e2e/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
     python tests/e2e/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
+    python tests/e2e/vllm_e2e_driver.py --config fp8   # bf16 model, host_format fp8_e4m3: ~2x the rows, lossy hits
 """
 
 from __future__ import annotations
@@ -46,18 +47,25 @@ CONFIGS = {
         "cpu_bytes_to_use": 5 * 4 * GPU_BLOCK_BYTES // 2,
         "host_regions": "per_group",
     },
+    # The FP8 host format on a bf16 model: the budget of 14 native rows (bf16 blocks are half GPU_BLOCK_BYTES, fp32's)
+    # holds 27 FP8 rows, so three prompts of 6 blocks all stay on the host.
+    "fp8": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * GPU_BLOCK_BYTES // 2, "host_format": "fp8_e4m3"},
 }
+# Engine settings per configuration (the others: tiny_llm's fp32).
+LLM_OVERRIDES = {"fp8": {"dtype": "bfloat16"}}
 # The hybrid model's sliding window, in tokens (2 GPU blocks).
 SLIDING_WINDOW = 2 * GPU_BLOCK
 
 
 class Runner:
-    def __init__(self, llm, seed: int):
+    def __init__(self, llm, seed: int, logprobs: int | None = None):
         from vllm import SamplingParams
 
         self.llm = llm
         self.rng = random.Random(seed)
-        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=logprobs
+        )
         self.cold: dict[str, list[int]] = {}  # prompt name -> tokens of its first run
         self.probes: list[dict] = []
 
@@ -72,6 +80,9 @@ class Runner:
         tokens = list(out.outputs[0].token_ids)
         ref = self.cold.setdefault(name, tokens)
         probe = {"label": label, "prompt": name, "cached": out.num_cached_tokens, "match": tokens == ref}
+        if self.params.logprobs is not None:  # how far it agrees, and the first token's top log-probabilities
+            probe["agree"] = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(tokens))
+            probe["top"] = {str(t): lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
         self.probes.append(probe)
         return probe
 
@@ -118,7 +129,15 @@ def scenario_hybrid(r: Runner) -> None:
     r.probe("p_after_eviction", "p", p)  # p's head survives in the full-attention pool; its tail is recomputed
 
 
-SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid}
+def scenario_fp8(r: Runner) -> None:
+    prompts = {name: r.prompt() for name in "abc"}
+    for name, ids in prompts.items():
+        r.run(f"{name}_cold", name, ids)  # 18 blocks: more than 14 native rows, fewer than 27 FP8 ones
+    for name, ids in prompts.items():
+        r.probe(f"{name}_offload_hit", name, ids)  # every block from the host, dequantized
+
+
+SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid, "fp8": scenario_fp8}
 
 
 def main(argv=None) -> int:
@@ -135,9 +154,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiny_llama_") as model_dir:
         build_tiny_llama(model_dir, sliding_window=SLIDING_WINDOW if args.config == "hybrid" else None)
         t_model = time.perf_counter()
-        llm = tiny_llm(model_dir, extra)
+        llm = tiny_llm(model_dir, extra, **LLM_OVERRIDES.get(args.config, {}))
         t_llm = time.perf_counter()
-        runner = Runner(llm, seed=1)
+        runner = Runner(llm, seed=1, logprobs=5 if args.config == "fp8" else None)
         SCENARIOS[args.config](runner)
         t_runs = time.perf_counter()
         metrics = offload_metrics(llm)
