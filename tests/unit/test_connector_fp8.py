@@ -163,7 +163,7 @@ def test_what_cannot_be_read_exactly_is_refused_naming_the_key(monkeypatch):
     _refused(kv, {}, r"kv_cache_layout 'LBHNC' on the GPU platform .* not described")
     monkeypatch.setattr(typed_pages, "cpu_platform", lambda: True)
     _refused(kv, {"integrity": "verify"}, r"host_format = 'fp8_e4m3' does not work with integrity = 'verify' yet")
-    _refused(kv, {"transfer_path": "dma"}, r"host_format = 'fp8_e4m3' needs the kernel .* not transfer_path = 'dma'")
+    _refused(kv, {"transfer_path": "dma"}, r"host_format = 'fp8_e4m3' does not work with transfer_path = 'dma'")
     hybrid = HybridKV(Case(((full(), 2), (mamba(), 2)), "overlaid"), num_blocks=4, views=False)
     _refused(hybrid, {}, r"host_format = 'fp8_e4m3' quantizes attention K/V pages; a MambaSpec layer")
     fp32 = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
