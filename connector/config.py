@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from triton_offload._checks import OFF, REQUIRE, integrity_setting, positive_int, positive_int_setting, transfer_path
+from triton_offload._checks import (
+    OFF,
+    REQUIRE,
+    host_format_setting,
+    integrity_setting,
+    positive_int,
+    positive_int_setting,
+    transfer_path,
+)
 from triton_offload.connector import SPEC_NAME
 from triton_offload.host.numa import numa_setting
 from triton_offload.host.pages import check_settings, huge_pages_setting, pinning_setting
@@ -64,6 +72,7 @@ OUR_KEYS = frozenset(
         "pinning",
         "integrity",
         "host_regions",
+        "host_format",
     }
 )
 # How a host row is shared by the KV-cache groups (connector/geometry.py, docs/vllm.md "Hybrid models").
@@ -230,6 +239,8 @@ class TritonOffloadConfig:
             last two checks as ``"require"`` here (:attr:`checks`).
         host_regions: ``"auto"``, ``"per_group"`` or ``"shared"``: which KV-cache groups' keys share a region of
             the host rows (connector/geometry.py).
+        host_format: ``"native"`` or ``"fp8_e4m3"``: what the host rows hold (triton_offload/host_format.py); the
+            spec reads what FP8 needs from vLLM's specs (connector/typed_pages.py).
     """
 
     cpu_bytes_to_use: int
@@ -242,6 +253,7 @@ class TritonOffloadConfig:
     pinning: str = "auto"
     integrity: str = OFF
     host_regions: str = "auto"
+    host_format: str = "native"
 
     @classmethod
     def from_extra_config(
@@ -288,6 +300,14 @@ class TritonOffloadConfig:
                 f"host_regions = {regions!r} is not supported; accepted: {', '.join(map(repr, HOST_REGION_MODES))} "
                 "(how the KV-cache groups of a hybrid model share the host rows; docs/vllm.md)"
             )
+        host_format = host_format_setting(extra.get("host_format", "native"))
+        if host_format != "native" and (checks != OFF or path == "dma"):  # before the model loads (preflight)
+            what = (
+                f"integrity = {checks!r}"
+                if checks != OFF
+                else "transfer_path = 'dma' (the copy engines cannot quantize)"
+            )
+            raise ValueError(f"host_format = {host_format!r} does not work with {what} yet")
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:
@@ -298,7 +318,7 @@ class TritonOffloadConfig:
                 f"block_size = {block_size!r} tokens, but vLLM passed blocks_per_chunk = {f} for GPU blocks of "
                 f"{gpu_block_tokens} tokens ({f * gpu_block_tokens} tokens per host block)"
             )
-        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, checks, regions)
+        return cls(cpu_bytes, f, policy, num_ctas, path, numa_node, huge_pages, pinning, checks, regions, host_format)
 
     @property
     def checks(self) -> str:

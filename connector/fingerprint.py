@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from triton_offload._checks import FORMAT_VERSIONS, host_format_setting
+
 __all__ = [
     "FINGERPRINT_VERSION",
     "AUTO",
@@ -37,7 +39,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: the host format's name and version in host_format
 AUTO, OFF = "auto", "off"
 # config.json keys that never change a K or V value: names, versions, token ids, generation (sampling) defaults,
 # training-only settings (initialisation, dropout) and Hugging Face's own runtime flags. Every other key is in the
@@ -313,9 +315,10 @@ def offloading_fields(config) -> dict[str, Any]:
     }
 
 
-def spec_fingerprint(config, fields: Mapping[str, Any] | None, setting: str, **host_format: Any):
+def spec_fingerprint(config, fields: Mapping[str, Any] | None, setting: str, *, host_format: str, **host_fields: Any):
     """A tiering spec's fingerprint, logged: ``fields`` (vLLM's, from :func:`fingerprint_fields`; None: what the
-    ``OffloadingConfig`` ``config`` says, with a warning) plus ``host_format`` (our bytes' format). None with
+    ``OffloadingConfig`` ``config`` says, with a warning) plus our bytes' format: the ``host_format`` and its version
+    (triton_offload/host_format.py) with ``host_fields`` (the layout, the integrity trailer, ...). None with
     ``setting`` ``"off"``; with a label, the label stands for it (both warned of: blocks of other configurations
     may then be loaded)."""
     if fields is None:
@@ -326,7 +329,10 @@ def spec_fingerprint(config, fields: Mapping[str, Any] | None, setting: str, **h
         )
         fields = offloading_fields(config)
     label = None if setting in (AUTO, OFF) else setting
-    fp = ConfigFingerprint.of(fields, label).with_fields(host_format={"version": FINGERPRINT_VERSION, **host_format})
+    fmt = {"format": host_format, "format_version": FORMAT_VERSIONS[host_format_setting(host_format)]}
+    fp = ConfigFingerprint.of(fields, label).with_fields(
+        host_format={"version": FINGERPRINT_VERSION, **fmt, **host_fields}
+    )
     if setting == OFF:
         logger.warning(
             "triton-offload: config_fingerprint = 'off': the tiers' namespace is vLLM's alone (model name, KV dtype, "

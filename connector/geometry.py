@@ -50,12 +50,15 @@ class LayerPlacement:
         column: where the page starts within a block of the backing allocation, for block-outermost ("packed")
             allocations, whose blocks hold every layer's page side by side; None where the layer is not placed.
         block_stride: bytes between blocks of its ``KVCacheTensor``.
+        spec: its vLLM ``KVCacheSpec`` (dtype, heads, ...: the FP8 host format's typed views,
+            :mod:`~triton_offload.connector.typed_pages`).
     """
 
     name: str
     page: int
     column: int | None = None
     block_stride: int | None = None
+    spec: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def kv_geometry(kv_cache_config, vllm_config=None) -> KVGeometry:
         group = kv_cache_config.kv_cache_groups[group_id]
         sizing = _sizing_spec(group)
         layers = tuple(
-            LayerPlacement(name, _unpadded_page(spec), *placed.get(name, (None, None)))
+            LayerPlacement(name, _unpadded_page(spec), *placed.get(name, (None, None)), spec=spec)
             for name, spec in _layer_specs(group).items()
         )
         groups.append(

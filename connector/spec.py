@@ -10,7 +10,8 @@ available).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -31,11 +32,21 @@ from triton_offload.connector.load_errors import check_reporting, integrity_metr
 from triton_offload.connector.manager import METRICS, TritonOffloadingManager
 from triton_offload.host.budget import check_host_memory, host_blocks_for_budget
 
+if TYPE_CHECKING:
+    from triton_offload.connector.typed_pages import FormatPlan
+
 __all__ = ["TritonOffloadingSpec"]
 
 logger = logging.getLogger(__name__)
 
-_INFO_KEYS = ("triton_offload_host_blocks", "triton_offload_blocks_per_host_block", "triton_offload_eviction_policy")
+_INFO_KEYS = (
+    "triton_offload_host_blocks",
+    "triton_offload_blocks_per_host_block",
+    "triton_offload_eviction_policy",
+    "triton_offload_host_format",
+    "triton_offload_host_tokens",
+    "triton_offload_native_host_blocks",
+)
 
 
 class TritonOffloadingSpec(OffloadingSpec):
@@ -43,7 +54,8 @@ class TritonOffloadingSpec(OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``cpu_bytes_to_use`` (required; bytes or ``"40GiB"``, for the whole
     instance), ``block_size`` (tokens per host block, read by vLLM), ``eviction_policy`` (``lru`` | ``arc``),
-    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``, ``integrity``, ``host_regions``. See
+    ``num_ctas``, ``transfer_path``, ``numa_node``, ``huge_pages``, ``pinning``, ``integrity``, ``host_regions``,
+    ``host_format``. See
     :class:`~triton_offload.connector.config.TritonOffloadConfig`.
 
     Host rows: a row holds ``f`` GPU blocks of one key per host *region*; each KV-cache group's keys live in one
@@ -91,6 +103,7 @@ class TritonOffloadingSpec(OffloadingSpec):
         self.geometry = self._geometry(config)
         if self.geometry is not None:
             check_multi_connector(self.geometry.kv_connector)
+        self.format_plan = self._format_plan(config)
         self._size_rows(config)
         self._manager: TritonOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -112,16 +125,36 @@ class TritonOffloadingSpec(OffloadingSpec):
             return None
         return geometry
 
+    def _format_plan(self, config: OffloadingConfig) -> FormatPlan | None:
+        """With ``host_format = "fp8_e4m3"``, what the rows hold, read from vLLM's specs (connector/typed_pages.py);
+        refused where they cannot be read exactly (before anything is allocated)."""
+        if self.offload_config.host_format == "native":
+            return None
+        from triton_offload.connector.typed_pages import cpu_platform, format_plan  # torch: not before it is used
+
+        plan = format_plan(self.geometry, config.kv_cache_layout, cpu_platform())
+        if plan.host_format == "native":
+            logger.info("triton-offload: host_format = 'fp8_e4m3' with an 8-bit KV cache: its bytes move unchanged")
+        return plan
+
     def _size_rows(self, config: OffloadingConfig) -> None:
         """The host rows: each group's region, the bytes of a row, and how many rows this rank's share of the
-        budget holds (the same on the scheduler and on every worker)."""
+        budget holds (the same on the scheduler and on every worker), in the host format and in the native one."""
         f, world_size = self.blocks_per_chunk, max(1, config.parallel.world_size)
+        self.native_host_blocks = None
         if self.geometry is not None:
-            regions = host_regions(self.geometry, self.offload_config.host_regions)
-            self.region_bytes = region_bytes(self.geometry.group_bytes, regions)
+            geometry = self.geometry
+            if self.format_plan is not None:  # region choice and sizes from the host format's bytes
+                groups = tuple(replace(g, nbytes=b) for g, b in zip(geometry.groups, self.format_plan.group_bytes))
+                geometry = replace(geometry, groups=groups)
+            regions = host_regions(geometry, self.offload_config.host_regions)
+            self.region_bytes = region_bytes(geometry.group_bytes, regions)
             self.group_regions = regions if len(self.region_bytes) > 1 else None
             self.sized_from = "the KV-cache groups' bytes per block"
             self.budget_block_bytes = f * sum(self.region_bytes)
+            if self.format_plan is not None:  # the rows the native format would give, for the log
+                native = f * sum(region_bytes(self.geometry.group_bytes, regions))
+                self.native_host_blocks = self.offload_config.cpu_bytes_to_use // world_size // native
         else:
             # vLLM's bytes per GPU block are those of the whole backing allocation (padding included), an upper
             # bound on the packed bytes a worker moves per block; for groups on separate tensors, or vLLM's branch
@@ -144,6 +177,8 @@ class TritonOffloadingSpec(OffloadingSpec):
             self.offload_config.cpu_bytes_to_use, self.budget_block_bytes, world_size
         )
         self.num_regions = len(self.region_bytes)
+        if self.native_host_blocks is None:
+            self.native_host_blocks = self.num_host_blocks
 
     def budget_note(self) -> str | None:
         """A warning when this rank's share of ``cpu_bytes_to_use`` cannot be used: less than 95 % of it fits in
@@ -160,6 +195,13 @@ class TritonOffloadingSpec(OffloadingSpec):
             "raise the budget or lower block_size to use it"
         )
 
+    def format_facts(self) -> tuple[str, int, int]:
+        """(the host rows' format, the tokens a region of them holds, the rows the native format would give for the
+        same budget)."""
+        tokens = self.num_host_blocks * self.blocks_per_chunk * max(self.tokens_per_block)
+        fmt = "native" if self.format_plan is None else self.format_plan.host_format
+        return fmt, tokens, self.native_host_blocks
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             cfg = self.offload_config
@@ -172,11 +214,12 @@ class TritonOffloadingSpec(OffloadingSpec):
                 def pool_of(key, _region_of=region_of):
                     return _region_of[int.from_bytes(key[-4:], "big")]
 
+            facts = (self.num_host_blocks, cfg.blocks_per_host_block, cfg.eviction_policy, *self.format_facts())
             self._manager = TritonOffloadingManager(
                 self.num_host_blocks,
                 cfg.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                info=dict(zip(_INFO_KEYS, (self.num_host_blocks, cfg.blocks_per_host_block, cfg.eviction_policy))),
+                info=dict(zip(_INFO_KEYS, facts)),
                 identities=cfg.integrity != "off",
                 pools=pools,
                 pool_of=pool_of,
@@ -187,6 +230,7 @@ class TritonOffloadingSpec(OffloadingSpec):
             logger.info(
                 "triton-offload scheduler: %d host rows of %d GPU block(s) (GPU block tokens %s) for %d rank(s), "
                 "%d bytes per row (host regions %s of KV-cache groups %s, sized from %s), %d keys in all, "
+                "host format %s: %d tokens per region (native: %s rows), "
                 "cpu_bytes_to_use=%d, eviction_policy=%s, integrity checks %s, kv events %s. Counters: vLLM metrics "
                 "vllm:triton_offload_{hit,stored,evicted,cached}_blocks and vllm:kv_offload_{load,store}_bytes; "
                 "totals are logged at shutdown",
@@ -199,6 +243,7 @@ class TritonOffloadingSpec(OffloadingSpec):
                 list(self.group_regions or (0,) * len(self.config.groups)),
                 self.sized_from,
                 self.num_host_blocks * self.num_regions,
+                *self.format_facts(),
                 cfg.cpu_bytes_to_use,
                 cfg.eviction_policy,
                 cfg.checks if cfg.checks == cfg.integrity else f"{cfg.checks} (integrity={cfg.integrity!r})",
@@ -240,5 +285,6 @@ class TritonOffloadingSpec(OffloadingSpec):
                 huge_pages=self.offload_config.huge_pages,
                 pinning=self.offload_config.pinning,
                 integrity=self.offload_config.checks,
+                format_plan=self.format_plan,
             )
         return self._worker

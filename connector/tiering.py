@@ -117,6 +117,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             host_layout=cfg.host_layout,
             integrity=OFF if cfg.integrity == OFF else f"v{VERSION}",
             blocks_per_chunk=config.cache.blocks_per_chunk,
+            host_format="native",  # the only one the tiers carry for now (TritonTieringConfig refuses fp8_e4m3)
         )
         if self.fingerprint is not None:
             # The tiers' namespace (fs directories, obj keys, the p2p handshake) is built from the model name: blocks

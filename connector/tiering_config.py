@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from triton_offload._checks import host_format_setting
 from triton_offload.connector import TIERING_SPEC_NAME
 from triton_offload.connector.config import (
     VLLM_KEYS,
@@ -49,6 +50,7 @@ OUR_TIERING_KEYS = {
     "the largest KV-cache group, ours on both ends)",
     "config_fingerprint": "'auto' (the configuration's fingerprint in the tiers' namespace and block identities), "
     "'off' (vLLM's namespace alone) or a label shared by configurations whose KV is the same",
+    "host_format": "'native' only here for now ('fp8_e4m3': TritonOffloadingSpec)",
 }
 HOST_LAYOUTS = ("worker_slots", "packed")
 # Keys of TritonOffloadingSpec that cannot apply to vLLM's shared region, with the reason given when they are set.
@@ -210,6 +212,11 @@ class TritonTieringConfig:
             raise ValueError(
                 f"host_layout = {layout!r} is not supported; accepted: {', '.join(map(repr, HOST_LAYOUTS))} "
                 "(docs/tiering.md, 'Hybrid models')"
+            )
+        if host_format_setting(extra.get("host_format", "native")) != "native":
+            raise ValueError(
+                f"host_format = {extra['host_format']!r} is not supported by {TIERING_SPEC_NAME} yet: the tiers carry "
+                "the cache's own bytes. Remove the key (or use TritonOffloadingSpec, which stores FP8 rows)"
             )
         for key, why in _REFUSED_KEYS.items():
             if key in extra:

@@ -5,7 +5,8 @@ group, one ref per layer naming a tensor and the un-padded bytes to move. They b
 :class:`~triton_offload.layouts.KVCacheSpec` (:func:`canonical_kv_spec`); after that every job is one engine submission,
 so one kernel launch for all groups, layers and blocks. For a packed allocation (vLLM's DeepSeek-V4 path hands every
 group the whole block of every layer) the groups' own pages are found from vLLM's config
-(:mod:`~triton_offload.connector.geometry`), so a key stores and moves only its group's bytes.
+(:mod:`~triton_offload.connector.geometry`), so a key stores and moves only its group's bytes. In the FP8 host format
+the pages are typed views instead (:mod:`~triton_offload.connector.typed_pages`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from vllm.v1.kv_offload.base import (
 )
 
 from triton_offload.connector.geometry import KVGeometry
+from triton_offload.connector.typed_pages import FormatPlan, typed_kv_spec
 from triton_offload.engine import LOAD, TransferEngine
 from triton_offload.host.cache import HostCache
+from triton_offload.host_format import FP8_E4M3
 from triton_offload.integrity import OFF
 from triton_offload.layouts import HostSlots, KVCacheSpec
 
@@ -190,6 +193,8 @@ class TritonOffloadingWorker(OffloadingWorker):
         integrity: ``"off"``, ``"verify"`` or ``"require"`` (docs/integrity.md): with the checks, the host cache keeps
             a checksum table, and the blocks of a load that fail their check are reported by
             :meth:`take_load_errors` (the connector hands them to vLLM as load errors), never as loaded.
+        format_plan: with ``host_format = "fp8_e4m3"``, the spec's plan: the pages are then moved as typed views
+            (connector/typed_pages.py), quantized; None, or an 8-bit cache's plan: the canonical pages' bytes.
     """
 
     # Where this worker's host blocks are, for messages about them.
@@ -215,9 +220,13 @@ class TritonOffloadingWorker(OffloadingWorker):
         huge_pages: str = "thp",
         pinning: str = "auto",
         integrity: str = OFF,
+        format_plan: FormatPlan | None = None,
     ) -> None:
         self.integrity = integrity
-        self.kv = canonical_kv_spec(kv_caches, group_regions=group_regions, geometry=geometry)
+        if format_plan is not None and format_plan.host_format == FP8_E4M3:
+            self.kv = typed_kv_spec(kv_caches, format_plan, group_regions)
+        else:
+            self.kv = canonical_kv_spec(kv_caches, group_regions=group_regions, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_host_block
         host_block_bytes = self.kv.host_block_bytes(f)
         if budget_block_bytes is not None and host_block_bytes > budget_block_bytes:
@@ -258,13 +267,14 @@ class TritonOffloadingWorker(OffloadingWorker):
             self.host_cache.close()
             raise
         logger.info(
-            "triton-offload worker: host cache %.3f GiB = %d blocks x %d bytes (%d GPU blocks of %d bytes each), "
-            "%s (%s); %s; num_ctas=%s, transfer path %s",
+            "triton-offload worker: host cache %.3f GiB = %d blocks x %d bytes (%d GPU blocks of %d bytes each, "
+            "host format %s), %s (%s); %s; num_ctas=%s, transfer path %s",
             self.host_cache.nbytes / 2**30,
             num_host_blocks,
             host_block_bytes,
             f,
             self.kv.bytes_per_block,
+            self.kv.host_format,
             "pinned" if self.host_cache.pinned else "pageable (no CUDA)",
             self.host_cache.describe(),
             self.kv,

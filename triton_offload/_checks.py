@@ -16,6 +16,9 @@ __all__ = [
     "transfer_path",
     "LAUNCH_SHAPES",
     "launch_shape",
+    "HOST_FORMATS",
+    "FORMAT_VERSIONS",
+    "host_format_setting",
 ]
 
 _DIGITS = re.compile(r"\s*[0-9]+\s*")
@@ -25,6 +28,17 @@ TRANSFER_PATHS = ("auto", "kernel", "dma")
 AUTO, KERNEL, DMA = TRANSFER_PATHS
 # How a kernel launch picks its programs (triton_offload/kernels/copy_blocks.py explains both).
 LAUNCH_SHAPES = ("fixed", "size-aware")
+# What a packed host row holds (triton_offload/host_format.py): the caches' own bytes, or FP8 values and scales.
+HOST_FORMATS = ("native", "fp8_e4m3")
+# Each format's version, in the configuration fingerprint (connector/fingerprint.py): bump it when its bytes change.
+FORMAT_VERSIONS = {"native": 1, "fp8_e4m3": 1}
+
+
+def host_format_setting(value, name: str = "host_format") -> str:
+    """``value`` if it names a host format; a ``ValueError`` naming ``name`` and the formats otherwise."""
+    if value not in HOST_FORMATS:
+        raise ValueError(f"unknown {name} {value!r}; supported: {list(HOST_FORMATS)}")
+    return value
 
 
 def positive_int(value, name: str) -> int:

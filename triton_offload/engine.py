@@ -107,6 +107,9 @@ class TransferEngine:
         self.path = transfer_path(default if path is None else path, choices=(TransferPath.AUTO, *builders))
         if self.path in _BUILT_IN:  # a path added to PATHS keeps its str name
             self.path = TransferPath(self.path)
+        if kv.quant is not None and self.path is TransferPath.AUTO:
+            # Only the kernel quantizes (the copy engines move bytes): nothing for auto to choose or calibrate.
+            self.path = TransferPath.KERNEL
         self._planner = TransferPlanner(kv, host_buffer.shape[0], self.blocks_per_host_block)
         # Test and profiling hook: trace(step) is called at each step of a submission (bench/micro/call_cost.py).
         self.trace = None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_offload.host_format import NATIVE, host_run_bytes, quant_runs
+
 __all__ = ["Layout", "LayoutDims", "Segment", "HostSlots", "KVCacheSpec", "prepare_kv", "resolve_layout"]
 
 
@@ -112,6 +114,8 @@ class Segment:
         host_offset: offset of these bytes inside a GPU-sized sub-block on the host.
         host_stride: bytes between consecutive sub-blocks of one host block.
         host_region: the start of this run's host region, in bytes per GPU block of the host block (times f).
+        host_nbytes: bytes of the run on the host: ``nbytes`` but in a quantizing host format
+            (:mod:`triton_offload.host_format`).
     """
 
     layer: int
@@ -121,6 +125,11 @@ class Segment:
     host_offset: int
     host_stride: int
     host_region: int
+    host_nbytes: int = -1
+
+    def __post_init__(self):
+        if self.host_nbytes < 0:
+            object.__setattr__(self, "host_nbytes", self.nbytes)
 
 
 def _dense_block_bytes(t: torch.Tensor, inner_dims: Sequence[int], layer: int) -> int:
@@ -195,11 +204,14 @@ def _group_segments(
     groups: list[list[int]],
     host_slots: HostSlots | None,
     group_regions: Sequence[int] | None = None,
+    host_runs: list[list[int]] | None = None,
 ) -> tuple[tuple[Segment, ...], ...]:
     """Each group's segments in packed order (its layers in the order given, K before V), with their host placement:
     packed (one sub-block of the largest group's bytes, the layers side by side), packed in its region of the row
     (``group_regions``: sub-blocks of the region's bytes) or ``host_slots``. ``pages[i]`` is entry i's bytes per
-    block (the sum of its runs)."""
+    block (the sum of its runs); ``host_runs[i]`` its runs' host bytes (None: as on the GPU)."""
+    host_runs = host_runs or [[nbytes for _, _, nbytes in r] for r in runs]
+    host_pages = [sum(h) for h in host_runs]
     for gi, layers in enumerate(groups):
         if not layers:
             raise ValueError(f"group {gi} is empty: every group needs at least one layer")
@@ -209,7 +221,7 @@ def _group_segments(
         raise ValueError(f"host_slots names a region for {len(host_slots.regions)} entries, but there are {len(runs)}")
     if host_slots is not None and group_regions is not None:
         raise ValueError("host_slots and group_regions are two host layouts: give one")
-    group_bytes = [sum(pages[i] for i in layers) for layers in groups]
+    group_bytes = [sum(host_pages[i] for i in layers) for layers in groups]
     region_bytes = _region_bytes(group_bytes, group_regions)
     out = []
     for gi, layers in enumerate(groups):
@@ -228,9 +240,9 @@ def _group_segments(
             else:
                 # The group's region of the row: f sub-blocks of the region's bytes, after the earlier regions'.
                 host_stride, host_region = region_bytes[region], sum(region_bytes[:region])
-            for base, stride, nbytes in runs[i]:
-                segs.append(Segment(i, base, stride, nbytes, offset, host_stride, host_region))
-                offset += nbytes
+            for (base, stride, nbytes), host_nbytes in zip(runs[i], host_runs[i]):
+                segs.append(Segment(i, base, stride, nbytes, offset, host_stride, host_region, host_nbytes))
+                offset += host_nbytes
         out.append(tuple(segs))
     return tuple(out)
 
@@ -258,6 +270,9 @@ class KVCacheSpec:
             region*: the caller keeps a block pool per region, and the same id in two regions is two keys of one
             row. With a region per group a key costs exactly its group's bytes, however unequal the groups
             (docs/design.md, "Host rows and regions"). None, or every group in region 0: the plain packed format.
+        host_format: what the packed rows hold (:mod:`triton_offload.host_format`): ``"native"``, the caches' own
+            bytes, or ``"fp8_e4m3"``, bf16 / fp16 caches as FP8 values and per-head scales (8-bit caches move
+            unchanged). Not with ``host_slots`` (vLLM's worker slots hold the caches' own bytes).
     """
 
     def __init__(
@@ -268,6 +283,7 @@ class KVCacheSpec:
         groups: Sequence[Sequence[int]] | None = None,
         host_slots: HostSlots | None = None,
         group_regions: Sequence[int] | None = None,
+        host_format: str = NATIVE,
     ):
         self.layout = resolve_layout(layout)
         if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
@@ -294,14 +310,22 @@ class KVCacheSpec:
             group_regions = None  # one region: the plain packed format
         self.group_regions = None if group_regions is None else tuple(group_regions)
         pages = [sum(nbytes for _, _, nbytes in layer_runs) for layer_runs in runs]
-        self.group_segments = _group_segments(runs, pages, groups, host_slots, self.group_regions)
+        self.host_format = host_format
+        # Per layer, the FP8 kernel's run geometry; None: the bytes move unchanged (the copy kernel).
+        self.quant = quant_runs(self.kv_caches, self.layout.label, host_format)
+        if self.quant is not None and host_slots is not None:
+            raise ValueError(f"host_format {host_format!r} writes packed rows: not with host_slots")
+        host_runs = host_run_bytes(self.quant, [[nbytes for _, _, nbytes in r] for r in runs])
+        self.group_segments = _group_segments(runs, pages, groups, host_slots, self.group_regions, host_runs)
         # Rows per group in the kernel's segment table: the largest group's segment count (others are padded).
         self.segments_per_group = max(len(segs) for segs in self.group_segments)
         self.segments = tuple(s for segs in self.group_segments for s in segs)
         self.group_bytes = tuple(sum(s.nbytes for s in segs) for segs in self.group_segments)
         self.bytes_per_block = max(self.group_bytes)
-        # Bytes of one sub-block of each host region (one region, the largest group's, unless group_regions).
-        self.region_bytes = _region_bytes(self.group_bytes, self.group_regions)
+        # Bytes of one sub-block of each host region (one region, the largest group's, unless group_regions), in
+        # the host format's bytes.
+        host_group_bytes = tuple(sum(s.host_nbytes for s in segs) for segs in self.group_segments)
+        self.region_bytes = _region_bytes(host_group_bytes, self.group_regions)
         self.num_regions = len(self.region_bytes)
         self.max_segment_bytes = max(s.nbytes for s in self.segments)
         if self.max_segment_bytes >= 2**31:  # the kernel masks a row's elements with 32-bit lengths
@@ -350,12 +374,19 @@ class KVCacheSpec:
         )
 
 
-def prepare_kv(kv_caches: Sequence[torch.Tensor] | KVCacheSpec, layout: str | Layout | None = None) -> KVCacheSpec:
-    """Returns a :class:`KVCacheSpec`, building one from tensors or checking a prepared one against ``layout``."""
+def prepare_kv(
+    kv_caches: Sequence[torch.Tensor] | KVCacheSpec, layout: str | Layout | None = None, host_format: str | None = None
+) -> KVCacheSpec:
+    """Returns a :class:`KVCacheSpec`, building one from tensors (``host_format`` None: ``"native"``) or checking a
+    prepared one against ``layout`` and ``host_format``."""
     if isinstance(kv_caches, KVCacheSpec):
         if layout is not None and resolve_layout(layout) is not kv_caches.layout:
             raise ValueError(f"layout {layout!r} does not match the prepared spec's {kv_caches.layout.label!r}")
+        if host_format is not None and host_format != kv_caches.host_format:
+            raise ValueError(
+                f"host_format {host_format!r} does not match the prepared spec's {kv_caches.host_format!r}"
+            )
         return kv_caches
     if layout is None:
         raise ValueError(f"a layout is required with raw tensors; supported: {sorted(LAYOUTS)}")
-    return KVCacheSpec(kv_caches, layout)
+    return KVCacheSpec(kv_caches, layout, host_format=host_format or NATIVE)

@@ -143,6 +143,7 @@ def gather_blocks(
     num_ctas: int | None = None,
     group_sizes: Sequence[int] | None = None,
     launch_shape: str = "fixed",
+    host_format: str | None = None,
 ) -> None:
     """Copies GPU blocks of every layer into packed host blocks, in one kernel launch (a store).
 
@@ -166,9 +167,12 @@ def gather_blocks(
             runs, never above ``num_ctas``; :mod:`triton_offload.kernels.copy_blocks` explains both).
         group_sizes: with KV-cache groups (``KVCacheSpec(..., groups=...)``), GPU ids per group; the ids are then
             concatenated group by group and ``skip`` may be one per group (see :func:`plan_transfer`).
+        host_format: with raw tensors, what the host rows hold (:mod:`triton_offload.host_format`): None or
+            ``"native"``, the caches' bytes; ``"fp8_e4m3"``, FP8 values and per-head scales of bf16 / fp16 caches.
+            With a prepared spec, None or the spec's own.
     """
     transfer_blocks(
-        prepare_kv(kv_caches, layout),
+        prepare_kv(kv_caches, layout, host_format),
         host_buffer,
         gpu_block_ids,
         host_block_ids,
@@ -193,6 +197,7 @@ def scatter_blocks(
     num_ctas: int | None = None,
     group_sizes: Sequence[int] | None = None,
     launch_shape: str = "fixed",
+    host_format: str | None = None,
 ) -> None:
     """Copies packed host blocks back into GPU blocks of every layer, in one kernel launch (a load).
 
@@ -201,7 +206,7 @@ def scatter_blocks(
     ``skip + i``. GPU ids are destinations and must be distinct; host ids may repeat.
     """
     transfer_blocks(
-        prepare_kv(kv_caches, layout),
+        prepare_kv(kv_caches, layout, host_format),
         host_buffer,
         gpu_block_ids,
         host_block_ids,
@@ -215,8 +220,11 @@ def scatter_blocks(
 
 
 def host_block_bytes(
-    kv_caches: Sequence[torch.Tensor] | KVCacheSpec, layout: str | Layout | None = None, blocks_per_host_block: int = 1
+    kv_caches: Sequence[torch.Tensor] | KVCacheSpec,
+    layout: str | Layout | None = None,
+    blocks_per_host_block: int = 1,
+    host_format: str | None = None,
 ) -> int:
-    """Bytes of one packed host block: ``blocks_per_host_block`` GPU blocks of all layers."""
+    """Bytes of one packed host block: ``blocks_per_host_block`` GPU blocks of all layers, in ``host_format``."""
     f = int_in_range(blocks_per_host_block, "blocks_per_host_block", 1)
-    return prepare_kv(kv_caches, layout).host_block_bytes(f)
+    return prepare_kv(kv_caches, layout, host_format).host_block_bytes(f)

@@ -16,12 +16,20 @@ def main(argv=None) -> int:
     ap.add_argument("--page", nargs="+", help="only these page classes (bench/static/variants.py PAGES)")
     ap.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="PART", help="merge Tritons' reports instead")
     ap.add_argument("--quiet", action="store_true", help="no table")
+    ap.add_argument("--fp8", action="store_true", help="the FP8 host format's kernel beside the copy kernel (sm_90)")
     ap.add_argument("--compare", type=pathlib.Path, nargs="+", metavar="RESULTS",
                     help="the model against these transfer-benchmark JSONs (with --static REPORT)")  # fmt: skip
     ap.add_argument("--static", type=pathlib.Path, help="a bench.static report (for --compare, --defaults)")
     ap.add_argument("--defaults", action="store_true",
                     help="the model's fraction of the peak at 4 programs, per workload (with --static)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.fp8:
+        from bench.static.fp8 import fp8_report
+
+        rows = fp8_report(args.arch[0])
+        if args.json:
+            write_json(args.json, {"benchmark": "static-fp8", "rows": rows})
+        return 0
     if args.compare:
         return _compare(args)
     if args.defaults:

@@ -11,6 +11,7 @@ From the repository root, with tests/ on PYTHONPATH (the drivers import the shar
     python tests/e2e/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
     python tests/e2e/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
     python tests/e2e/vllm_e2e_driver.py --config f1 --model "$(python -m triton_offload.models)"  # the real model
+    python tests/e2e/vllm_e2e_driver.py --config fp8   # bf16 model, host_format fp8_e4m3: ~2x the rows, lossy hits
 """
 
 from __future__ import annotations
@@ -55,22 +56,29 @@ def configs(block: int) -> dict[str, dict]:
         # group: room for 5 rows, fewer than the 3 + 3 full-attention keys of two prompts (one row also holds a
         # sliding-window key): the second prompt's store evicts the first's tail, in its group's pool only.
         "hybrid": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": 5 * 4 * block // 2, "host_regions": "per_group"},
+        # The FP8 host format on a bf16 model (LLM_OVERRIDES): the budget of 14 native rows (bf16 blocks are half
+        # the fp32 ``block``) holds 27 FP8 rows, so three prompts of 6 blocks all stay on the host.
+        "fp8": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * block // 2, "host_format": "fp8_e4m3"},
     }
 
 
-CONFIG_NAMES = ("f1", "f2", "hybrid")
+CONFIG_NAMES = ("f1", "f2", "hybrid", "fp8")
+# Engine settings per configuration (the others: tiny_llm's fp32).
+LLM_OVERRIDES = {"fp8": {"dtype": "bfloat16"}}
 # The hybrid model's sliding window, in tokens (2 GPU blocks).
 SLIDING_WINDOW = 2 * GPU_BLOCK
 
 
 class Runner:
-    def __init__(self, llm, seed: int, model_dir: str):
+    def __init__(self, llm, seed: int, model_dir: str, logprobs: int | None = None):
         from vllm import SamplingParams
 
         self.llm, self.model_dir, self.real = llm, model_dir, is_real(model_dir)
         self.rng = random.Random(seed)
         self.seed = seed
-        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=self.real)
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=self.real, logprobs=logprobs
+        )
         self.cold: dict[str, list[int]] = {}  # prompt name -> tokens of its first run
         self.probes: list[dict] = []
 
@@ -85,11 +93,15 @@ class Runner:
         """Generates for one prompt; the first run of a name is its reference, later runs are compared to it."""
         from vllm.inputs import TokensPrompt
 
-        out = output(self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0])
+        raw = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0]
+        out = output(raw)
         ref = self.cold.setdefault(name, out["tokens"])
         probe = {"label": label, "prompt": name, "cached": out["cached"], "match": out["tokens"] == ref}
         if self.real:
             probe["text"] = out["text"]
+        if self.params.logprobs is not None:  # how far it agrees, and the first token's top log-probabilities
+            probe["agree"] = next((i for i, (a, b) in enumerate(zip(out["tokens"], ref)) if a != b), len(ref))
+            probe["top"] = {str(t): lp.logprob for t, lp in raw.outputs[0].logprobs[0].items()}
         self.probes.append(probe)
         return probe
 
@@ -136,7 +148,15 @@ def scenario_hybrid(r: Runner) -> None:
     r.probe("p_after_eviction", "p", p)  # p's head survives in the full-attention pool; its tail is recomputed
 
 
-SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid}
+def scenario_fp8(r: Runner) -> None:
+    prompts = {name: r.prompt() for name in "abc"}
+    for name, ids in prompts.items():
+        r.run(f"{name}_cold", name, ids)  # 18 blocks: more than 14 native rows, fewer than 27 FP8 ones
+    for name, ids in prompts.items():
+        r.probe(f"{name}_offload_hit", name, ids)  # every block from the host, dequantized
+
+
+SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid, "fp8": scenario_fp8}
 
 
 def main(argv=None) -> int:
@@ -159,9 +179,9 @@ def main(argv=None) -> int:
         if args.spec_module_path:
             extra["spec_module_path"] = args.spec_module_path
         t_model = time.perf_counter()
-        llm = tiny_llm(model_dir, extra)
+        llm = tiny_llm(model_dir, extra, **LLM_OVERRIDES.get(args.config, {}))
         t_llm = time.perf_counter()
-        runner = Runner(llm, seed=1, model_dir=model_dir)
+        runner = Runner(llm, seed=1, model_dir=model_dir, logprobs=5 if args.config == "fp8" else None)
         SCENARIOS[args.config](runner)
         t_runs = time.perf_counter()
         metrics = offload_metrics(llm)

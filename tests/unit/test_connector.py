@@ -124,7 +124,7 @@ def test_manager_from_spec_publishes_the_declared_info_labels():
     spec = OffloadingSpecFactory.create_spec(make_config({"cpu_bytes_to_use": "1MiB", "eviction_policy": "arc"}))
     (info,) = spec.get_manager().config_info()
     assert set(info) == set(TritonOffloadingSpec.config_info_keys({}))
-    assert sorted(info.values(), key=str) == sorted([512, 2, "arc"], key=str)
+    assert sorted(info.values(), key=str) == sorted([512, 2, "arc", "native", 512 * 2 * 16, 512], key=str)
 
 
 @pytest.mark.parametrize(

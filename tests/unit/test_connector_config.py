@@ -212,3 +212,15 @@ def test_package_imports_without_vllm():
     assert out.returncode == 0, out.stderr
     assert "IMPORT_ERROR TritonOffloadingSpec needs vLLM >= 0.32" in out.stdout
     assert "REGISTER_ERROR" in out.stdout
+
+
+def test_host_format_is_read_by_name():
+    """host_format: "native" by default, "fp8_e4m3" by name (what it needs from vLLM's specs is checked by the spec:
+    tests/unit/test_connector_fp8.py); anything else refused with the formats listed."""
+    assert parse(dict(cpu_bytes_to_use=1)).host_format == "native"
+    assert parse(dict(cpu_bytes_to_use=1, host_format="fp8_e4m3")).host_format == "fp8_e4m3"
+    with pytest.raises(ValueError, match=r"unknown host_format 'bf16'; supported: \['native', 'fp8_e4m3'\]"):
+        parse(dict(cpu_bytes_to_use=1, host_format="bf16"))
+    for extra, what in (({"integrity": "verify"}, "integrity = 'verify'"), ({"transfer_path": "dma"}, "transfer_path")):
+        with pytest.raises(ValueError, match=f"host_format = 'fp8_e4m3' does not work with {what}"):
+            parse(dict(cpu_bytes_to_use=1, host_format="fp8_e4m3", **extra))

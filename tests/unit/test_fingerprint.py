@@ -244,6 +244,25 @@ def test_the_tiers_namespace_carries_it_and_the_override_is_warned_of(model_dir,
     assert "config_fingerprint = 'off': the tiers' namespace is vLLM's alone" in caplog.text
 
 
+def test_the_host_format_and_its_version_are_fields(monkeypatch):
+    """The host_format field names the format of our bytes and its version (triton_offload/host_format.py): another
+    format, or the same one's next version, is another namespace."""
+    config = offloading_config({}, groups=((0,),), worker_bytes=1024, f=1)
+    spec = spec_with(monkeypatch, None)
+    assert json.loads(dict(spec.fingerprint.fields)["host_format"])["format"] == "native"
+    fields = {"model": "m"}
+    native = fpm.spec_fingerprint(config, fields, "auto", host_format="native", host_layout="packed")
+    assert json.loads(dict(native.fields)["host_format"]) == {
+        "version": fpm.FINGERPRINT_VERSION, "format": "native", "format_version": 1, "host_layout": "packed"
+    }  # fmt: skip
+    fp8 = fpm.spec_fingerprint(config, fields, "auto", host_format="fp8_e4m3", host_layout="packed")
+    monkeypatch.setitem(fpm.FORMAT_VERSIONS, "native", 2)
+    bumped = fpm.spec_fingerprint(config, fields, "auto", host_format="native", host_layout="packed")
+    assert len({native.digest, fp8.digest, bumped.digest}) == 3
+    with pytest.raises(ValueError, match="unknown host_format 'fp4'"):
+        fpm.spec_fingerprint(config, fields, "auto", host_format="fp4")
+
+
 def test_without_vllms_config_it_falls_back_to_the_offloading_config_and_says_so(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="triton_offload"):
         spec = spec_with(monkeypatch, None)

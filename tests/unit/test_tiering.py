@@ -373,6 +373,10 @@ BAD = {
         {"pinning": "auto"},
         r"pinning = 'auto' is not supported by TritonTieringOffloadingSpec: the region must be registered",
     ),
+    "host-format": (
+        {"host_format": "fp8_e4m3"},
+        r"host_format = 'fp8_e4m3' is not supported by TritonTieringOffloadingSpec yet: the tiers carry",
+    ),
 }
 
 

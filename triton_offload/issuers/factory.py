@@ -17,6 +17,7 @@ from triton_offload.cuda_driver import CudaError
 from triton_offload.fast_launch import DIRECT, enable_fast_launch, fast_launch_default
 from triton_offload.issuers.base import Issuer, IssuerContext
 from triton_offload.issuers.dma import DmaIssuer
+from triton_offload.issuers.fp8_launcher import Fp8Launcher
 from triton_offload.issuers.kernel import KernelIssuer
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.layouts import KVCacheSpec
@@ -44,6 +45,10 @@ def build_dma(ctx: IssuerContext) -> DmaIssuer:
     Raises:
         PathUnavailable: the driver has no ``cuMemcpyBatchAsync`` (CUDA < 12.8).
     """
+    if ctx.spec.quant is not None:
+        raise PathUnavailable(
+            f"the copy engines move bytes unchanged: host_format {ctx.spec.host_format!r} needs the kernel"
+        )
     checker = build_kernel(ctx) if ctx.launcher.integrity else None
     try:
         return DmaIssuer(ctx.spec, ctx.host_buffer, ctx.blocks_per_host_block, checker=checker)
@@ -68,7 +73,7 @@ class KernelSetup(NamedTuple):
     """The kernel's launcher, the programs its launches pass (``num_ctas`` resolved under the launch shape), and
     per direction :data:`~triton_offload.fast_launch.DIRECT` or why its launches go through Triton's dispatch."""
 
-    launcher: CopyLauncher
+    launcher: CopyLauncher | Fp8Launcher
     num_ctas: int | None
     launch_paths: dict[Direction, str]
 
@@ -87,7 +92,11 @@ def kernel_launcher(
 ) -> KernelSetup:
     """A :class:`CopyLauncher` (for ``direction``, None: both) with the direct launch installed where a canary
     proves it (``fast_launch`` None follows ``TRITON_OFFLOAD_FAST_LAUNCH``; proven once per spec and compiled
-    variant, then a lookup). Its tables and shapes are built now, synchronously, on the caller's stream."""
+    variant, then a lookup). Its tables and shapes are built now, synchronously, on the caller's stream. A spec whose
+    host format quantizes gets an :class:`Fp8Launcher` (Triton's dispatch, one launch shape)."""
+    if spec.quant is not None:
+        fp8 = Fp8Launcher(spec, host_buffer, blocks_per_host_block, direction, checksums)
+        return KernelSetup(fp8, num_ctas, {d: f"host_format {spec.host_format}" for d in fp8.directions})
     launcher = CopyLauncher(spec, host_buffer, blocks_per_host_block, direction, tunings, checksums=checksums)
     ctas = launcher.ctas(num_ctas, launch_shape)
     if fast_launch is None:
