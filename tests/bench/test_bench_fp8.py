@@ -142,3 +142,19 @@ def test_layers_per_transfer_and_bad_arguments(capsys):
     with pytest.raises(ValueError, match="kv_first or block_first"):
         fp8_cases.cache_shape("mla", 4, Page(16, 1, 32))
     assert np.array_equal(fp8.parse_args(["--cpu-check"]).pages, fp8_cases.CPU_PAGES)
+
+
+def test_the_gpu_run_has_an_fp8_stage_a_lease_with_time_left_reaches():
+    """After the first lease's priorities (issue 38), before the long sweeps; its estimate within a short lease's
+    leftovers, and the script stops starting pages well before the stage's timeout kills it."""
+    from tools.gpu import stages
+
+    stage = stages.STAGES["fp8"]
+    (cmd,) = stage.steps
+    assert cmd[1:3] == ("-m", "bench.micro.fp8") and "{json}" in cmd and "{plot}" in cmd and stage.kind == "fp8"
+    order = list(stages.DEFAULT_ORDER)
+    assert order.index("gpu-tests-slow") < order.index("fp8") < order.index("full-small")
+    assert stage.estimate_s <= 60 and fp8.TIME_LIMIT_S + 30 <= stages.estimate(stage, stages.new_ledger()).timeout_s
+    covered = {p.relative_to(ROOT).as_posix() for p in stages.stage_files(stage)}
+    assert {"bench/micro/fp8.py", "bench/micro/fp8_cases.py", "kernels/fp8_blocks.py"} <= covered
+    assert "tests/gpu/test_gpu_fp8.py" in stages.GPU_TESTS_CORE
