@@ -40,7 +40,8 @@ HOST_MEMORY_ARGS = ("--sizes-gib", "8", "32", "--threads", "1", "8", "--placemen
 # The GPU test files, named (collecting the whole tree cost 10-30 s and let a module that cannot be imported there fail
 # the stage): the library's, then, in a process of their own, those that import vLLM's code. tests/bench/test_gpu_run.py
 # checks that these and SLOW_TESTS are every file `pytest -m gpu` collects.
-GPU_TESTS_CORE = ("tests/gpu/test_gpu_kernels.py", "tests/gpu/test_gpu_engine.py", "tests/unit/test_fast_launch.py",
+GPU_TESTS_CORE = ("tests/gpu/test_gpu_kernels.py", "tests/gpu/test_gpu_fp8.py", "tests/gpu/test_gpu_engine.py",
+                  "tests/unit/test_fast_launch.py",
                   "tests/unit/test_integrity.py", "tests/unit/test_integrity_hand_off.py",
                   "tests/unit/test_launch_shape.py", "tests/unit/test_path_choice.py", "tests/unit/test_host_cache.py",
                   "tests/unit/test_host_memory.py")  # fmt: skip
@@ -60,6 +61,9 @@ MICRO = (*LIBRARY, *BENCH, "bench/transfer", "bench/micro")
 # H100, times 0.5 (the 2026-11-22 H100 run took about half the model's minutes per part).
 INSTALL_S = 40.0  # ./dev gpu run's `pip install -e .` and the vLLM bundle's unpack
 MIN_TIMEOUT_S = 60.0
+# bench/micro/fp8.py: 14 page/layout cases of ~30 measurements of <= 20 ms each, ~12 s, plus the Triton compiles of
+# both kernels per page and direction (about 28) and the start; it starts no page after 70 s (its --time-limit).
+FP8_ESTIMATE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,12 @@ STAGES: dict[str, Stage] = {
               (("{py}", "-m", "bench.micro.host_cache", *HOST_MEMORY_ARGS, "--json", "{json}"),), 53, MICRO),
         Stage("gpu-tests-slow", "the two benchmark-subprocess GPU tests (a small transfer run, a short serving run)",
               "pytest", (pytest_step(*SLOW_TESTS, timeout=SLOW_TEST_TIMEOUT_S),), 150, _TESTED, TEST_ENV),
+        # Issue 63's speed: after the first lease's priorities, before the long sweeps; short enough that a lease
+        # which skips host-memory or gpu-tests-slow for want of time still reaches it.
+        Stage("fp8", "python -m bench.micro.fp8: the FP8 host format vs the bf16 copy, store and load, pages 2-256 "
+              "KiB, kv_first and block_first, 512 random blocks; FP8 at its default and a few programs; checked on the "
+              "GPU before timing", "fp8", (("{py}", "-m", "bench.micro.fp8", "--json", "{json}", "--plot", "{plot}"),),
+              FP8_ESTIMATE_S, MICRO),
         _transfer("full-small", "bench.transfer small-page: both layouts, 16/128/1024 blocks, both host formats, "
                   "num_ctas 1-32", 59),
         _transfer("full-70b", "bench.transfer llama3-70b-tp8, the same", 83),
