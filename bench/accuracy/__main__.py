@@ -17,6 +17,7 @@ import time
 from bench.accuracy.compare import compare
 from bench.accuracy.run import offload_config
 from bench.accuracy.texts import LENGTHS
+from bench.common.results import machine_info
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "lengths": args.lengths,
         "date": time.strftime("%Y-%m-%d"),
+        **machine_info(),  # where, and from which commit
         "reference": ref_name,
         "summaries": {},
     }
