@@ -152,7 +152,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         # and fills them with KV files.
         for i, root in cfg.root_dirs:
             make_private_root_dir(root, where(i, "root_dir"))
-        self._publish_cpu_info()  # with the fingerprint's label, whichever sizing above ran
+        self._publish_cpu_info()  # once, from the rows as sized above (packed, trailers), with the fingerprint's label
         self._worker: OffloadingWorker | None = None
 
     def _add_trailers(self) -> None:
@@ -185,7 +185,6 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 self.num_chunks * self.kv_bytes_per_chunk,
                 self.tiering_config.cpu_bytes_to_use,
             )
-        self._publish_cpu_info()
 
     def _size_packed_rows(self, config: OffloadingConfig) -> None:
         """vLLM sized the region from ``worker_kv_bytes_per_block``: one worker slot holds every canonical tensor's
@@ -198,7 +197,6 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         copies = 1 if self.replicated_layout else max(1, config.parallel.world_size)
         self.kv_bytes_per_chunk = round_up(self.cpu_page_size_per_worker * copies, self.BLOCK_SIZE_ALIGNMENT)
         self.num_chunks = self.tiering_config.cpu_bytes_to_use // self.kv_bytes_per_chunk
-        self._publish_cpu_info()
 
     def _publish_cpu_info(self) -> None:
         """vLLM >= 0.33 publishes the CPU tier's capacity as metrics (``cpu_info``): from the rows as sized here."""
