@@ -163,14 +163,12 @@ def build_tiny_llama(path: str, seed: int = 0, sliding_window: int | None = None
 
 def block_bytes(model_dir) -> int:
     """The whole model's KV bytes per GPU block in the engine :func:`tiny_llm` starts over ``model_dir``: layers x
-    K,V x KV heads x head size x :data:`GPU_BLOCK` tokens x 4 (fp32). :data:`GPU_BLOCK_BYTES` for the tiny model;
-    1440 KiB for the real one (30 layers, 3 KV heads of 64)."""
-    import json
+    K,V x KV heads x head size x :data:`GPU_BLOCK` tokens x 4 (fp32), as the accuracy harness sizes its engines.
+    :data:`GPU_BLOCK_BYTES` for the tiny model; 1440 KiB for the real one (30 layers, 3 KV heads of 64)."""
+    from bench.accuracy import run
 
-    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * kv_heads * head * GPU_BLOCK * 4
+    assert run.GPU_BLOCK == GPU_BLOCK
+    return run.block_bytes(str(model_dir))
 
 
 def output(out) -> dict:
