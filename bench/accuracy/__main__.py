@@ -52,8 +52,39 @@ def run_one(model: str, extra: dict | None, engine: dict, args, out: pathlib.Pat
     cmd = [sys.executable, "-m", "bench.accuracy.run", "--model", model, "--extra", json.dumps(extra)]
     cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens), "--top-k", str(args.top_k)]
     cmd += ["--lengths", *map(str, args.lengths), "--dtype", args.dtype, "--engine", json.dumps(engine)]
+    cmd += ["--fp8-codec", args.fp8_codec]
     subprocess.run([*cmd, "--out", str(out)], check=True, cwd=ROOT, env=env, timeout=args.timeout)
     return json.loads(out.read_text())
+
+
+def summary_line(name: str, ref: str, s: dict, top_k: int) -> str:
+    return (
+        f"{name} vs {ref}: token agreement {s['token_agreement']:.2%}, identical prompts {s['prompts_identical']:.2%}, "
+        f"diverged {s['diverged_prompts']} (first at {s['first_divergence_min']}), top-{top_k} KL mean "
+        f"{s['kl_mean']:.3g} max {s['kl_max']:.3g}, cached tokens {s['cached_tokens']}"
+    )
+
+
+def report_of(args, names: list[str], results: dict) -> dict:
+    """The report of the configurations that finished (the reference first); ``not_finished``: the others."""
+    ref = names[0]
+    report = {
+        "model": args.model,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "top_k": args.top_k,
+        "dtype": args.dtype,
+        "lengths": args.lengths,
+        "fp8_codec": args.fp8_codec,
+        "date": time.strftime("%Y-%m-%d"),
+        **machine_info(),  # where, and from which commit
+        "reference": ref,
+        "summaries": {n: compare(results[ref]["rows"], results[n]["rows"]) for n in names[1:] if n in results},
+        "not_finished": [n for n in names if n not in results],
+    }
+    report["seconds"] = {name: r["seconds"] for name, r in results.items()}
+    report["results"] = results
+    return report
 
 
 def main(argv=None) -> int:
@@ -68,6 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", default="off")
     ap.add_argument("--compare", nargs="+", default=["offload"], help="off, offload or NAME=JSON (over offload's)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
+    ap.add_argument("--fp8-codec", choices=("kernel", "torch"), default="kernel",
+                    help="torch: FP8 host rows by bench/accuracy/fp8_codec.py (the kernel's bytes, whole-tensor "
+                    "PyTorch; its first launches checked against the kernel), for CPU runs")  # fmt: skip
     ap.add_argument("--out", help="write the results (configurations, summaries, every output) here as JSON")
     args = ap.parse_args(argv)
     if args.model is None:
@@ -80,31 +114,12 @@ def main(argv=None) -> int:
         for i, (name, extra, engine) in enumerate(configs):
             out = pathlib.Path(tmp) / f"{i}.json"
             results[name] = {"extra_config": extra, "engine": engine, **run_one(args.model, extra, engine, args, out)}
-    ref_name = configs[0][0]
-    report = {
-        "model": args.model,
-        "prompts": args.prompts,
-        "max_tokens": args.max_tokens,
-        "top_k": args.top_k,
-        "dtype": args.dtype,
-        "lengths": args.lengths,
-        "date": time.strftime("%Y-%m-%d"),
-        **machine_info(),  # where, and from which commit
-        "reference": ref_name,
-        "summaries": {},
-    }
-    for name, _, _ in configs[1:]:
-        s = compare(results[ref_name]["rows"], results[name]["rows"])
-        report["summaries"][name] = s
-        print(
-            f"{name} vs {ref_name}: token agreement {s['token_agreement']:.2%}, identical prompts "
-            f"{s['prompts_identical']:.2%}, diverged {s['diverged_prompts']} (first at {s['first_divergence_min']}), "
-            f"top-{args.top_k} KL mean {s['kl_mean']:.3g} max {s['kl_max']:.3g}, cached tokens {s['cached_tokens']}"
-        )
-    report["seconds"] = {name: r["seconds"] for name, r in results.items()}
-    report["results"] = results
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report) + "\n")
+            if i:
+                print(summary_line(name, configs[0][0], compare(results[configs[0][0]]["rows"], results[name]["rows"]),
+                                   args.top_k), flush=True)  # fmt: skip
+            if args.out:  # after every configuration: a run stopped later keeps what finished
+                report = report_of(args, [c[0] for c in configs], results)
+                pathlib.Path(args.out).write_text(json.dumps(report) + "\n")
     return 0
 
 

@@ -107,8 +107,15 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs=2, required=True, help="prompt tokens, at least and at most")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--engine", default="{}", help="JSON: more arguments of vLLM's LLM")
+    ap.add_argument("--fp8-codec", choices=("kernel", "torch"), default="kernel")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.fp8_codec == "torch":
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise SystemExit("--fp8-codec torch replaces the launcher in this process: the engine must run in it")
+        from bench.accuracy import fp8_codec
+
+        fp8_codec.install()
     from transformers import AutoTokenizer
 
     from bench.accuracy.texts import prompt_set
@@ -117,10 +124,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     more = json.loads(args.engine)
     rows = run(args.model, json.loads(args.extra), prompts, args.max_tokens, args.top_k, dtype=args.dtype, more=more)
+    seconds = round(time.perf_counter() - t0, 1)
+    out = {"seconds": seconds, "prompt_tokens": [len(p) for p in prompts], "rows": rows}
+    if args.fp8_codec == "torch":
+        out["fp8_codec_cross_checked"] = fp8_codec.cross_checked()
     with open(args.out, "w") as f:
-        json.dump(
-            {"seconds": round(time.perf_counter() - t0, 1), "prompt_tokens": [len(p) for p in prompts], "rows": rows}, f
-        )
+        json.dump(out, f)
     return 0
 
 
