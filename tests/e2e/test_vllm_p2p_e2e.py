@@ -10,6 +10,8 @@ picked, retried if lost):
 - A1 (chunk = 1 GPU block) and A3 (chunk = 3 GPU blocks) serve prompts cold, so that our worker stores them into
   their CPU tier, print their tokens, and keep serving peers, the driver stepping their engine every 10 ms, until
   told to stop. Every engine here is vLLM's in-process engine (``IN_PROCESS`` says why).
+- C1 (chunk = 1), fresh, the same weights with another RoPE base (vLLM's ``hf_overrides``): prompt 1 from A1, refused
+  at the handshake by the configuration fingerprint naming the field (issue 62), so computed.
 - B1 (chunk = 1), fresh: prompt 1 from A1 (a hit over p2p); prompt 2 from A3, whose chunk size differs (refused at
   the handshake, so computed); prompt 4 from a port nobody listens on (computed).
 - B3 (chunk = 3), fresh: prompt 1 from A3 (a hit); then prompt 3 from A3 with a ``kv_request_id`` that A3 stalls on
@@ -59,6 +61,9 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 HIT = 192  # 6 GPU blocks of 32 tokens; vLLM recomputes the last prompt token
 FALLBACK_BOUND_S = 30.0  # a refused, absent or killed peer costs a request at most this (measured: under 1 s)
 STARTUP_S = 300
+# C1's model: the same weights and path with another RoPE base (vLLM's hf_overrides), as an edited config.json gives:
+# the same chunk length, another configuration fingerprint (issue 62).
+STALE_ROPE = {"rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}}  # SmolLM2's theta is 100000
 
 
 # docs/tiering.md's loopback recipe, read from the page: the tier entry and a request's kv_transfer_params.
@@ -122,7 +127,7 @@ def start(
 
 @pytest.fixture(scope="module")
 def run(real_model, tmp_path_factory):
-    """The four engines' results (the scenario above), each with its log and ``/dev/shm`` files."""
+    """The five engines' results (the scenario above), each with its log and ``/dev/shm`` files."""
     tmp = tmp_path_factory.mktemp("p2p")
     marker = tmp / "stalled"
     env = {"P2P_STALL_MARKER": str(marker), **IN_PROCESS}
@@ -134,6 +139,13 @@ def run(real_model, tmp_path_factory):
         a3, a3_out, a3_port = start("A3", real_model, 3 * GPU_BLOCK, prompts[:3], tmp, serve=True, env=env, stalls=True)
         engines.append(a3)
         dead_port = free_port()  # nobody listens there
+        # C1 before B1: a vLLM 0.32 producer whose consumer has exited after a NIXL transfer no longer accepts new
+        # connections (A1 after B1, seen here), while one that refused a consumer still serves the next (A3, B1, B3).
+        stale = ["--engine", json.dumps({"hf_overrides": STALE_ROPE})]
+        c1, c1_out, _ = start("C1", real_model, GPU_BLOCK, [fetch(1, "c1-1", a1_port)], tmp, serve=False, env=env,
+                              extra=stale)  # fmt: skip
+        engines.append(c1)
+        assert c1.wait(120) == 0
 
         b1_requests = [fetch(1, "b1-1", a1_port), fetch(2, "b1-2", a3_port), fetch(4, "b1-4", dead_port)]
         b1, b1_out, _ = start("B1", real_model, GPU_BLOCK, b1_requests, tmp, serve=False, env=env)
@@ -166,11 +178,12 @@ def run(real_model, tmp_path_factory):
             killed["give_up"] = True
             killer.join(10)
         assert "at" in killed, "A3 never stalled in a fetch: the kill scenario did not run"
-        logs = {name: engine.log() for name, engine in zip(("A1", "A3", "B1", "B3"), engines)}
+        logs = {name: engine.log() for name, engine in zip(("A1", "A3", "C1", "B1", "B3"), engines)}
         yield {
             "A1": {**a1_out, "log": logs["A1"]},
             "A3": {**a3_out, "log": logs["A3"], "killed": killed},
             "B1": {**b1_out, "log": logs["B1"]},
+            "C1": {**c1_out, "log": logs["C1"]},
             "B3": {**b3_out, "log": logs["B3"]},
         }
     finally:
@@ -212,6 +225,21 @@ def test_a_peer_with_another_chunk_size_is_refused_and_nothing_of_it_is_loaded(r
     rejections = [line for line in b1["log"].splitlines() if "rejecting peer connect: block_len mismatch" in line]
     assert rejections, "B1 did not refuse A3's connect"
     assert f"remote={3 * b1['block_bytes']}, local={b1['block_bytes']}" in rejections[0]
+    assert refused["seconds"] < FALLBACK_BOUND_S
+
+
+def test_a_peer_of_another_configuration_is_refused_naming_the_field_and_nothing_of_it_is_loaded(run):
+    """C1 (another RoPE base, same chunk length) asks A1 for prompt 1: the handshake is refused by the configuration
+    fingerprint, naming the field, and C1 computes the prompt itself, which with its RoPE gives another answer than
+    A1's (so A1's KV, loaded, would have been wrong)."""
+    c1 = run["C1"]
+    (refused,) = c1["requests"]
+    assert refused["cached"] == 0, f"{refused['cached']} tokens of another configuration loaded"
+    assert refused["tokens"] != tokens(run["A1"])[1], "the RoPE change must change the answer"
+    logs = run["A1"]["log"] + c1["log"]
+    rejections = [line for line in logs.splitlines() if "configuration fingerprint mismatch" in line]
+    assert rejections, "no side refused the connect of another configuration"
+    assert "rope" in rejections[0], rejections[0]
     assert refused["seconds"] < FALLBACK_BOUND_S
 
 

@@ -224,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-until", help="after printing the result, keep the engine up until this file exists")
     ap.add_argument("--serve-timeout", type=float, default=300, help="bound on --serve-until, seconds")
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
+    ap.add_argument("--engine", default="{}", help="JSON: more arguments of tiny_llm (e.g. hf_overrides)")
     ap.add_argument(
         "--variants",
         help="JSON list of engines run one after the other in this process (in-process engine): {'name': ..., "
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
         print_result(TIERING_RESULT, {"variants": [variant(args, extra, v, tiers) for v in json.loads(args.variants)]})
         return 0
     t0 = time.perf_counter()
-    llm = engine(args, extra)
+    llm = engine(args, extra, **json.loads(args.engine))
     t_start = time.perf_counter()
     served = serve(llm, json.loads(args.requests), args.model)
     wait_stored(llm, tiers, args.wait_stored)
