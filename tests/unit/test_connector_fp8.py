@@ -109,7 +109,8 @@ def test_rows_hold_about_twice_the_blocks_and_the_startup_says_both(caplog):
 def test_a_stored_and_loaded_block_is_each_heads_k_and_v_quantized(caplog):
     """Blocks 3 and 7 stored into one host row, loaded into 10 and 11: each (head, K/V) of the loaded blocks equals
     the reference's quantize-dequantize of the source's (one power-of-two scale each, as the CPU backend splits K
-    and V); the row is 2 x the compressed page of each layer, and other blocks are untouched."""
+    and V); the row is 2 x the compressed page of each layer, and other blocks are untouched. vLLM's transfer stats
+    count the compressed bytes, the worker's totals both."""
     kv = _kv()
     spec = _spec(kv, FP8)
     names = kv.names[0]
@@ -120,6 +121,14 @@ def test_a_stored_and_loaded_block_is_each_heads_k_and_v_quantized(caplog):
     assert worker.kv.host_format == "fp8_e4m3" and worker.kv.layout.label == "block_first"
     assert worker.host_cache.buffer.shape == (126, F * 2 * 2 * (1024 + 16))
     assert "host format fp8_e4m3" in caplog.text
+    # vLLM's kv_offload_{load,store}_bytes (from the worker role's transfer stats): the bytes over the link; the GPU
+    # bytes stay in the worker's totals beside them.
+    wire, gpu = 2 * 2 * 2 * (1024 + 16), 2 * 2 * PAGE
+    stats = role.build_connector_worker_meta().transfer_stats
+    assert (stats.store.bytes, stats.load.bytes, stats.store.sizes) == (wire, wire, [wire])
+    assert [worker.stats[k] for k in ("stored_bytes", "loaded_bytes", "stored_wire_bytes", "loaded_wire_bytes")] == [
+        gpu, gpu, wire, wire
+    ]  # fmt: skip
     for n in names:
         for src, dst in ((3, 10), (7, 11)):
             for want, got in zip(_cpu_heads(before[n], src), _cpu_heads(kv.views[n], dst)):

@@ -148,7 +148,8 @@ def _cpu_heads(view: torch.Tensor, block: int):
 def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quantized():
     """Blocks 3 and 7 stored by vLLM's worker role into chunk 5 of the shared region, loaded into 10 and 11: each
     (head, K/V) equals the reference's quantize-dequantize; the row the scheduler's tiers read holds exactly the
-    compressed bytes (the rest of the row is never written)."""
+    compressed bytes (the rest of the row is never written), and the transfer's size (vLLM's kv_offload byte
+    counters) counts them."""
     kv = _kv()
     spec = _spec(kv, FP8)
     role = OffloadingConnectorWorker(spec, vllm_config({}), kv.config)
@@ -163,7 +164,7 @@ def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quan
         assert worker.submit_store(0, GPULoadStoreSpec([3, 7], [2], [0]), CPULoadStoreSpec([5]))
         worker.wait({0})
         (stored,) = worker.get_finished()
-        assert stored.success
+        assert stored.transfer_size == 2 * 2 * FP8_PAGE, "the bytes over the link, not the GPU pages"
         whole = worker.region.base_tensor.view(torch.uint8)
         written = (whole.view(spec.num_chunks, row) != 0x5A).nonzero()
         assert set(written[:, 0].tolist()) == {5} and int(written[:, 1].max()) < F * 2 * FP8_PAGE
