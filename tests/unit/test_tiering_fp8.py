@@ -18,15 +18,11 @@ import pytest
 import torch
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
-from vllm_configs import worker_role_missing  # noqa: E402
+from vllm_configs import finished, submit_load  # noqa: E402
 
-if reason := worker_role_missing():
-    pytest.skip(reason, allow_module_level=True)
+if not hasattr(pytest.importorskip("vllm.v1.kv_cache_interface"), "create_kv_cache_views"):
+    pytest.skip("needs vLLM's KV cache layouts (create_kv_cache_views)", allow_module_level=True)
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
-    OffloadingConnectorMetadata,
-    TransferJob,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
@@ -112,6 +108,20 @@ def test_larger_rows_lose_less_to_the_alignment():
     assert (native.num_chunks, fp8.num_chunks) == (64, budget // 135168) == (64, 124)
 
 
+def test_mla_rows_hold_the_compressed_latent():
+    """vLLM's MLA spec (one latent of 32 + 8 fp16 elements per token, one head): the CPU tier's packed rows hold
+    F x 2 layers x (640 + 16) bytes, a scale per block and layer, where native rows hold F x 2 x 1280."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    mla = MLAAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=40, dtype=torch.float16)
+    kv = HybridKV(Case(((mla, 2),), "overlaid"), num_blocks=4, views=False)
+    extra = {"block_size": 32 * BLOCK_TOKENS}
+    native, fp8 = _spec(kv, {**extra, "host_layout": "packed"}), _spec(kv, {**extra, **FP8})
+    assert fp8.format_plan.pages[0][0].layout == "mla" and fp8.format_plan.group_bytes == (2 * 656,)
+    assert (native.cpu_page_size_per_worker, fp8.cpu_page_size_per_worker) == (32 * 2 * 1280, 32 * 2 * 656)
+    assert fp8.num_chunks / native.num_chunks > 1.9
+
+
 @pytest.mark.parametrize("fingerprint", ["auto", "off", "shared-label"])
 def test_fp8_rows_are_never_named_as_native_ones(fingerprint):
     """Whatever config_fingerprint says (a label or "off" would otherwise name both formats alike), the fs / obj
@@ -146,7 +156,8 @@ def _cpu_heads(view: torch.Tensor, block: int):
 
 
 def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quantized():
-    """Blocks 3 and 7 stored by vLLM's worker role into chunk 5 of the shared region, loaded into 10 and 11: each
+    """Blocks 3 and 7 stored into chunk 5 of the shared region (the worker vLLM's worker role registered), loaded
+    into 10 and 11: each
     (head, K/V) equals the reference's quantize-dequantize; the row the scheduler's tiers read holds exactly the
     compressed bytes (the rest of the row is never written), and the transfer's size (vLLM's kv_offload byte
     counters) counts them."""
@@ -162,16 +173,13 @@ def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quan
         row = spec.kv_bytes_per_chunk
         worker.region.base_tensor.view(torch.uint8).fill_(0x5A)
         assert worker.submit_store(0, GPULoadStoreSpec([3, 7], [2], [0]), CPULoadStoreSpec([5]))
-        worker.wait({0})
-        (stored,) = worker.get_finished()
+        (stored,) = finished(worker)
         assert stored.transfer_size == 2 * 2 * FP8_PAGE, "the bytes over the link, not the GPU pages"
         whole = worker.region.base_tensor.view(torch.uint8)
         written = (whole.view(spec.num_chunks, row) != 0x5A).nonzero()
         assert set(written[:, 0].tolist()) == {5} and int(written[:, 1].max()) < F * 2 * FP8_PAGE
-        load = TransferJob("r", CPULoadStoreSpec([5]), GPULoadStoreSpec([10, 11], [2], [0]), sync=True)
-        role.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={1: load}, store_jobs={}))
-        worker.wait({1})
-        role.get_finished(set())
+        submit_load(worker, 1, CPULoadStoreSpec([5]), GPULoadStoreSpec([10, 11], [2], [0]), expedited=False)
+        assert [r.transfer_size for r in finished(worker)] == [2 * 2 * FP8_PAGE]
     finally:
         role.shutdown()
     for n in names:
