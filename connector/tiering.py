@@ -38,6 +38,7 @@ from triton_offload.connector.shm_region import RegionName, region_paths, unlink
 from triton_offload.connector.tiering_config import TritonTieringConfig
 from triton_offload.host.budget import check_host_memory
 from triton_offload.host.numa import check_node_memory, choose_node, run_on_node
+from triton_offload.host_format import FORMAT_VERSIONS, FP8_E4M3, NATIVE
 from triton_offload.integrity import OFF, VERSION, identities_of_keys
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringOffloadingSpec"]
@@ -51,6 +52,9 @@ PACKED_NAMESPACE = "+triton-offload-packed-v1"
 # it, from the model name) gets this suffix: the rows carry trailers, so their files and objects must never mix with
 # those of a layout without them (vLLM's fs tier deletes a file shorter than a row).
 INTEGRITY_NAMESPACE = f"+triton-offload-integrity-v{VERSION}"
+# With host_format = "fp8_e4m3", another suffix (whatever config_fingerprint says: "off" or a label would otherwise
+# let a native engine read FP8 rows): the rows hold FP8 values and scales, in that format's version.
+FP8_NAMESPACE = f"+triton-offload-{FP8_E4M3}-v{FORMAT_VERSIONS[FP8_E4M3]}"
 # Bytes between the trailer's entries and the slot's start are aligned to this.
 _TRAILER_ALIGN = 16
 
@@ -108,6 +112,8 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
         self.geometry = geometry_for(config)
         if self.geometry is not None:
             check_multi_connector(self.geometry.kv_connector)
+        self.format_plan = self._format_plan(config)
+        host_format = NATIVE if self.format_plan is None else self.format_plan.host_format
         # vLLM's spec reads int(cpu_bytes_to_use): hand it the parsed size ("40GiB" is ours).
         config = replace(config, extra_config={**config.extra_config, "cpu_bytes_to_use": cfg.cpu_bytes_to_use})
         self.fingerprint = spec_fingerprint(
@@ -117,7 +123,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             host_layout=cfg.host_layout,
             integrity=OFF if cfg.integrity == OFF else f"v{VERSION}",
             blocks_per_chunk=config.cache.blocks_per_chunk,
-            host_format="native",  # the only one the tiers carry for now (TritonTieringConfig refuses fp8_e4m3)
+            host_format=host_format,
         )
         if self.fingerprint is not None:
             # The tiers' namespace (fs directories, obj keys, the p2p handshake) is built from the model name: blocks
@@ -134,10 +140,13 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             # The secondary tiers name what they persist after the model (vLLM's FileMapper, also the p2p
             # handshake): packed rows get a namespace of their own, never read as vLLM's worker slots.
             config = replace(config, model=replace(config.model, name=config.model.name + PACKED_NAMESPACE))
+        if host_format == FP8_E4M3:
+            config = replace(config, model=replace(config.model, name=config.model.name + FP8_NAMESPACE))
         if cfg.integrity != OFF:
             # Another namespace for the tiers (files, objects, peers): the rows of this layout carry trailers.
             config = replace(config, model=replace(config.model, name=config.model.name + INTEGRITY_NAMESPACE))
         super().__init__(config)
+        self.native_chunks = self.num_chunks
         if cfg.host_layout == "packed":
             self._size_packed_rows(config)
         self.trailer_bytes = 0
@@ -186,17 +195,46 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 self.tiering_config.cpu_bytes_to_use,
             )
 
+    def format_facts(self) -> tuple[str, int, int]:
+        """(the rows' host format, the tokens the CPU tier holds, the chunks the native format would give for the same
+        ``cpu_bytes_to_use``)."""
+        fmt = NATIVE if self.format_plan is None else self.format_plan.host_format
+        return fmt, self.num_chunks * self.blocks_per_chunk * max(self.tokens_per_block), self.native_chunks
+
+    def _format_plan(self, config: OffloadingConfig):
+        """With ``host_format = "fp8_e4m3"``, what the packed rows hold, read from vLLM's specs
+        (connector/typed_pages.py, as TritonOffloadingSpec does); refused where they cannot be read exactly. None for
+        the native format."""
+        if self.tiering_config.host_format == NATIVE:
+            return None
+        from triton_offload.connector.typed_pages import cpu_platform, format_plan  # torch: not before it is used
+
+        plan = format_plan(self.geometry, config.kv_cache_layout, cpu_platform())
+        if plan.host_format == NATIVE:
+            logger.info(
+                "triton-offload tiering: host_format = 'fp8_e4m3' with an 8-bit KV cache: its bytes move unchanged"
+            )
+        return plan
+
     def _size_packed_rows(self, config: OffloadingConfig) -> None:
         """vLLM sized the region from ``worker_kv_bytes_per_block``: one worker slot holds every canonical tensor's
         page, so a key of one KV-cache group reserves every group's bytes (vLLM's #56871). Packed rows hold one key
-        of f blocks of the largest group instead (vLLM's manager keeps one pool of slots for every group)."""
+        of f blocks of the largest group instead (vLLM's manager keeps one pool of slots for every group), in the
+        host format's bytes (``native_chunks``: the chunks the native format would give, for the log)."""
+        f = self.blocks_per_chunk
+        group_bytes = self.geometry.group_bytes if self.format_plan is None else self.format_plan.group_bytes
+        self.cpu_page_size_per_worker = f * max(group_bytes)
+        self.kv_bytes_per_chunk = self._chunk_bytes(config, self.cpu_page_size_per_worker)
+        self.num_chunks = self.tiering_config.cpu_bytes_to_use // self.kv_bytes_per_chunk
+        native = self._chunk_bytes(config, f * max(self.geometry.group_bytes))
+        self.native_chunks = self.tiering_config.cpu_bytes_to_use // native
+
+    def _chunk_bytes(self, config: OffloadingConfig, slot_bytes: int) -> int:
+        """A chunk row of every worker's slot (one when replicated), aligned as vLLM's region aligns rows."""
         from vllm.utils.math_utils import round_up
 
-        f = self.blocks_per_chunk
-        self.cpu_page_size_per_worker = f * max(self.geometry.group_bytes)
         copies = 1 if self.replicated_layout else max(1, config.parallel.world_size)
-        self.kv_bytes_per_chunk = round_up(self.cpu_page_size_per_worker * copies, self.BLOCK_SIZE_ALIGNMENT)
-        self.num_chunks = self.tiering_config.cpu_bytes_to_use // self.kv_bytes_per_chunk
+        return round_up(slot_bytes * copies, self.BLOCK_SIZE_ALIGNMENT)
 
     def _publish_cpu_info(self) -> None:
         """vLLM >= 0.33 publishes the CPU tier's capacity as metrics (``cpu_info``): from the rows as sized here."""
@@ -236,13 +274,15 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             unlink_paths(region_paths(region))
         logger.info(
             "triton-offload tiering scheduler: %d chunks of %d GPU block(s) (%d bytes per row, all workers; %s), "
-            "eviction_policy=%s, secondary tiers %s; region %s",
+            "host format %s: %d tokens in the CPU tier (native: %d chunks), eviction_policy=%s, secondary tiers %s; "
+            "region %s",
             self.num_chunks,
             self.blocks_per_chunk,
             self.kv_bytes_per_chunk,
             "vLLM's worker slots"
             if self.tiering_config.host_layout == "worker_slots"
             else "packed rows of the largest KV-cache group",
+            *self.format_facts(),
             self.tiering_config.eviction_policy,
             list(self.tiering_config.secondary_tiers),
             region.mmap_path,
@@ -311,6 +351,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
                 integrity=self.tiering_config.integrity,
                 trailer_bytes=self.trailer_bytes,
                 slot=slot,
+                format_plan=self.format_plan,
             )
         except BaseException:
             try:

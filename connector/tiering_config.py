@@ -50,7 +50,8 @@ OUR_TIERING_KEYS = {
     "the largest KV-cache group, ours on both ends)",
     "config_fingerprint": "'auto' (the configuration's fingerprint in the tiers' namespace and block identities), "
     "'off' (vLLM's namespace alone) or a label shared by configurations whose KV is the same",
-    "host_format": "'native' only here for now ('fp8_e4m3': TritonOffloadingSpec)",
+    "host_format": "'native' (the cache's own bytes) or 'fp8_e4m3' (bf16 / fp16 caches as FP8 rows, about half the "
+    "bytes in every tier; with host_layout = 'packed')",
 }
 HOST_LAYOUTS = ("worker_slots", "packed")
 # Keys of TritonOffloadingSpec that cannot apply to vLLM's shared region, with the reason given when they are set.
@@ -133,6 +134,25 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
     return tier_type, root_dir, store
 
 
+def _check_host_format(extra: Mapping[str, Any], layout: str, checks: str, path: str | None) -> str:
+    """``host_format``, refused where the rows cannot hold it: FP8 rows are ours (``host_layout = "packed"``; vLLM's
+    worker slots hold the cache's own bytes), and not yet with the integrity checks or the copy engines."""
+    host_format = host_format_setting(extra.get("host_format", "native"))
+    if host_format == "native":
+        return host_format
+    if layout != "packed":
+        raise ValueError(
+            f"host_format = {host_format!r} needs host_layout = 'packed' with {TIERING_SPEC_NAME}: vLLM's worker "
+            "slots (host_layout = 'worker_slots', the default) hold the cache's own bytes. Set both"
+        )
+    if checks != OFF or path == "dma":
+        what = (
+            f"integrity = {checks!r}" if checks != OFF else "transfer_path = 'dma' (the copy engines cannot quantize)"
+        )
+        raise ValueError(f"host_format = {host_format!r} does not work with {what} in {TIERING_SPEC_NAME} yet")
+    return host_format
+
+
 def _tier_types() -> list[str]:
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
@@ -157,6 +177,7 @@ class TritonTieringConfig:
             or ``"packed"`` (our packed rows, sized for the largest KV-cache group: see docs/tiering.md).
         config_fingerprint: ``"auto"``, ``"off"`` or a label (:func:`~triton_offload.connector.fingerprint.
             fingerprint_setting`).
+        host_format: ``"native"`` or ``"fp8_e4m3"`` (packed rows only): what the rows every tier carries hold.
     """
 
     cpu_bytes_to_use: int
@@ -170,6 +191,7 @@ class TritonTieringConfig:
     integrity: str = OFF
     host_layout: str = "worker_slots"
     config_fingerprint: str = AUTO
+    host_format: str = "native"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> TritonTieringConfig:
@@ -182,9 +204,9 @@ class TritonTieringConfig:
                 directory (a file, or a path through one); a ``backpressure`` without ``backpressure_cls``; an
                 unknown ``eviction_policy``; ``store_threshold >= 2``; ``canonical_layout``; a bad ``num_ctas`` or
                 ``transfer_path``; a ``p2p`` or ``obj`` tier's own mistakes (``network_tiers.check_network_tier``);
-                a bad ``numa_node`` or ``config_fingerprint``; ``huge_pages`` or ``pinning`` (they cannot apply to
-                the shared region); a key this spec does not read (``config.check_keys``: unless ``"unknown_keys":
-                "warn"``).
+                a bad ``numa_node`` or ``config_fingerprint``; a ``host_format`` the rows cannot hold
+                (:func:`_check_host_format`); ``huge_pages`` or ``pinning`` (they cannot apply to the shared region);
+                a key this spec does not read (``config.check_keys``: unless ``"unknown_keys": "warn"``).
         """
         # TritonOffloadingSpec's keys that cannot apply here are known: they are refused below with the reason.
         check_keys(extra, set(TIERING_KEYS) | set(OUR_TIERING_KEYS) | set(_REFUSED_KEYS) | VLLM_KEYS, TIERING_SPEC_NAME)
@@ -213,11 +235,7 @@ class TritonTieringConfig:
                 f"host_layout = {layout!r} is not supported; accepted: {', '.join(map(repr, HOST_LAYOUTS))} "
                 "(docs/tiering.md, 'Hybrid models')"
             )
-        if host_format_setting(extra.get("host_format", "native")) != "native":
-            raise ValueError(
-                f"host_format = {extra['host_format']!r} is not supported by {TIERING_SPEC_NAME} yet: the tiers carry "
-                "the cache's own bytes. Remove the key (or use TritonOffloadingSpec, which stores FP8 rows)"
-            )
+        host_format = _check_host_format(extra, layout, checks, path)
         for key, why in _REFUSED_KEYS.items():
             if key in extra:
                 raise ValueError(f"{key} = {extra[key]!r} is not supported by {TIERING_SPEC_NAME}: {why}")
@@ -242,6 +260,6 @@ class TritonTieringConfig:
         default_bp = _check_backpressure(extra.get("backpressure"), "kv_connector_extra_config['backpressure']")
         checked = [_check_tier(i, tier, default_bp) for i, tier in enumerate(tiers)]
         root_dirs = tuple((i, root) for i, (_, root, _) in enumerate(checked) if root is not None)
-        types = tuple(tier_type for tier_type, _, _ in checked)
-        stores = tuple(store for _, _, store in checked if store is not None)
-        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, numa_node, checks, layout, fingerprint)
+        types, stores = tuple(t for t, _, _ in checked), tuple(s for _, _, s in checked if s is not None)
+        ours = (numa_node, checks, layout, fingerprint, host_format)
+        return cls(cpu_bytes, policy, types, num_ctas, root_dirs, path, stores, *ours)

@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from triton_offload.checksums import Checksums
 from triton_offload.connector.shm_region import RegionName
+from triton_offload.connector.typed_pages import FormatPlan, typed_kv_spec
 from triton_offload.connector.worker import TritonOffloadingWorker, canonical_kv_spec
 from triton_offload.host.numa import NodeChoice
 from triton_offload.host.placement import read_placement
@@ -29,6 +30,7 @@ from triton_offload.host.registration import (
     register_host_range,
     unregister_host_ranges,
 )
+from triton_offload.host_format import FP8_E4M3
 from triton_offload.integrity import OFF, slot_identity
 
 __all__ = ["TritonTieringWorker"]
@@ -60,6 +62,8 @@ class TritonTieringWorker(TritonOffloadingWorker):
         geometry: for the packed layout (``host_layout = "packed"``), the KV-cache groups read from vLLM's config:
             this worker's slot holds our packed format (one key of f blocks of the largest group) instead of vLLM's
             worker slot. None: vLLM's worker slot, checked against vLLM's own views.
+        format_plan: with ``host_format = "fp8_e4m3"`` (packed rows only), the spec's plan: the pages move as typed
+            views, quantized (connector/typed_pages.py); None, or an 8-bit cache's plan: the canonical pages' bytes.
     """
 
     tier = "CPU tier"
@@ -81,6 +85,7 @@ class TritonTieringWorker(TritonOffloadingWorker):
         trailer_bytes: int = 0,
         slot: int = 0,
         geometry=None,
+        format_plan: FormatPlan | None = None,
     ) -> None:
         self.region, self.name = region, name
         self.integrity, self.slot = integrity, slot
@@ -91,7 +96,12 @@ class TritonTieringWorker(TritonOffloadingWorker):
         self._registered: list[tuple[int, int]] = []
         self._finalizer = weakref.finalize(self, unregister_host_ranges, self._registered)
         packed = geometry is not None
-        self.kv = canonical_kv_spec(kv_caches, worker_slots=not packed, geometry=geometry)
+        if format_plan is not None and format_plan.host_format == FP8_E4M3:
+            if not packed:
+                raise ValueError("host_format = 'fp8_e4m3' writes packed rows: the spec passes the geometry with it")
+            self.kv = typed_kv_spec(kv_caches, format_plan)
+        else:
+            self.kv = canonical_kv_spec(kv_caches, worker_slots=not packed, geometry=geometry)
         self.blocks_per_host_block = f = blocks_per_chunk
         used = self.kv.host_block_bytes(f)
         if used > slot_bytes - trailer_bytes:
@@ -119,13 +129,15 @@ class TritonTieringWorker(TritonOffloadingWorker):
             raise
         logger.info(
             "triton-offload tiering worker: shared region %s, %d chunks x %d-byte rows, this worker's slot at byte "
-            "%d (%d of %d bytes used); %s; this worker's pages: %s; %s; %s; num_ctas=%s, transfer path %s",
+            "%d (%d of %d bytes used, host format %s); %s; this worker's pages: %s; %s; %s; num_ctas=%s, transfer "
+            "path %s",
             name.paths[0],
             num_chunks,
             row,
             slot_offset,
             used,
             slot_bytes,
+            self.kv.host_format,
             self.numa.why,
             self.placement.describe(),
             f"pinned in {len(self._registered)} chunk(s) in {time.perf_counter() - t0:.3f} s"

@@ -4,7 +4,9 @@ and where each head's K and V lie. Both are read here from the layer's ``Attenti
 ``head_size``, ``block_size``) and the ``kv_cache_layout`` vLLM resolved (RFC #42082's page ``[H, N, K|V]`` in the
 memory order ``LBHNC`` or ``LBNHC``): :func:`page_geometry` describes a page as two halves of equal bytes, each
 ``tokens x slabs x head_dim`` elements, a slab being one head's K or V, so the library's ``block_first`` layout gives
-a scale per (block, layer, head, K/V), and :func:`typed_kv_spec` reinterprets the canonical tensors so. The scheduler
+a scale per (block, layer, head, K/V); an MLA page (one latent of ``kv_lora_rank + qk_rope_head_dim`` per token, one
+head, in any layout) is one run, the library's ``mla`` layout, a scale per (block, layer) over the latent, rope part
+included. :func:`typed_kv_spec` reinterprets the canonical tensors so. The scheduler
 sizes the host rows from the same geometry (:func:`format_plan`), so what cannot be read exactly is refused, naming
 the key, before anything is allocated.
 """
@@ -26,7 +28,7 @@ _KEY = f"host_format = {FP8_E4M3!r}"
 @dataclass(frozen=True)
 class PageGeometry:
     """One layer's page (a GPU block) in elements: two halves of ``tokens x slabs x head_dim``, ``half_stride``
-    apart; a slab is one head's K or V."""
+    apart; a slab is one head's K or V. MLA (``halves = 1``): one run of ``tokens x latent``, the latent one slab."""
 
     dtype: torch.dtype
     tokens: int
@@ -35,20 +37,27 @@ class PageGeometry:
     token_stride: int
     slab_stride: int
     half_stride: int
+    halves: int = 2
+
+    @property
+    def layout(self) -> str:
+        """The library layout of :meth:`view`: ``block_first``, or ``mla`` for one run per page."""
+        return "block_first" if self.halves == 2 else "mla"
 
     @property
     def page_bytes(self) -> int:
-        return 2 * self.tokens * self.slabs * self.head_dim * self.dtype.itemsize
+        return self.halves * self.tokens * self.slabs * self.head_dim * self.dtype.itemsize
 
     @property
     def host_bytes(self) -> int:
-        """The page's bytes in the FP8 host format (two runs: values, then a scale per slab)."""
+        """The page's bytes in the FP8 host format (per run, K|V halves or the latent: values, a scale per slab)."""
         run = QuantRun(self.tokens, self.slabs, self.head_dim, self.token_stride, self.slab_stride)
-        return 2 * run.host_bytes
+        return self.halves * run.host_bytes
 
     def view(self, pages: torch.Tensor, what: str) -> torch.Tensor:
         """``pages`` (vLLM's int8 ``(num_blocks, page bytes)``) as ``(num_blocks, 2, tokens, slabs, head_dim)`` of
-        the cache dtype (the ``block_first`` layout, the halves in the place of K and V)."""
+        the cache dtype (the ``block_first`` layout, the halves in the place of K and V), or for MLA
+        ``(num_blocks, tokens, latent)`` (the ``mla`` layout)."""
         size = self.dtype.itemsize
         if pages.dim() != 2 or pages.stride(1) != 1 or pages.shape[1] * pages.element_size() < self.page_bytes:
             raise ValueError(f"{_KEY}: {what} is {tuple(pages.shape)}, not pages of {self.page_bytes} bytes")
@@ -56,6 +65,9 @@ class PageGeometry:
         if byte_offset % size or block_stride % size:
             raise ValueError(f"{_KEY}: {what} is not aligned to its {self.dtype} elements")
         typed = torch.empty(0, dtype=self.dtype, device=pages.device).set_(pages.untyped_storage())
+        if self.halves == 1:
+            shape, strides = (pages.shape[0], self.tokens, self.head_dim), (block_stride // size, self.token_stride, 1)
+            return typed.as_strided(shape, strides, byte_offset // size)
         return typed.as_strided(
             (pages.shape[0], 2, self.tokens, self.slabs, self.head_dim),
             (block_stride // size, self.half_stride, self.token_stride, self.slab_stride, 1),
@@ -76,23 +88,29 @@ def page_geometry(spec, layout: str | None, cpu: bool) -> PageGeometry | None:
     move unchanged).
 
     Raises:
-        ValueError: naming the key and what cannot be read exactly (not attention, MLA, packed or padded
-            contents, K and V of different sizes, a layout whose K and V halves are not described here).
+        ValueError: naming the key and what cannot be read exactly (not attention, packed contents, K and V of
+            different sizes, a layout whose K and V halves are not described here, an MLA page that is not one
+            latent per token: DeepSeek-V4's).
     """
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
     kind = type(spec).__name__
-    if not isinstance(spec, AttentionSpec) or isinstance(spec, MLAAttentionSpec):
-        raise ValueError(f"{_KEY} quantizes attention K/V pages; a {kind} layer is not described (yet)")
+    mla = isinstance(spec, MLAAttentionSpec)
+    if not isinstance(spec, AttentionSpec) or kind == "HiddenStateCacheSpec":
+        raise ValueError(f"{_KEY} quantizes attention K/V pages and MLA latents; a {kind} layer is not described")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     if spec.dtype in ONE_BYTE or quant != "NONE":
         return None  # already 8-bit (kv_cache_dtype="fp8" and its kin): moved as bytes
     if spec.dtype not in QUANTIZABLE:
         raise ValueError(f"{_KEY} quantizes bf16 or fp16 caches; this one is {spec.dtype} (the model's dtype)")
     packed = [f for f in ("num_head_slots", "state_content_bytes") if getattr(spec, f, None) is not None]
-    if packed or getattr(spec, "tokens_per_state", 1) != 1 or spec.head_size_v != spec.head_size:
+    if packed or getattr(spec, "tokens_per_state", 1) != 1 or spec.head_size_v != (0 if mla else spec.head_size):
         raise ValueError(f"{_KEY}: the {kind} page is not plain K|V per head and token ({spec}): not described")
     h, n, d = spec.num_kv_heads, spec.block_size, spec.head_size
+    if mla:  # one latent (kv_lora_rank + qk_rope_head_dim) per token: a page is (1, N, D) whatever the layout
+        if h != 1 or getattr(spec, "model_version", None) is not None:
+            raise ValueError(f"{_KEY}: the {kind} page is not one plain latent per token ({spec}): not described")
+        return PageGeometry(spec.dtype, n, 1, d, d, 0, 0, halves=1)
     if layout == "LBHNC" and cpu:  # a head's K then V, each (N, D): cpu_attn views the page (H, 2N, D)
         return PageGeometry(spec.dtype, n, h, d, d, n * d, h * n * d)
     if layout == "LBNHC" and not cpu and n % 2 == 0:  # per token and head, K then V: halves of N/2 tokens
@@ -132,6 +150,8 @@ def format_plan(geometry, layout: str | None, cpu: bool) -> FormatPlan:
         return FormatPlan(NATIVE, (), geometry.group_bytes)
     if any(p is None for p in flat):
         raise ValueError(f"{_KEY}: some layers' caches are 8-bit and others not: not described")
+    if len({p.layout for p in flat}) > 1:
+        raise ValueError(f"{_KEY}: MLA latents beside K/V pages in one model: not described")
     return FormatPlan(FP8_E4M3, pages, tuple(sum(p.host_bytes for p in group) for group in pages))
 
 
@@ -172,4 +192,5 @@ def typed_kv_spec(kv_caches, plan: FormatPlan, group_regions=None) -> KVCacheSpe
             if entry not in members:
                 members.append(entry)
         groups.append(members)
-    return KVCacheSpec(views, "block_first", groups=groups, group_regions=group_regions, host_format=FP8_E4M3)
+    layout = plan.pages[0][0].layout  # one for every page (format_plan)
+    return KVCacheSpec(views, layout, groups=groups, group_regions=group_regions, host_format=FP8_E4M3)

@@ -298,6 +298,13 @@ class TritonOffloadingWorker(OffloadingWorker):
         )
         self.num_ctas = num_ctas
         self.stats = {"store_jobs": 0, "load_jobs": 0, "stored_bytes": 0, "loaded_bytes": 0, "seconds": 0.0}
+        # In the FP8 host format, each group's host bytes per GPU block: a job's bytes over the link (what vLLM's
+        # kv_offload byte counters report), beside its GPU bytes (the stats' stored / loaded_bytes). None: the same.
+        self._wire_group_bytes = None
+        if self.kv.quant is not None:
+            self._wire_group_bytes = tuple(sum(s.host_nbytes for s in segs) for segs in self.kv.group_segments)
+            self.stats |= {"stored_wire_bytes": 0, "loaded_wire_bytes": 0}
+        self._wire_bytes: dict[tuple[bool, int], int] = {}
         if self.integrity != OFF:
             self.stats |= {"failed_checks": 0, "unchecked_blocks": 0}
         self._load_errors: list[LoadError] = []
@@ -336,6 +343,8 @@ class TritonOffloadingWorker(OffloadingWorker):
                 self._host_ids(host).tolist(),
             )
         host_ids, sizes = self._host_ids(host), list(gpu.group_sizes)
+        if self._wire_group_bytes is not None:
+            self._wire_bytes[(store, job_id)] = sum(n * b for n, b in zip(sizes, self._wire_group_bytes))
         # The identities only with the checks: an engine without them need not take the argument (tests' engines).
         identities = None if self.integrity == OFF else self._identities(host)
         checks = {} if identities is None else {"identities": identities}
@@ -370,12 +379,14 @@ class TritonOffloadingWorker(OffloadingWorker):
                 raise RuntimeError(f"triton-offload {r.direction} job {r.job_id} failed: {r.error}")
             self.stats["load_jobs" if is_load else "store_jobs"] += 1
             self.stats["loaded_bytes" if is_load else "stored_bytes"] += r.num_bytes
+            wire = self._wire_bytes.pop((not is_load, r.job_id), r.num_bytes)
+            if self._wire_group_bytes is not None:
+                self.stats["loaded_wire_bytes" if is_load else "stored_wire_bytes"] += wire
             self.stats["seconds"] += r.seconds
             if is_load and self.integrity != OFF:
                 self._checked(r)
-            out.append(
-                TransferResult(job_id=r.job_id, success=True, transfer_size=r.num_bytes, transfer_time=r.seconds)
-            )
+            # vLLM's kv_offload_{load,store}_bytes: the bytes moved between the GPU and the host (docs/vllm.md).
+            out.append(TransferResult(job_id=r.job_id, success=True, transfer_size=wire, transfer_time=r.seconds))
         return out
 
     def _checked(self, result) -> None:

@@ -204,7 +204,7 @@ def fp8():
 def test_fp8_rows_hold_about_twice_the_blocks_and_serve_host_hits(fp8):
     """The budget of 14 bf16 rows holds 27 FP8 ones (16448 bytes for 32768: 1.99x the bytes, whole rows 1.93x),
     as the startup says; three prompts of 6 blocks (18 > 14) each come back whole from the host after the device
-    prefix cache is reset."""
+    prefix cache is reset; vLLM's byte counters count the rows' bytes."""
     got, log = cached(fp8), fp8["log"]
     assert [got[f"{p}_cold"] for p in "abc"] == [0, 0, 0]
     assert [got[f"{p}_offload_hit"] for p in "abc"] == [192, 192, 192]
@@ -213,6 +213,9 @@ def test_fp8_rows_hold_about_twice_the_blocks_and_serve_host_hits(fp8):
     assert "27 blocks x 16448 bytes (1 GPU blocks of 32768 bytes each, host format fp8_e4m3)" in log
     m = fp8["metrics"]
     assert (m["vllm:triton_offload_hit_blocks"], m["vllm:triton_offload_evicted_blocks"]) == (18, 0)
+    # vLLM's byte counters: the bytes over the link (a row, 16448), not the GPU blocks' (32768).
+    assert m["vllm:kv_offload_load_bytes"] == 18 * 16448
+    assert m["vllm:kv_offload_store_bytes"] == m["vllm:triton_offload_stored_blocks"] * 16448
 
 
 def test_fp8_hits_give_nearly_the_cold_next_token_distribution(fp8):

@@ -174,7 +174,7 @@ def variant(args, extra: dict, spec: dict, tiers: list[dict]) -> dict:
     """One engine of ``--variants``, in this process: ``spec["config"]`` merged into the model's config.json (in
     place: the model keeps its path, part of the tiers' namespace) until the engine is shut down, ``spec["engine"]``
     passed to ``tiny_llm``, ``spec["extra"]`` merged into the extra config; serves ``args.requests``, then waits for
-    ``spec["wait_stored"]`` chunks."""
+    ``spec["wait_stored"]`` chunks (or ``spec["wait_new"]`` more than the tiers held before it)."""
     import gc
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -188,9 +188,10 @@ def variant(args, extra: dict, spec: dict, tiers: list[dict]) -> dict:
         with open(path, "w") as f:
             json.dump(_merge(json.loads(original), spec.get("config", {})), f, indent=2)
         t0 = time.perf_counter()
+        held = min((len(c) for c in map(stored_chunks, tiers) if c is not None), default=0)
         llm = engine(args, {**extra, **spec.get("extra", {})}, **spec.get("engine", {}))
         served = serve(llm, json.loads(args.requests), args.model)
-        wait_stored(llm, tiers, spec.get("wait_stored", 0))
+        wait_stored(llm, tiers, spec.get("wait_stored", 0) or held + spec.get("wait_new", -held))
         result = {"name": spec["name"], "requests": served, "stored": [stored_chunks(t) for t in tiers]}
         result["seconds"] = round(time.perf_counter() - t0, 1)
         llm.llm_engine.engine_core.shutdown()
@@ -228,7 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants",
         help="JSON list of engines run one after the other in this process (in-process engine): {'name': ..., "
-        "'config': config.json changes, 'engine': tiny_llm arguments, 'extra': extra config, 'wait_stored': n}",
+        "'config': config.json changes, 'engine': tiny_llm arguments, 'extra': extra config, 'wait_stored': n, "
+        "'wait_new': n}",
     )
     ap.add_argument("--umask", help="octal umask for the engine and its processes, e.g. 022 (default: inherited)")
     ap.add_argument("--connector", default="OffloadingConnector", help="kv_connector (TritonOffloadingConnector)")

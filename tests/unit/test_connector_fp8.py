@@ -109,7 +109,8 @@ def test_rows_hold_about_twice_the_blocks_and_the_startup_says_both(caplog):
 def test_a_stored_and_loaded_block_is_each_heads_k_and_v_quantized(caplog):
     """Blocks 3 and 7 stored into one host row, loaded into 10 and 11: each (head, K/V) of the loaded blocks equals
     the reference's quantize-dequantize of the source's (one power-of-two scale each, as the CPU backend splits K
-    and V); the row is 2 x the compressed page of each layer, and other blocks are untouched."""
+    and V); the row is 2 x the compressed page of each layer, and other blocks are untouched. vLLM's transfer stats
+    count the compressed bytes, the worker's totals both."""
     kv = _kv()
     spec = _spec(kv, FP8)
     names = kv.names[0]
@@ -120,6 +121,14 @@ def test_a_stored_and_loaded_block_is_each_heads_k_and_v_quantized(caplog):
     assert worker.kv.host_format == "fp8_e4m3" and worker.kv.layout.label == "block_first"
     assert worker.host_cache.buffer.shape == (126, F * 2 * 2 * (1024 + 16))
     assert "host format fp8_e4m3" in caplog.text
+    # vLLM's kv_offload_{load,store}_bytes (from the worker role's transfer stats): the bytes over the link; the GPU
+    # bytes stay in the worker's totals beside them.
+    wire, gpu = 2 * 2 * 2 * (1024 + 16), 2 * 2 * PAGE
+    stats = role.build_connector_worker_meta().transfer_stats
+    assert (stats.store.bytes, stats.load.bytes, stats.store.sizes) == (wire, wire, [wire])
+    assert [worker.stats[k] for k in ("stored_bytes", "loaded_bytes", "stored_wire_bytes", "loaded_wire_bytes")] == [
+        gpu, gpu, wire, wire
+    ]  # fmt: skip
     for n in names:
         for src, dst in ((3, 10), (7, 11)):
             for want, got in zip(_cpu_heads(before[n], src), _cpu_heads(kv.views[n], dst)):
@@ -165,7 +174,7 @@ def test_what_cannot_be_read_exactly_is_refused_naming_the_key(monkeypatch):
     _refused(kv, {"integrity": "verify"}, r"host_format = 'fp8_e4m3' does not work with integrity = 'verify' yet")
     _refused(kv, {"transfer_path": "dma"}, r"host_format = 'fp8_e4m3' does not work with transfer_path = 'dma'")
     hybrid = HybridKV(Case(((full(), 2), (mamba(), 2)), "overlaid"), num_blocks=4, views=False)
-    _refused(hybrid, {}, r"host_format = 'fp8_e4m3' quantizes attention K/V pages; a MambaSpec layer")
+    _refused(hybrid, {}, r"host_format = 'fp8_e4m3' quantizes attention K/V pages and MLA latents; a MambaSpec layer")
     fp32 = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
     _refused(HybridKV(Case(((fp32, 2),), "overlaid"), 4, views=False), {}, r"bf16 or fp16 caches; this one is")
 
@@ -186,3 +195,52 @@ def test_the_gpu_layout_halves_are_token_halves_of_each_heads_k_and_v():
     with pytest.raises(ValueError, match=r"'LBNHC' on the GPU platform \(block_size 15\)"):
         typed_pages.page_geometry(FullAttentionSpec(block_size=15, num_kv_heads=2, head_size=8, dtype=torch.float16),
                                   "LBNHC", cpu=False)  # fmt: skip
+
+
+def _mla(head=40, **kw):
+    """vLLM's MLA spec: one latent per token (kv_lora_rank 32 + qk_rope_head_dim 8 here), one head, fp16."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=head, dtype=torch.float16, **kw)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_an_mla_latent_is_one_run_with_one_scale_per_block_and_layer(layout, monkeypatch):
+    """MLA pages (16 tokens x 40 latent elements, fp16: 1280 bytes) in either layout (one head: the same bytes) and
+    on either platform: rows of 2 x (640 + 16) bytes per block, the library's mla layout; a stored and loaded block
+    is the reference's quantize-dequantize of the whole (tokens, latent) page, rope part included."""
+    monkeypatch.setattr(typed_pages, "cpu_platform", lambda: layout == "LBHNC")
+    kv = HybridKV(Case(((_mla(), 2),), "overlaid"), num_blocks=12, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    kv.raw.view(torch.float16).copy_(torch.randn(kv.raw.numel() // 2, generator=gen) * 3)
+    spec = _spec(kv, FP8, layout=layout, budget=64 * F * 2 * 1280)
+    assert spec.format_plan.group_bytes == (2 * (640 + 16),)
+    assert spec.num_host_blocks == 64 * 1280 // 656
+    before = {n: kv.views[n].clone() for n in kv.names[0]}
+    role = _store_then_load(kv, spec, [3, 7], [10, 11])
+    assert role.worker.kv.layout.label == "mla" and role.worker.kv.host_format == "fp8_e4m3"
+    for n in kv.names[0]:
+        for src, dst in ((3, 10), (7, 11)):
+            want = before[n][src].reshape(BLOCK_TOKENS, 40)
+            codes, scale = quantize_head(want)
+            got = kv.views[n][dst].reshape(BLOCK_TOKENS, 40)
+            assert torch.equal(got, dequantize_head(codes, scale, torch.float16)), n
+    role.worker.shutdown()
+
+
+def test_mla_pages_that_are_not_one_plain_latent_are_refused():
+    """An 8-bit MLA cache moves unchanged; DeepSeek-V4's MLA pages (model_version), MLA layers beside K/V ones and
+    hidden-state caches are not described, so refused naming the key."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    one_byte = MLAAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=40, dtype=torch.uint8)
+    assert typed_pages.page_geometry(one_byte, "LBHNC", cpu=True) is None
+    with pytest.raises(ValueError, match=r"MLAAttentionSpec page is not one plain latent per token"):
+        typed_pages.page_geometry(_mla(model_version="deepseek_v4"), "LBHNC", cpu=True)
+    mixed = HybridKV(Case(((full(PAGE), 2), (_mla(), 2)), "disjoint"), num_blocks=4, views=False)
+    _refused(mixed, {}, r"host_format = 'fp8_e4m3': MLA latents beside K/V pages in one model: not described")
+    hidden = pytest.importorskip("vllm.v1.kv_cache_interface").__dict__.get("HiddenStateCacheSpec")
+    if hidden is not None:
+        spec = hidden(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=40, dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"a HiddenStateCacheSpec layer is not described"):
+            typed_pages.page_geometry(spec, "LBHNC", cpu=True)

@@ -271,7 +271,7 @@ def test_worker_slots_are_placed_on_the_chosen_node(monkeypatch, caplog):
         assert (numa.thread_policy(), os.sched_getaffinity(0)) == before
         assert set(worker.placement.node_bytes) == {0} and worker.placement.resident >= 64 * 4096
         assert worker.numa.why == "numa_node = 0"
-        assert "bytes used); numa_node = 0; this worker's pages: node 0: " in caplog.text
+        assert "bytes used, host format native); numa_node = 0; this worker's pages: node 0: " in caplog.text
     finally:
         worker.shutdown()
     assert not os.path.exists(region_file(config.engine_id))
@@ -375,7 +375,7 @@ BAD = {
     ),
     "host-format": (
         {"host_format": "fp8_e4m3"},
-        r"host_format = 'fp8_e4m3' is not supported by TritonTieringOffloadingSpec yet: the tiers carry",
+        r"host_format = 'fp8_e4m3' needs host_layout = 'packed' with TritonTieringOffloadingSpec: vLLM's worker",
     ),
 }
 
