@@ -301,13 +301,11 @@ class TritonOffloadConfig:
                 "(how the KV-cache groups of a hybrid model share the host rows; docs/vllm.md)"
             )
         host_format = host_format_setting(extra.get("host_format", "native"))
-        if host_format != "native" and (checks != OFF or path == "dma"):  # before the model loads (preflight)
-            what = (
-                f"integrity = {checks!r}"
-                if checks != OFF
-                else "transfer_path = 'dma' (the copy engines cannot quantize)"
+        if host_format != "native" and path == "dma":  # before the model loads (preflight)
+            raise ValueError(
+                f"host_format = {host_format!r} does not work with transfer_path = 'dma' (the copy engines cannot "
+                "quantize)"
             )
-            raise ValueError(f"host_format = {host_format!r} does not work with {what} yet")
         f = positive_int(blocks_per_host_block, "blocks_per_chunk (the block-size factor vLLM passed)")
         block_size = extra.get("block_size")
         if block_size is not None:

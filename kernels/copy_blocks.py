@@ -1,9 +1,9 @@
 """The copy kernel and its thin launch: one Triton kernel gathers GPU KV blocks of all layers into packed host blocks
-(a store) or scatters them back (a load), its integrity pass in @jit helpers beside it, the launch shape of a
-:class:`LaunchTuning` and the launch itself. What it reads is built by :mod:`.tables` (per spec) and :mod:`.packing`
-(per plan); docs/design.md (section 5) explains the decomposition, the addressing and the performance model behind
-the constants; :mod:`triton_offload.issuers` derives all of it once per spec and issues plans.
-"""
+(a store) or scatters them back (a load), with the integrity checks' @jit helpers of :mod:`.integrity_parts`, the
+launch shape of a :class:`LaunchTuning` and the launch itself. What it reads is built by :mod:`.tables` (per spec)
+and :mod:`.packing` (per plan); docs/design.md (section 5) explains the decomposition, the addressing and the
+performance model behind the constants; :mod:`triton_offload.issuers` derives all of it once per spec and issues
+plans."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM
+from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM  # noqa: F401 (the mutation tests' import)
 from triton_offload.kernels._triton_compat import compile_variant as _compile_variant
+from triton_offload.kernels.integrity_parts import FIN, _finalize_checksums, _lane_step, interpreted_helpers  # noqa: F401
 from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS, LaunchConfig
 from triton_offload.plan import TransferPlan
 
@@ -24,113 +24,6 @@ __all__ = [
     "launch",
     "compile_variant",
 ]
-
-# Blocks the finalising program handles per step of the integrity checks: one per thread at 16 warps (each step
-# waits on a few dependent reads, some from host memory: a launch of 1000 blocks takes 2 steps).
-FIN = tl.constexpr(512)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The integrity checks' parts of the kernel (docs/integrity.md; triton_offload/integrity.py is their NumPy
-# reference): the per-step lane sums of the words a tile moved, and the last program's finalisation of every block.
-# @jit helpers of the kernel (inlined when compiled); JITFunction objects whatever TRITON_INTERPRET says, so a
-# compiled kernel can call them, and replaced by plain copies of themselves in the interpreted kernel.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _lane_step_fn(vals, seg_word, col0, seg_len, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
-    """The two 32-bit lane terms of the word groups one step moved (``vals`` [ROWS, CHUNK] from column ``col0`` of
-    each row's segment, which starts at word ``seg_word`` of its block's stream and holds ``seg_len`` words): a group
-    is a thread's VEC words of one access, folded into 64 bits with its index in the stream, then mixed once per lane
-    (triton_offload/integrity.py, version 2). Groups past a segment's end give 0: [ROWS, CHUNK // VEC] each."""
-    if vals.dtype == tl.int8:
-        w = vals.to(tl.uint8, bitcast=True).to(tl.uint32)
-    elif vals.dtype == tl.int16:
-        w = vals.to(tl.uint16, bitcast=True).to(tl.uint32)
-    else:
-        w = vals.to(tl.uint32, bitcast=True)
-    v = tl.arange(0, VEC)  # a word's place in its group: in one thread's registers, so its multiplier is a constant
-    mul = tl.where(v == 0, 0x9E3779B1, tl.where(v == 1, 0x85EBCA77, tl.where(v == 2, 0xC2B2AE3D, 0x27D4EB2F)))
-    prods = tl.reshape(w.to(tl.uint64), [ROWS, CHUNK // VEC, VEC]) * mul.to(tl.uint64)[None, None, :]
-    grp = tl.arange(0, CHUNK // VEC)
-    index = (seg_word // VEC)[:, None] + (grp + col0 // VEC).to(tl.uint32)[None, :]  # the group's index in the stream
-    t = index.to(tl.uint64) * 0x165667B1 + tl.reduce(prods, 2, _SUM)  # 32 x 32 -> 64-bit multiply-adds
-    lo = t.to(tl.uint32)
-    y = lo ^ (t >> 32).to(tl.uint32)
-    a = (lo ^ (lo >> 16)) * 0x7FEB352D
-    b = (y ^ (y >> 16)) * 0x846CA68B
-    live = (col0 + grp * VEC)[None, :] < seg_len[:, None]  # a segment is whole groups: all of a group or none
-    return tl.where(live, a, 0), tl.where(live, b, 0)
-
-
-def _mix64_fn(z):
-    """SplitMix64's finaliser (a bijection of uint64)."""
-    z = z ^ (z >> 30)
-    z = z * 0xBF58476D1CE4E5B9
-    z = z ^ (z >> 27)
-    z = z * 0x94D049BB133111EB
-    return z ^ (z >> 31)
-
-
-def _finalize_checksums_fn(
-    ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks, n_host, n_segs, skip,
-    blocks_per_host_block, STORE: tl.constexpr, MULTI_GROUP: tl.constexpr,
-):  # fmt: skip
-    """Every block's checksum from its lane sums, identity, sub-block and length: a store writes it (and its row's
-    marker) into the checksum table, a load compares it with the table's and writes its status and the counts."""
-    fins = tl.arange(0, FIN).to(tl.int64)
-    n_fail = tl.full([FIN], 0, tl.int64)
-    n_absent = tl.full([FIN], 0, tl.int64)
-    for i in range(0, (n_blocks + FIN - 1) // FIN):
-        fblk = i * FIN + fins
-        flive = fblk < n_blocks
-        # Read through the atomics' own path (L2), never a cache line of this program's.
-        lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive, sem="acq_rel", scope="gpu")
-        lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive, sem="acq_rel", scope="gpu")
-        lane_a = lane_a.to(tl.uint64) & 0xFFFFFFFF
-        lane_b = lane_b.to(tl.uint64) & 0xFFFFFFFF
-        if MULTI_GROUP:
-            fgroup = tl.load(ids_ptr + n_blocks + n_host + fblk, mask=flive, other=0)
-            fgroup_row = ids_ptr + 2 * n_blocks + n_host + fgroup * 3
-            ffirst = tl.load(fgroup_row, mask=flive, other=0)
-            fpos = fblk - ffirst + tl.load(fgroup_row + 1, mask=flive, other=0)
-            fhost_idx = tl.load(fgroup_row + 2, mask=flive, other=0) + fpos // blocks_per_host_block
-            words = tl.load(ck_ptr + fgroup * n_segs * 3 + 1, mask=flive, other=0)
-            # A row holds one key per host region: the group's region has a marker and f checksums of its own.
-            fregion = tl.load(ck_ptr + fgroup * n_segs * 3 + 2, mask=flive, other=0)
-        else:
-            fpos = fblk + skip
-            fhost_idx = fpos // blocks_per_host_block
-            words = tl.load(ck_ptr + 1 + 0 * fblk, mask=flive, other=0)
-            fregion = 0 * fblk
-        fhost_id = tl.load(ids_ptr + n_blocks + fhost_idx, mask=flive, other=0)
-        ident = tl.load(ident_ptr + fhost_idx, mask=flive, other=0).to(tl.uint64, bitcast=True)
-        sub = (fpos % blocks_per_host_block).to(tl.uint64)
-        # h = mix64(ident ^ mix64(sub * SUB_MUL ^ words * LEN_MUL)); checksum = mix64(h ^ lanes)
-        z = _mix64((sub * 0x9E3779B97F4A7C15) ^ (words.to(tl.uint64) * 0xC2B2AE3D27D4EB4F))
-        z = _mix64(ident ^ z)
-        checksum = _mix64(z ^ ((lane_b << 32) | lane_a)).to(tl.int64, bitcast=True)
-        row = tab_ptr + fhost_id * tab_row + fregion * (1 + blocks_per_host_block)
-        if STORE:
-            tl.store(row + 1 + fpos % blocks_per_host_block, checksum, mask=flive)
-            tl.store(row + 0 * fblk, mark + 0 * fblk, mask=flive)  # the same value from each block of a row
-        else:
-            present = tl.load(row + 0 * fblk, mask=flive, other=0) == mark
-            expected = tl.load(row + 1 + fpos % blocks_per_host_block, mask=flive, other=0)
-            status = tl.where(present, tl.where(expected == checksum, 0, 1), 2).to(tl.int64)
-            tl.store(res_ptr + 2 + fblk, status, mask=flive)
-            n_fail += tl.where(flive & (status == 1), 1, 0)
-            n_absent += tl.where(flive & (status == 2), 1, 0)
-    if not STORE:
-        tl.store(res_ptr, tl.reduce(n_fail, 0, _SUM))
-        tl.store(res_ptr + 1, tl.reduce(n_absent, 0, _SUM))
-
-
-_lane_step = JITFunction(_lane_step_fn)
-_mix64 = JITFunction(_mix64_fn)
-_finalize_checksums = JITFunction(_finalize_checksums_fn)
-# The helpers' plain functions by the names the kernel (and each other) call them, for the interpreted kernel.
-_HELPERS = {"_lane_step": _lane_step_fn, "_mix64": _mix64_fn, "_finalize_checksums": _finalize_checksums_fn}
 
 
 def _copy_blocks_kernel(
@@ -268,7 +161,7 @@ def _copy_blocks_kernel(
         done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
         if done == nprog - 1:
             _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks,
-                                n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP)  # fmt: skip
+                                n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP, FIN)  # fmt: skip
 
 
 _NOT_SPECIALIZED = [
@@ -303,19 +196,11 @@ def _interpreted_kernel():
     if _interpreted is None:
         from triton.runtime.interpreter import InterpretedFunction
 
-        from triton_offload.kernels._triton_compat import (
-            INTERPRETED_SUM_COMBINE,
-            interpreted_copy,
-            patch_interpreter_scalar_index,
-        )
+        from triton_offload.kernels._triton_compat import interpreted_copy, patch_interpreter_scalar_index
 
         patch_interpreter_scalar_index()
         # The kernel and its helpers see each other, and the sum's combine function, as the interpreter can call them.
-        # (The interpreter unwraps the kernel's constexpr globals itself, not those of the helpers it calls.)
-        plain: dict = {"_SUM": INTERPRETED_SUM_COMBINE, "FIN": FIN.value}
-        plain.update({name: interpreted_copy(fn, **plain) for name, fn in _HELPERS.items()})
-        for name, fn in _HELPERS.items():  # a second pass: each helper's copy sees the others' copies
-            plain[name] = interpreted_copy(fn, **plain)
+        plain = interpreted_helpers()
         _interpreted = InterpretedFunction(interpreted_copy(_copy_blocks_kernel, **plain))
     return _interpreted
 

@@ -17,10 +17,19 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from triton_offload.kernels._triton_compat import interpreted_copy
+from triton_offload.kernels.integrity_parts import (
+    _finalize_checksums,
+    _flush_block,
+    _head_terms,
+    _scale_terms,
+    interpreted_helpers,
+)
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import TransferPlan
 
-__all__ = ["fp8_vec", "fp8_config", "build_fp8_table", "fp8_arguments", "fp8_launch"]
+__all__ = [
+    "fp8_vec", "fp8_config", "build_fp8_table", "fp8_word_bytes", "fp8_stream_bytes", "fp8_arguments", "fp8_launch",
+]  # fmt: skip
 
 # Elements one program holds per step (a head's tokens x head_dim, padded to powers of two), and its warps: at most
 # MAX_WARPS, fewer for small heads, so a thread holds 16 elements (32 bytes of bf16 read or written, 16 bytes of FP8
@@ -77,24 +86,32 @@ def _to_bf16_fn(v):
 
 
 def _restore_fn(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
-                TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
-    """Restores one head in fp32: decode, times the scale, clamped to the cache dtype's finite range, converted."""
+                acc_a, acc_b, word0, ts_w, TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr,
+                INTEGRITY: tl.constexpr, W: tl.constexpr):  # fmt: skip
+    """Restores one head in fp32: decode, times the scale, clamped to the cache dtype's finite range, converted.
+    With the checks, adds the lane terms of the bytes read to ``acc_a``, ``acc_b`` (:func:`_head_terms`)."""
     toks = tl.arange(0, TOK)[:, None]
     dims = tl.arange(0, DIM)[None, :]
     for k in range(0, n_tchunks):
         el = (k * TOK + toks) * token_stride + dims
         m = ((k * TOK + toks) < tokens) & (dims < head_dim)
-        v = _decode_e4m3(tl.load(host_ptr + host_off + el, mask=m, other=0).to(tl.int32)) * scale
+        code = tl.load(host_ptr + host_off + el, mask=m, other=0).to(tl.int32)
+        v = _decode_e4m3(code) * scale
         limit = 3.3895313892515355e38 if BF16 else 65504.0  # the cache dtype's largest finite value
         v = tl.where(v > limit, limit, tl.where(v < -limit, -limit, v))  # NaN passes (compares false)
         tl.store(anchor_ptr + gpu_off + el, _to_bf16(v) if BF16 else v.to(tl.float16), mask=m)
+        if INTEGRITY:
+            acc_a, acc_b = _head_terms(acc_a, acc_b, code, k, word0, ts_w, tokens, head_dim, TOK, DIM, W)
+    return acc_a, acc_b
 
 
 def _load_head_fn(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
-                  TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+                  acc_a, acc_b, word0, ts_w, TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr,
+                  INTEGRITY: tl.constexpr, W: tl.constexpr):  # fmt: skip
     """Restores one head. A bf16 head whose scale 2**e keeps every value a normal bf16 (-110 <= e <= 119: all but
     extreme heads) takes integer arithmetic: a normal code's bf16 bits are the code's with e added to its exponent,
-    a subnormal code's an exact fp32 product; the same values as the fp32 path, in about half the instructions."""
+    a subnormal code's an exact fp32 product; the same values as the fp32 path, in about half the instructions.
+    Returns ``acc_a``, ``acc_b`` with the checks' terms of the bytes read (as :func:`_restore`)."""
     e = (scale.to(tl.int32, bitcast=True) >> 23) - 127
     if BF16:
         if (e >= -110) & (e <= 119):
@@ -111,12 +128,61 @@ def _load_head_fn(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_d
                 bits = tl.where(mag >= 8, (mag + bias) << 4, sub) | ((code & 0x80) << 8)
                 bits = tl.where(mag == 0x7F, 0x7FC0, bits)
                 tl.store(anchor_ptr + gpu_off + el, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
+                if INTEGRITY:
+                    acc_a, acc_b = _head_terms(acc_a, acc_b, code, k, word0, ts_w, tokens, head_dim, TOK, DIM, W)
         else:
-            _restore(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
-                     TOK, DIM, BF16)  # fmt: skip
+            acc_a, acc_b = _restore(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride,
+                                    n_tchunks, acc_a, acc_b, word0, ts_w, TOK, DIM, BF16, INTEGRITY, W)  # fmt: skip
     else:
-        _restore(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
-                 TOK, DIM, BF16)  # fmt: skip
+        acc_a, acc_b = _restore(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride,
+                                n_tchunks, acc_a, acc_b, word0, ts_w, TOK, DIM, BF16, INTEGRITY, W)  # fmt: skip
+    return acc_a, acc_b
+
+
+def _store_head_fn(anchor_ptr, host_ptr, scale_ptr, gpu_off, host_off, scale_at, live, toks, dims, tokens, head_dim,
+                   token_stride, n_tchunks, acc_a, acc_b, word0, ts_w, TOK: tl.constexpr, DIM: tl.constexpr,
+                   BF16: tl.constexpr, INTEGRITY: tl.constexpr, W: tl.constexpr):  # fmt: skip
+    """Stores one head: its largest finite magnitude (NaN and Inf do not count: they would void the scale), a
+    power-of-two scale, the smallest with amax / scale <= 448 (scaling is then exact both ways), and the values.
+    Returns ``acc_a``, ``acc_b`` with the checks' terms of the bytes written, and the scale's bits."""
+    amax = tl.full([], 0.0, tl.float32)
+    for k in range(0, n_tchunks):
+        el = (k * TOK + toks) * token_stride + dims
+        m = ((k * TOK + toks) < tokens) & (dims < head_dim)
+        a = tl.abs(_widen(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0), BF16))
+        a = tl.where(a <= 3.4028234663852886e38, a, 0.0)
+        amax = tl.maximum(amax, tl.reduce(tl.reduce(a, 1, _max_combine), 0, _max_combine))
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 135 + tl.where((bits & 0x7FFFFF) > 0x600000, 1, 0)
+    e = tl.where(amax == 0.0, 0, tl.maximum(e, -126))
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    tl.store(scale_ptr + scale_at, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=live)
+    for k in range(0, n_tchunks):
+        el = (k * TOK + toks) * token_stride + dims
+        m = ((k * TOK + toks) < tokens) & (dims < head_dim)
+        x = _widen(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0), BF16)
+        code = _encode_e4m3(x * inv)
+        tl.store(host_ptr + host_off + el, code.to(tl.uint8), mask=m)
+        if INTEGRITY:
+            acc_a, acc_b = _head_terms(acc_a, acc_b, code, k, word0, ts_w, tokens, head_dim, TOK, DIM, W)
+    return acc_a, acc_b, (e + 127) << 23
+
+
+def _position_fn(ids_ptr, blk, seg, live, n_blocks, n_host, n_segs, skip, f32, MULTI_GROUP: tl.constexpr):
+    """(position, index of its host id, run's table row) of segment ``seg`` of block ``blk``: the copy kernel's
+    position rule, with each group's first block, skip and first host id from the id buffer (kernels/packing.py)."""
+    if MULTI_GROUP:
+        group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0).to(tl.int32)
+        group_row = ids_ptr + 2 * n_blocks + n_host + group * 3
+        pos = blk - tl.load(group_row, mask=live, other=0).to(tl.int32)
+        pos += tl.load(group_row + 1, mask=live, other=0).to(tl.int32)
+        host_idx = tl.load(group_row + 2, mask=live, other=0).to(tl.int32) + pos // f32
+        run = group * n_segs.to(tl.int32) + seg
+    else:
+        pos = blk + skip.to(tl.int32)
+        host_idx = pos // f32
+        run = seg
+    return pos, host_idx, run
 
 
 def _fp8_blocks_kernel(
@@ -127,8 +193,13 @@ def _fp8_blocks_kernel(
     ids_ptr,  # int64*: the copy kernel's id buffer (kernels/packing.py)
     n_blocks: tl.int64, n_host: tl.int64, n_segs: tl.int64, n_heads: tl.int64, items_per_program: tl.int64,
     skip: tl.int64, blocks_per_host_block: tl.int64, host_row_stride: tl.int64, n_tchunks: tl.int64,
+    # The integrity checks, as the copy kernel's (kernels/copy_blocks.py; the table's first column is the run's first
+    # word in the block's stream of stored bytes); all None without INTEGRITY, which Triton compiles out.
+    ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row: tl.int64, mark: tl.int64,
     STORE: tl.constexpr, MULTI_GROUP: tl.constexpr, TOK: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr,
     VEC: tl.constexpr,  # every offset, stride and head_dim is a multiple of VEC elements: enables 16-byte accesses
+    INTEGRITY: tl.constexpr,  # also checksum the stored bytes of every block (stores: write it; loads: check it)
+    W: tl.constexpr,  # the checks' word: bytes, 1, 2 or 4, dividing every head_dim and stride (fp8_word_bytes)
 ):  # fmt: skip
     """Moves every (GPU block, run, head) item of one transfer; program ``pid`` takes items ``pid, pid + nprog, ...``
     (the copy kernel's position rule: docs/design.md, "Block-size factor and skip")."""
@@ -138,6 +209,13 @@ def _fp8_blocks_kernel(
     dims = tl.arange(0, DIM)[None, :]
     f32 = blocks_per_host_block.to(tl.int32)
     n_items = (n_blocks * n_segs * n_heads).to(tl.int32)
+    if INTEGRITY:  # a program's sums of its current block: per thread, then per scale; added when the block changes
+        acc_a = tl.full([TOK, DIM // W], 0, tl.uint32)
+        acc_b = tl.full([TOK, DIM // W], 0, tl.uint32)
+        sc_a = tl.full([], 0, tl.uint32)
+        sc_b = tl.full([], 0, tl.uint32)
+    else:
+        acc_a, acc_b = tl.full([], 0, tl.uint32), tl.full([], 0, tl.uint32)  # unused: compiled out
     for i in range(0, items_per_program):
         item = (pid + i * nprog).to(tl.int32)
         live = item < n_items
@@ -145,19 +223,11 @@ def _fp8_blocks_kernel(
         blk = item // n_heads.to(tl.int32) // n_segs.to(tl.int32)
         seg = item // n_heads.to(tl.int32) - blk * n_segs.to(tl.int32)
         gpu_id = tl.load(ids_ptr + blk, mask=live, other=0)
-        if MULTI_GROUP:
-            group = tl.load(ids_ptr + n_blocks + n_host + blk, mask=live, other=0).to(tl.int32)
-            group_row = ids_ptr + 2 * n_blocks + n_host + group * 3
-            pos = blk - tl.load(group_row, mask=live, other=0).to(tl.int32)
-            pos += tl.load(group_row + 1, mask=live, other=0).to(tl.int32)
-            host_idx = tl.load(group_row + 2, mask=live, other=0).to(tl.int32) + pos // f32
-            row = table_ptr + (group * n_segs.to(tl.int32) + seg) * _COLS
-        else:
-            pos = blk + skip.to(tl.int32)
-            host_idx = pos // f32
-            row = table_ptr + seg * _COLS
+        pos, host_idx, run = _position(ids_ptr, blk, seg, live, n_blocks, n_host, n_segs, skip, f32, MULTI_GROUP)
+        row = table_ptr + run * _COLS
         host_id = tl.load(ids_ptr + n_blocks + host_idx, mask=live, other=0)
-        live = live & (head < tl.load(row + 3, mask=live, other=0))  # padding heads and rows move nothing
+        heads = tl.load(row + 3, mask=live, other=0)
+        live = live & (head < heads)  # padding heads and rows move nothing
         tokens = tl.load(row + 2, mask=live, other=0)
         head_dim = tl.multiple_of(tl.load(row + 4, mask=live, other=0).to(tl.int32), VEC)
         token_stride = tl.multiple_of(tl.load(row + 5, mask=live, other=0), VEC)
@@ -167,30 +237,34 @@ def _fp8_blocks_kernel(
         sub = host_id * host_row_stride + (pos % f32).to(tl.int64) * tl.load(row + 7, mask=live, other=0)
         host_off = tl.multiple_of(sub + tl.load(row + 8, mask=live, other=0) + in_run, VEC)
         scale_at = (sub + tl.load(row + 9, mask=live, other=0)) // 4 + head
+        word0, ts_w = 0, 0
+        if INTEGRITY:  # stream words: the run's values (tokens x heads x head_dim bytes), then its heads' scales
+            run_word = tl.load(ck_ptr + run * 3, mask=live, other=0).to(tl.uint32)
+            word0 = run_word + (in_run // W).to(tl.uint32)
+            ts_w = (token_stride // W).to(tl.uint32)
+            scale_word = run_word + ((tokens * heads * head_dim + 4 * head) // W).to(tl.uint32)
         if STORE:
-            # The head's largest finite magnitude (NaN and Inf do not count: they would void the scale).
-            amax = tl.full([], 0.0, tl.float32)
-            for k in range(0, n_tchunks):
-                el = (k * TOK + toks) * token_stride + dims
-                m = ((k * TOK + toks) < tokens) & (dims < head_dim)
-                a = tl.abs(_widen(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0), BF16))
-                a = tl.where(a <= 3.4028234663852886e38, a, 0.0)
-                amax = tl.maximum(amax, tl.reduce(tl.reduce(a, 1, _max_combine), 0, _max_combine))
-            # A power-of-two scale, the smallest with amax / scale <= 448: scaling is then exact both ways.
-            bits = amax.to(tl.int32, bitcast=True)
-            e = (bits >> 23) - 135 + tl.where((bits & 0x7FFFFF) > 0x600000, 1, 0)
-            e = tl.where(amax == 0.0, 0, tl.maximum(e, -126))
-            inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-            tl.store(scale_ptr + scale_at, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=live)
-            for k in range(0, n_tchunks):
-                el = (k * TOK + toks) * token_stride + dims
-                m = ((k * TOK + toks) < tokens) & (dims < head_dim)
-                x = _widen(tl.load(anchor_ptr + gpu_off + el, mask=m, other=0.0), BF16)
-                tl.store(host_ptr + host_off + el, _encode_e4m3(x * inv).to(tl.uint8), mask=m)
+            acc_a, acc_b, scale_bits = _store_head(anchor_ptr, host_ptr, scale_ptr, gpu_off, host_off, scale_at, live,
+                                                   toks, dims, tokens, head_dim, token_stride, n_tchunks, acc_a,
+                                                   acc_b, word0, ts_w, TOK, DIM, BF16, INTEGRITY, W)  # fmt: skip
         else:
             scale = tl.load(scale_ptr + scale_at, mask=live, other=0.0)
-            _load_head(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride, n_tchunks,
-                       TOK, DIM, BF16)  # fmt: skip
+            acc_a, acc_b = _load_head(anchor_ptr, host_ptr, gpu_off, host_off, scale, tokens, head_dim, token_stride,
+                                      n_tchunks, acc_a, acc_b, word0, ts_w, TOK, DIM, BF16, INTEGRITY, W)  # fmt: skip
+            scale_bits = scale.to(tl.int32, bitcast=True)
+        if INTEGRITY:
+            s_a, s_b = _scale_terms(scale_bits.to(tl.uint32), scale_word, live, W)
+            next_blk = (item + nprog) // n_heads.to(tl.int32) // n_segs.to(tl.int32)
+            acc_a, acc_b, sc_a, sc_b = _flush_block(sums_ptr, acc_a, acc_b, sc_a + s_a, sc_b + s_b, blk, next_blk,
+                                                    i == items_per_program - 1, n_blocks, TOK, DIM, VEC, W)  # fmt: skip
+    if INTEGRITY:  # the copy kernel's hand-off: the last program to count itself done finalises every block, about
+        # one per thread at a time (a thread holds 16 elements of a tile)
+        tl.debug_barrier()
+        done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
+        if done == nprog - 1:
+            _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks,
+                                n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP,
+                                TOK * DIM // 16 if TOK * DIM > 512 else 32)  # fmt: skip
 
 
 _max_combine = JITFunction(_max_combine_fn)
@@ -200,6 +274,8 @@ _to_bf16 = JITFunction(_to_bf16_fn)
 _widen = JITFunction(_widen_fn)
 _restore = JITFunction(_restore_fn)
 _load_head = JITFunction(_load_head_fn)
+_store_head = JITFunction(_store_head_fn)
+_position = JITFunction(_position_fn)
 # The helpers' plain functions, for the interpreted kernel (tl.reduce's combine stays a JITFunction: the interpreter
 # calls its .fn).
 _HELPERS = {
@@ -209,15 +285,17 @@ _HELPERS = {
     "_widen": _widen_fn,
     "_restore": _restore_fn,
     "_load_head": _load_head_fn,
+    "_store_head": _store_head_fn,
+    "_position": _position_fn,
 }
 _NOT_SPECIALIZED = [
     "n_blocks", "n_host", "n_segs", "n_heads", "items_per_program", "skip", "blocks_per_host_block",
-    "host_row_stride", "n_tchunks",
+    "host_row_stride", "n_tchunks", "tab_row", "mark",
 ]  # fmt: skip
+# As the copy kernel's: the id and table buffers, and the integrity checks' (kernels/copy_blocks.py).
+_ALIGNMENT_NOT_SPECIALIZED = ["table_ptr", "ids_ptr", "ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr"]
 _jit_kernel = triton.jit(
-    _fp8_blocks_kernel,
-    do_not_specialize=_NOT_SPECIALIZED,
-    do_not_specialize_on_alignment=["table_ptr", "ids_ptr"],
+    _fp8_blocks_kernel, do_not_specialize=_NOT_SPECIALIZED, do_not_specialize_on_alignment=_ALIGNMENT_NOT_SPECIALIZED
 )
 _interpreted = None
 
@@ -231,7 +309,7 @@ def _interpreted_kernel():
         from triton_offload.kernels._triton_compat import patch_interpreter_scalar_index
 
         patch_interpreter_scalar_index()
-        plain = {"_COLS": _N_COLS, "_max_combine": _max_combine, **_HELPERS}
+        plain = {"_COLS": _N_COLS, "_max_combine": _max_combine, **interpreted_helpers(), **_HELPERS}
         for _ in range(2):  # twice: a helper's copy sees the others' copies
             plain.update({name: interpreted_copy(fn, **plain) for name, fn in _HELPERS.items()})
         _interpreted = InterpretedFunction(interpreted_copy(_fp8_blocks_kernel, **plain))
@@ -298,9 +376,24 @@ def build_fp8_table(spec: KVCacheSpec, blocks_per_host_block: int) -> torch.Tens
     return table
 
 
-def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_segs, f, host_row, num_ctas):
+def fp8_word_bytes(spec: KVCacheSpec) -> int:
+    """The integrity checks' word (bytes): the largest of 4, 2, 1 dividing every run's head_dim and strides, so a word
+    of the stored values never straddles two heads, and the fp32 scales are whole words."""
+    values = [v for r in spec.quant for v in (r.head_dim, r.token_stride, r.head_stride)]
+    return math.gcd(4, *values)
+
+
+def fp8_stream_bytes(run) -> int:
+    """The bytes of one run the integrity checks cover: its values and its scales, as stored (not the padding)."""
+    return run.tokens * run.heads * run.head_dim + 4 * run.heads
+
+
+def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_segs, f, host_row, num_ctas,
+                  checks=None, word: int = 1):  # fmt: skip
     """(programs, every kernel argument in signature order, constexprs last) of one launch moving ``plan``;
-    ``host_row`` is the host buffer's row stride in bytes."""
+    ``host_row`` is the host buffer's row stride in bytes. With ``checks`` (the copy kernel's
+    :class:`~.copy_blocks.IntegrityArgs`; ``word``: :func:`fp8_word_bytes`), the launch also checksums the stored
+    bytes of every block; without, the integrity arguments are None, which Triton compiles out."""
     tok, dim, n_tchunks, heads, bf16, vec, _ = cfg
     n_items = plan.n_blocks * n_segs * heads
     if n_items >= 2**31:  # the kernel counts items in 32 bits
@@ -309,13 +402,13 @@ def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_s
     multi_group = len(plan.sizes) > 1
     args = (
         anchor, host, scales, table, ids, plan.n_blocks, plan.n_host, n_segs, heads, triton.cdiv(n_items, programs),
-        0 if multi_group else plan.skips[0], f, host_row, n_tchunks,
-        plan.direction == "store", multi_group, tok, dim, bf16, vec,
+        0 if multi_group else plan.skips[0], f, host_row, n_tchunks, *((None,) * 7 if checks is None else checks),
+        plan.direction == "store", multi_group, tok, dim, bf16, vec, checks is not None, word if checks else 1,
     )  # fmt: skip
     return programs, args
 
 
-_CONSTEXPRS = ("STORE", "MULTI_GROUP", "TOK", "DIM", "BF16", "VEC")
+_CONSTEXPRS = ("STORE", "MULTI_GROUP", "TOK", "DIM", "BF16", "VEC", "INTEGRITY", "W")
 
 
 def fp8_launch(programs: int, args: tuple, num_warps: int, cuda: bool) -> None:

@@ -214,13 +214,15 @@ def checksums_ref(
     group_sizes: Sequence[int] | None = None,
     identities: Sequence[int] | None = None,
     group_regions: Sequence[int] | None = None,
+    streams: Sequence[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference of what a store with the integrity checks writes: for each GPU block (ids concatenated group by
     group), (its host block id, the column of its checksum in the checksum table, its checksum), the checksum of its
     word stream with the identity of its host block (``identities``, one per host id; default: the host id) and its
     sub-block index. A table row holds, per host region (``group_regions``, as in :class:`KVCacheSpec`; one region
     without), a marker then f checksums: the column is ``region x (1 + f) + 1 + sub-block``, and the marker's
-    ``column - column % (1 + f)``."""
+    ``column - column % (1 + f)``. ``streams``: each group's word streams, (blocks, bytes) uint8, in the place of
+    :func:`block_streams_ref`'s (the FP8 format's stored bytes, :func:`.reference_fp8.fp8_streams_ref`)."""
     from triton_offload.integrity import block_checksums
 
     f = blocks_per_host_block
@@ -231,7 +233,8 @@ def checksums_ref(
     group_sizes = [g_all.numel()] if group_sizes is None else group_sizes
     regions = [0] * len(groups) if group_regions is None else list(group_regions)
     skips = [skip] * len(groups) if isinstance(skip, int) else list(skip)
-    streams = block_streams_ref(kv_caches, layout, g_all, groups=groups, group_sizes=group_sizes)
+    if streams is None:
+        streams = block_streams_ref(kv_caches, layout, g_all, groups=groups, group_sizes=group_sizes)
     rows, cols, sums = [], [], []
     h0 = 0
     for stream, n, s, region in zip(streams, group_sizes, skips, regions):

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from triton_offload.kernels.reference import _ids
 from triton_offload.layouts import Layout, resolve_layout
 
-__all__ = ["quantize_head", "dequantize_head", "block_bytes_ref", "gather_fp8_ref", "scatter_fp8_ref"]
+__all__ = [
+    "quantize_head", "dequantize_head", "block_bytes_ref", "gather_fp8_ref", "scatter_fp8_ref", "fp8_streams_ref",
+]  # fmt: skip
 
 NAN_CODE = 0x7F
 FP8_MAX = 448.0
@@ -149,3 +152,20 @@ def scatter_fp8_ref(host_buffer, host_ids, kv_caches, layout, gpu_ids, *, blocks
     for layers, g_ids, h_ids, s in groups:
         for g, h, j in _positions(g_ids, h_ids, blocks_per_host_block, s):
             _restore_block(rows[h, j * sub : (j + 1) * sub], kv_caches, layout, layers, g)
+
+
+def fp8_streams_ref(kv_caches, layout, gpu_ids, *, groups=None, group_sizes=None) -> list:
+    """Each GPU block's word stream of the integrity checks under the FP8 format: the bytes a store writes for it, its
+    group's layers in order, per run its values then its scales (:func:`block_bytes_ref`'s pieces side by side, the
+    16-byte padding left out), as a (blocks, bytes) uint8 array per group (ids concatenated group by group): what
+    :func:`triton_offload.kernels.reference.checksums_ref` takes as ``streams``."""
+    g_all = _ids(gpu_ids)
+    groups = [range(len(kv_caches))] if groups is None else groups
+    group_sizes = [g_all.numel()] if group_sizes is None else group_sizes
+    out, start = [], 0
+    for layers, n in zip(groups, group_sizes):
+        rows = [torch.cat([p for _, p in block_bytes_ref(kv_caches, layout, list(layers), int(g))])
+                for g in g_all[start : start + n]]  # fmt: skip
+        out.append(torch.stack(rows).numpy() if rows else np.zeros((0, 0), dtype=np.uint8))
+        start += n
+    return out

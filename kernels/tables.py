@@ -58,20 +58,24 @@ def build_segment_table(spec: KVCacheSpec, elem: int, blocks_per_host_block: int
     return table
 
 
-def build_integrity_table(spec: KVCacheSpec, elem: int) -> torch.Tensor:
+def build_integrity_table(spec: KVCacheSpec, elem: int, stream_bytes=None) -> torch.Tensor:
     """The integrity checks' int64 table on the spec's device, (num_groups * segments_per_group, 3): per segment of a
     group, the word at which its bytes start in the block's word stream (the group's segments in order), the group's
     words per block, and the group's host region (``spec.group_regions``; 0 without: a row of the checksum table
-    holds a marker and f checksums per region); words of ``elem`` bytes. Padding rows repeat their group's words and
-    region. Built synchronously, like :func:`build_segment_table`."""
+    holds a marker and f checksums per region); words of ``elem`` bytes. ``stream_bytes(segment)``: the bytes of a
+    segment the stream holds (None: all it moves; the FP8 format's: what it stores,
+    :func:`~.fp8_blocks.fp8_stream_bytes`). Padding rows repeat their group's words and region. Built synchronously,
+    like :func:`build_segment_table`."""
     width = spec.segments_per_group
     regions = spec.group_regions or (0,) * spec.num_groups
     rows = []
     for segs, nbytes, region in zip(spec.group_segments, spec.group_bytes, regions):
+        sizes = [s.nbytes if stream_bytes is None else stream_bytes(s) for s in segs]
+        nbytes = nbytes if stream_bytes is None else sum(sizes)
         start = 0
-        for s in segs:
+        for size in sizes:
             rows.append([start // elem, nbytes // elem, region])
-            start += s.nbytes
+            start += size
         rows += [[0, nbytes // elem, region]] * (width - len(segs))
     table = torch.tensor(rows, dtype=torch.int64).to(spec.device)
     if spec.device.type == "cuda":

@@ -197,7 +197,8 @@ def test_a_hybrid_model_hits_with_the_tokens_computed_without_offload(hybrid):
 
 @pytest.fixture(scope="module")
 def fp8():
-    """A bf16 model with host_format fp8_e4m3, host block = GPU block, the budget of 14 native rows."""
+    """A bf16 model with host_format fp8_e4m3, host block = GPU block, the budget of 14 native rows, the integrity
+    checks on (a corruption probe last)."""
     return run_driver("fp8")
 
 
@@ -211,11 +212,28 @@ def test_fp8_rows_hold_about_twice_the_blocks_and_serve_host_hits(fp8):
     assert "triton-offload scheduler: 27 host rows of 1 GPU block(s)" in log
     assert "host format fp8_e4m3: 864 tokens per region (native: 14 rows)" in log
     assert "27 blocks x 16448 bytes (1 GPU blocks of 32768 bytes each, host format fp8_e4m3)" in log
-    m = fp8["metrics"]
-    assert (m["vllm:triton_offload_hit_blocks"], m["vllm:triton_offload_evicted_blocks"]) == (18, 0)
-    # vLLM's byte counters: the bytes over the link (a row, 16448), not the GPU blocks' (32768).
-    assert m["vllm:kv_offload_load_bytes"] == 18 * 16448
+    m = fp8["metrics"]  # 18 hits, and the 6 blocks of a the corruption probe found (its load failed on the first)
+    assert (m["vllm:triton_offload_hit_blocks"], m["vllm:triton_offload_evicted_blocks"]) == (24, 0)
+    # vLLM's byte counters: the bytes over the link (a row, 16448), not the GPU blocks' (32768); the failed load of
+    # the probe may count its blocks or not.
+    assert m["vllm:kv_offload_load_bytes"] % 16448 == 0 and 18 <= m["vllm:kv_offload_load_bytes"] // 16448 <= 24
     assert m["vllm:kv_offload_store_bytes"] == m["vllm:triton_offload_stored_blocks"] * 16448
+
+
+def test_fp8_with_the_integrity_checks_a_corrupted_host_block_is_recomputed(fp8):
+    """The same engine runs with the integrity checks (over the stored FP8 bytes) and our connector under
+    kv_load_failure_policy "recompute": the hits above were all checked, then a bit of one stored FP8 value of a's
+    first host block, flipped just before the load reads it, fails that block (counted, logged) and vLLM recomputes
+    the prompt from it on, the whole of it: the tokens are the cold run's exactly."""
+    probe = next(p for p in fp8["probes"] if p["label"] == "a_corrupted")
+    assert probe["match"], probe
+    m, log = fp8["metrics"], fp8["log"]
+    assert (m["vllm:triton_offload_integrity_failed_blocks"], m["vllm:triton_offload_integrity_unchecked_blocks"]) == (
+        1,
+        0,
+    )
+    assert "1 block(s) loaded from the host cache do not match their checksum: GPU block" in log
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
 
 
 def test_fp8_hits_give_nearly_the_cold_next_token_distribution(fp8):

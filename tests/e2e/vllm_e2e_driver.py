@@ -11,7 +11,8 @@ From the repository root, with tests/ on PYTHONPATH (the drivers import the shar
     python tests/e2e/vllm_e2e_driver.py --config f2    # host block = 2 GPU blocks: partial hits, skip, connector reset
     python tests/e2e/vllm_e2e_driver.py --config hybrid  # sliding-window + full-attention model: two KV-cache groups
     python tests/e2e/vllm_e2e_driver.py --config f1 --model "$(python -m triton_offload.models)"  # the real model
-    python tests/e2e/vllm_e2e_driver.py --config fp8   # bf16 model, host_format fp8_e4m3: ~2x the rows, lossy hits
+    python tests/e2e/vllm_e2e_driver.py --config fp8   # bf16 model, host_format fp8_e4m3: ~2x the rows, lossy hits,
+                                                       # the integrity checks: a corrupted FP8 block is recomputed
 """
 
 from __future__ import annotations
@@ -57,14 +58,25 @@ def configs(block: int) -> dict[str, dict]:
         # sliding-window key): the second prompt's store evicts the first's tail, in its group's pool only.
         "hybrid": {"block_size": 2 * GPU_BLOCK, "cpu_bytes_to_use": 5 * 4 * block // 2, "host_regions": "per_group"},
         # The FP8 host format on a bf16 model (LLM_OVERRIDES): the budget of 14 native rows (bf16 blocks are half
-        # the fp32 ``block``) holds 27 FP8 rows, so three prompts of 6 blocks all stay on the host.
-        "fp8": {"block_size": GPU_BLOCK, "cpu_bytes_to_use": 14 * block // 2, "host_format": "fp8_e4m3"},
+        # the fp32 ``block``) holds 27 FP8 rows, so three prompts of 6 blocks all stay on the host. With the
+        # integrity checks, through the test plugin whose worker flips a host bit on command (integrity_plugin.py),
+        # and our connector (CONNECTORS), which reports the failed blocks to vLLM.
+        "fp8": {
+            "block_size": GPU_BLOCK,
+            "cpu_bytes_to_use": 14 * block // 2,
+            "host_format": "fp8_e4m3",
+            "integrity": "verify",
+            "spec_name": "CorruptingSpec",
+            "spec_module_path": "integrity_plugin",
+        },
     }
 
 
 CONFIG_NAMES = ("f1", "f2", "hybrid", "fp8")
-# Engine settings per configuration (the others: tiny_llm's fp32).
+# Engine settings per configuration (the others: tiny_llm's fp32), and the connector where not vLLM's own (with
+# vLLM's recompute policy for failed loads).
 LLM_OVERRIDES = {"fp8": {"dtype": "bfloat16"}}
+CONNECTORS = {"fp8": "TritonOffloadingConnector"}
 # The hybrid model's sliding window, in tokens (2 GPU blocks).
 SLIDING_WINDOW = 2 * GPU_BLOCK
 
@@ -93,10 +105,12 @@ class Runner:
         """Generates for one prompt; the first run of a name is its reference, later runs are compared to it."""
         from vllm.inputs import TokensPrompt
 
+        t0 = time.perf_counter()
         raw = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0]
         out = output(raw)
         ref = self.cold.setdefault(name, out["tokens"])
         probe = {"label": label, "prompt": name, "cached": out["cached"], "match": out["tokens"] == ref}
+        probe["seconds"] = round(time.perf_counter() - t0, 2)
         if self.real:
             probe["text"] = out["text"]
         if self.params.logprobs is not None:  # how far it agrees, and the first token's top log-probabilities
@@ -109,8 +123,13 @@ class Runner:
         """Empties the GPU (here: CPU) prefix cache only, so what a probe finds cached comes from the host cache."""
         assert self.llm.reset_prefix_cache(), "reset_prefix_cache failed"
 
-    def probe(self, label: str, name: str, ids: list[int]) -> dict:
+    def probe(self, label: str, name: str, ids: list[int], corrupt: dict | None = None) -> dict:
+        """Runs a prompt after emptying the device prefix cache; ``corrupt``: first a corruption order for the
+        load it makes (integrity_plugin.py)."""
         self.reset_device()
+        if corrupt is not None:
+            with open(os.environ["TRITON_OFFLOAD_CORRUPT"], "w") as f:
+                json.dump(corrupt, f)
         return self.run(label, name, ids)
 
 
@@ -153,7 +172,10 @@ def scenario_fp8(r: Runner) -> None:
     for name, ids in prompts.items():
         r.run(f"{name}_cold", name, ids)  # 18 blocks: more than 14 native rows, fewer than 27 FP8 ones
     for name, ids in prompts.items():
-        r.probe(f"{name}_offload_hit", name, ids)  # every block from the host, dequantized
+        r.probe(f"{name}_offload_hit", name, ids)  # every block from the host, dequantized (and checked)
+    # A bit of a's first host block flipped (a stored FP8 value) just before the load reads it: the block fails its
+    # check, and vLLM recomputes from it on, i.e. the whole prompt: the cold tokens exactly.
+    r.probe("a_corrupted", "a", prompts["a"], corrupt={"block": 0, "byte": 777, "bit": 3})
 
 
 SCENARIOS = {"f1": scenario_f1, "f2": scenario_f2, "hybrid": scenario_hybrid, "fp8": scenario_fp8}
@@ -179,7 +201,17 @@ def main(argv=None) -> int:
         if args.spec_module_path:
             extra["spec_module_path"] = args.spec_module_path
         t_model = time.perf_counter()
-        llm = tiny_llm(model_dir, extra, **LLM_OVERRIDES.get(args.config, {}))
+        overrides = dict(LLM_OVERRIDES.get(args.config, {}))
+        if args.config in CONNECTORS:
+            from vllm.config import KVTransferConfig
+
+            overrides["kv_transfer_config"] = KVTransferConfig(
+                kv_connector=CONNECTORS[args.config], kv_role="kv_both", kv_connector_extra_config=extra,
+                kv_load_failure_policy="recompute",
+            )  # fmt: skip
+            # The workers (vLLM's processes, started below) read the corruption orders from here.
+            os.environ.setdefault("TRITON_OFFLOAD_CORRUPT", os.path.join(scratch, "order"))
+        llm = tiny_llm(model_dir, extra, **overrides)
         t_llm = time.perf_counter()
         runner = Runner(llm, seed=1, model_dir=model_dir, logprobs=5 if args.config == "fp8" else None)
         SCENARIOS[args.config](runner)

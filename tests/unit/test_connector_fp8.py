@@ -31,7 +31,7 @@ from vllm_hybrid import BLOCK_TOKENS, Case, HybridKV, full, mamba, vllm_config  
 
 import triton_offload.connector as plugin  # noqa: E402
 import triton_offload.connector.worker as worker_module  # noqa: E402
-from triton_offload.connector import typed_pages  # noqa: E402
+from triton_offload.connector import load_errors, typed_pages  # noqa: E402
 from triton_offload.kernels.reference_fp8 import dequantize_head, quantize_head  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -162,8 +162,8 @@ def _refused(kv, extra, match, **kw):
 
 def test_what_cannot_be_read_exactly_is_refused_naming_the_key(monkeypatch):
     """Refused when the spec is built (before the worker allocates anything): no geometry from vLLM's config, a
-    layout or platform whose K and V halves are not described, a Mamba group, an fp32 model, and (not yet) the
-    integrity checks or the copy engines."""
+    layout or platform whose K and V halves are not described, a Mamba group, an fp32 model, and the copy engines
+    (they cannot quantize)."""
     monkeypatch.setattr(worker_module, "HostCache", None)  # a tripwire: nothing may be allocated
     kv = _kv()
     _refused(kv, {}, r"host_format = 'fp8_e4m3' needs each layer's dtype .* entry point did not run", wrapped=False)
@@ -171,7 +171,6 @@ def test_what_cannot_be_read_exactly_is_refused_naming_the_key(monkeypatch):
     monkeypatch.setattr(typed_pages, "cpu_platform", lambda: False)
     _refused(kv, {}, r"kv_cache_layout 'LBHNC' on the GPU platform .* not described")
     monkeypatch.setattr(typed_pages, "cpu_platform", lambda: True)
-    _refused(kv, {"integrity": "verify"}, r"host_format = 'fp8_e4m3' does not work with integrity = 'verify' yet")
     _refused(kv, {"transfer_path": "dma"}, r"host_format = 'fp8_e4m3' does not work with transfer_path = 'dma'")
     hybrid = HybridKV(Case(((full(), 2), (mamba(), 2)), "overlaid"), num_blocks=4, views=False)
     _refused(hybrid, {}, r"host_format = 'fp8_e4m3' quantizes attention K/V pages and MLA latents; a MambaSpec layer")
@@ -244,3 +243,34 @@ def test_mla_pages_that_are_not_one_plain_latent_are_refused():
         spec = hidden(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=40, dtype=torch.float16)
         with pytest.raises(ValueError, match=r"a HiddenStateCacheSpec layer is not described"):
             typed_pages.page_geometry(spec, "LBHNC", cpu=True)
+
+
+def test_with_the_integrity_checks_a_corrupted_fp8_block_is_a_load_error():
+    """integrity = "verify" with the FP8 format (checked as "require" by this spec): a stored row carries its
+    checksums over the stored bytes, an intact load passes, and a bit flipped in one block's FP8 values, then in the
+    other's scale, fails exactly that block (reported to the connector by GPU block), the other loaded as before."""
+    kv = _kv(seed=3)
+    token = load_errors._REPORTING.set(True)  # what TritonOffloadingConnector does around vLLM's construction
+    try:
+        spec = _spec(kv, {**FP8, "integrity": "verify"})
+    finally:
+        load_errors._REPORTING.reset(token)
+    role = _store_then_load(kv, spec, [3, 7], [10, 11])
+    worker = role.worker
+    try:
+        assert worker.host_cache.checksums is not None and worker.take_load_errors() == ([], 0)
+        (row,) = [r for r in range(worker.host_cache.buffer.shape[0]) if worker.host_cache.checksums.table[r, 0]]
+        sub = worker.host_cache.buffer.shape[1] // F  # the second block's sub-block starts here
+        for at, gpu in ((5, 10), (sub + 1024 + 4, 11)):  # a value of block 3's first run; block 7's second scale
+            worker.host_cache.buffer[row, at] ^= 0x10
+            mgr, rc, keys = spec.get_manager(), ctx(), [key(0)]
+            load = TransferJob("r", mgr.prepare_load(keys, rc), GPULoadStoreSpec([10, 11], [2], [0]))
+            role.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={2 + gpu: load}, store_jobs={}))
+            role.worker.wait({2 + gpu})
+            role.get_finished(set())
+            mgr.complete_load(keys, rc)
+            (error,), _ = worker.take_load_errors()
+            assert error.gpu_block_ids == (gpu,), at
+            worker.host_cache.buffer[row, at] ^= 0x10
+    finally:
+        worker.shutdown()

@@ -247,7 +247,8 @@ def test_refused_calls_write_nothing():
 
 def test_engine_moves_the_format_through_the_kernel():
     """The transfer engine (CPU): auto takes the kernel, the only path that quantizes; a store and a load by job id
-    give the reference's bytes and values; the copy engines and the integrity checks are refused by name."""
+    give the reference's bytes and values; the copy engines are refused by name; with the integrity checks the store
+    writes the same bytes, and a marker for each row it wrote (tests/unit/test_integrity_fp8.py checks the rest)."""
     from triton_offload.checksums import Checksums
     from triton_offload.engine import TransferEngine
 
@@ -271,8 +272,12 @@ def test_engine_moves_the_format_through_the_kernel():
     with pytest.raises(ValueError, match="copy engines move bytes unchanged"):
         TransferEngine(spec, host, blocks_per_host_block=2, path="dma")
     checks = Checksums.allocate("verify", 3, 2, pin=False, regions=spec.num_regions)
-    with pytest.raises(ValueError, match="integrity checks are not offered"):
-        TransferEngine(spec, host, blocks_per_host_block=2, checksums=checks)
+    checked = torch.full_like(host, SENTINEL)
+    eng = TransferEngine(spec, checked, blocks_per_host_block=2, checksums=checks)
+    eng.submit_store(3, [4, 0, 2], [2, 0], skip=1)
+    assert [r.ok for r in eng.get_finished()] == [True]
+    assert torch.equal(checked, host), "the checks change no stored byte"
+    assert checks.table[[2, 0], 0].tolist() == [checks.marker(4, 1)] * 2 and checks.table[1].tolist() == [0, 0, 0]
 
 
 def test_heads_before_tokens_in_memory():

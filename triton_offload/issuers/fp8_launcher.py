@@ -1,7 +1,8 @@
 """The FP8 host format's launcher: :class:`Fp8Launcher` derives, once per spec and host buffer, what the FP8 kernel
 (``kernels/fp8_blocks.py``) reads and launches a plan's ids through Triton's dispatch, in the place of a
-:class:`~triton_offload.issuers.launcher.CopyLauncher` for specs whose ``host_format`` quantizes. Not yet offered:
-the integrity checks (their checksums cover the cache's own bytes) and the direct launch.
+:class:`~triton_offload.issuers.launcher.CopyLauncher` for specs whose ``host_format`` quantizes. With a checksum
+table every launch also checksums the bytes it stores or reads on the host (docs/integrity.md). Not yet offered: the
+direct launch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import os
 
 import torch
 
-from triton_offload.kernels import fp8_blocks
+from triton_offload.checksums import Checksums
+from triton_offload.kernels import fp8_blocks, packing, tables
+from triton_offload.kernels.copy_blocks import IntegrityArgs
 from triton_offload.layouts import KVCacheSpec
 from triton_offload.plan import Direction, TransferPlan
 
@@ -27,19 +30,16 @@ class Fp8Launcher:
             fp32).
         blocks_per_host_block: GPU blocks per host block.
         direction: the one direction served; None for both.
-        checksums: must be None (the integrity checks are not offered with this format yet).
+        checksums: the integrity checks (:class:`~triton_offload.checksums.Checksums`, checked against the host
+            buffer): every launch also checksums the bytes it stores (a store writes the checksums) or reads (a load
+            checks them), the FP8 values and scales of each block in words of :func:`~triton_offload.kernels.
+            fp8_blocks.fp8_word_bytes`; None: no checks (the kernel compiled exactly as without them).
     """
 
-    integrity = False
-    checksums = None
-
     def __init__(self, spec: KVCacheSpec, host_buffer: torch.Tensor, blocks_per_host_block: int,
-                 direction: Direction | None = None, checksums=None):  # fmt: skip
+                 direction: Direction | None = None, checksums: Checksums | None = None):  # fmt: skip
         assert spec.quant is not None, "a spec whose host format moves bytes takes the copy kernel"
-        if checksums is not None:
-            raise ValueError(
-                f"integrity checks are not offered with host_format {spec.host_format!r} yet: turn them off"
-            )
+        self.checksums = checksums
         self.cuda = spec.device.type == "cuda"
         if self.cuda and os.environ.get("TRITON_INTERPRET", "0") == "1":
             raise RuntimeError("TRITON_INTERPRET=1 is set, which cannot run kernels on CUDA tensors: unset it")
@@ -57,6 +57,19 @@ class Fp8Launcher:
             torch.float32
         )
         self.host_row = row
+        self.word = fp8_blocks.fp8_word_bytes(spec)
+        self._checks = None
+        if checksums is not None:
+            checksums.check_for(host_buffer.shape[0], blocks_per_host_block, spec.num_regions, self.cuda)
+            runs = spec.quant
+            ck = tables.build_integrity_table(spec, self.word, lambda s: fp8_blocks.fp8_stream_bytes(runs[s.layer]))
+            tab = checksums.table
+            self._checks = (ck, tab, tab.stride(0), checksums.marker(self.word, 1))
+
+    @property
+    def integrity(self) -> bool:
+        """Whether this launcher's launches checksum what they store or read."""
+        return self.checksums is not None
 
     def ctas(self, num_ctas: int | None, shape: str) -> int | None:
         """The ``num_ctas`` a launch passes: as given (one launch shape: the FP8 kernel is not tuned yet)."""
@@ -65,15 +78,23 @@ class Fp8Launcher:
     def direct(self, direction: Direction, copy: bool = True):
         return None
 
-    def arguments(self, plan: TransferPlan, ids, num_ctas: int | None = None):
-        """(programs, every kernel argument) of one launch (:func:`~.fp8_blocks.fp8_arguments`)."""
+    def arguments(self, plan: TransferPlan, ids, num_ctas: int | None = None, res=None):
+        """(programs, every kernel argument) of one launch (:func:`~.fp8_blocks.fp8_arguments`); with the integrity
+        checks, ``ids`` holds their part too (:func:`~triton_offload.kernels.packing.pack_integrity`) and ``res``
+        receives a load's results (host memory), as for the copy kernel."""
+        checks = None
+        if self._checks is not None:
+            ck, tab, tab_row, mark = self._checks
+            at_ident, at_sums, _ = packing.integrity_offsets(plan)
+            checks = IntegrityArgs(ck, ids[at_ident:at_sums], ids[at_sums:], res, tab, tab_row, mark)
         return fp8_blocks.fp8_arguments(self.cfg, self.anchor, self.host, self.scales, self.table, ids, plan,
                                         self.spec.segments_per_group, self.blocks_per_host_block, self.host_row,
-                                        num_ctas)  # fmt: skip
+                                        num_ctas, checks, self.word)  # fmt: skip
 
     def launch(self, plan: TransferPlan, ids: torch.Tensor, num_ctas: int | None = None, res=None, copy=True) -> None:
-        """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream."""
+        """One launch moving ``plan``'s blocks (all layers, all groups), asynchronously on the current stream; with
+        the integrity checks, ``res`` as for :meth:`~triton_offload.issuers.launcher.CopyLauncher.launch`."""
         assert ids.dtype == torch.int64 and ids.device == self.spec.device
-        assert copy and res is None, "the FP8 launcher has no integrity checks"
-        programs, args = self.arguments(plan, ids, num_ctas)
+        assert copy, "the FP8 kernel always moves the blocks (the copy engines cannot quantize)"
+        programs, args = self.arguments(plan, ids, num_ctas, res)
         fp8_blocks.fp8_launch(programs, args, self.cfg[-1], self.cuda)
