@@ -134,9 +134,9 @@ def _check_tier(i: int, tier: Any, default_backpressure: dict | None) -> tuple[s
     return tier_type, root_dir, store
 
 
-def _check_host_format(extra: Mapping[str, Any], layout: str, checks: str, path: str | None) -> str:
+def _check_host_format(extra: Mapping[str, Any], layout: str, path: str | None) -> str:
     """``host_format``, refused where the rows cannot hold it: FP8 rows are ours (``host_layout = "packed"``; vLLM's
-    worker slots hold the cache's own bytes), and not yet with the integrity checks or the copy engines."""
+    worker slots hold the cache's own bytes), and not with the copy engines (``transfer_path = "dma"``)."""
     host_format = host_format_setting(extra.get("host_format", "native"))
     if host_format == "native":
         return host_format
@@ -145,11 +145,11 @@ def _check_host_format(extra: Mapping[str, Any], layout: str, checks: str, path:
             f"host_format = {host_format!r} needs host_layout = 'packed' with {TIERING_SPEC_NAME}: vLLM's worker "
             "slots (host_layout = 'worker_slots', the default) hold the cache's own bytes. Set both"
         )
-    if checks != OFF or path == "dma":
-        what = (
-            f"integrity = {checks!r}" if checks != OFF else "transfer_path = 'dma' (the copy engines cannot quantize)"
+    if path == "dma":
+        raise ValueError(
+            f"host_format = {host_format!r} does not work with transfer_path = 'dma' (the copy engines cannot "
+            f"quantize) in {TIERING_SPEC_NAME}"
         )
-        raise ValueError(f"host_format = {host_format!r} does not work with {what} in {TIERING_SPEC_NAME} yet")
     return host_format
 
 
@@ -235,7 +235,7 @@ class TritonTieringConfig:
                 f"host_layout = {layout!r} is not supported; accepted: {', '.join(map(repr, HOST_LAYOUTS))} "
                 "(docs/tiering.md, 'Hybrid models')"
             )
-        host_format = _check_host_format(extra, layout, checks, path)
+        host_format = _check_host_format(extra, layout, path)
         for key, why in _REFUSED_KEYS.items():
             if key in extra:
                 raise ValueError(f"{key} = {extra[key]!r} is not supported by {TIERING_SPEC_NAME}: {why}")

@@ -4,7 +4,8 @@ built by vLLM's ``build_offloading_config`` (wrapped by the plugin), its ``Share
 ``FileMapper`` (the names the fs / obj tiers give rows). Checked: the CPU tier's rows (what every secondary tier
 carries) are sized for the compressed bytes, so about twice the chunks fit; FP8 rows are named apart from native
 ones whatever ``config_fingerprint`` says, while an 8-bit cache's rows (moved unchanged) share the native name; a
-chunk stored and loaded equals the reference's quantize-dequantize of each head's K and V; and what the rows cannot
+chunk stored and loaded equals the reference's quantize-dequantize of each head's K and V; with the integrity checks,
+the trailer follows the FP8 pages and a flipped value or scale byte fails exactly its block; and what the rows cannot
 hold is refused naming the keys.
 """
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM >= 0.32 with its tiering package")
-from vllm_configs import finished, submit_load  # noqa: E402
+from vllm_configs import finished, key, submit_load  # noqa: E402
 
 if not hasattr(pytest.importorskip("vllm.v1.kv_cache_interface"), "create_kv_cache_views"):
     pytest.skip("needs vLLM's KV cache layouts (create_kv_cache_views)", allow_module_level=True)
@@ -32,8 +33,15 @@ from vllm.v1.kv_offload.file_mapper import FileMapper  # noqa: E402
 from vllm_hybrid import BLOCK_TOKENS, Case, HybridKV, full, vllm_config  # noqa: E402
 
 import triton_offload.connector as plugin  # noqa: E402
-from triton_offload.connector import geometry, typed_pages  # noqa: E402
-from triton_offload.connector.tiering import FP8_NAMESPACE, PACKED_NAMESPACE  # noqa: E402
+from triton_offload import integrity  # noqa: E402
+from triton_offload.connector import geometry, load_errors, typed_pages  # noqa: E402
+from triton_offload.connector.tiering import (  # noqa: E402
+    FP8_NAMESPACE,
+    INTEGRITY_NAMESPACE,
+    PACKED_NAMESPACE,
+    IdentifiedChunks,
+    trailer_bytes,
+)
 from triton_offload.kernels.reference_fp8 import dequantize_head, quantize_head  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -189,14 +197,75 @@ def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quan
                 assert torch.equal(got, dequantize_head(codes, scale, torch.float16)), n
 
 
+def _checked_spec(kv: HybridKV, setting: str):
+    token = load_errors._REPORTING.set(True)  # what TritonOffloadingConnector does around vLLM's construction
+    try:
+        return _spec(kv, {**FP8, "integrity": setting})
+    finally:
+        load_errors._REPORTING.reset(token)
+
+
+def test_with_the_integrity_checks_the_trailer_follows_the_compressed_pages():
+    """Each worker slot is the FP8 pages (8320 bytes, already 16-byte aligned) plus the trailer of the row marker and
+    F checksums; the row still fits vLLM's 12 KiB alignment, so the CPU tier keeps its 85 chunks; the tiers name the
+    rows apart from unchecked FP8 ones."""
+    kv = _kv()
+    off, on = _spec(kv, FP8), _checked_spec(kv, "verify")
+    assert (off.trailer_bytes, on.trailer_bytes) == (0, trailer_bytes(F)) == (0, 32)
+    assert on.cpu_page_size_per_worker == F * 2 * FP8_PAGE + 32 == 8352
+    assert (on.kv_bytes_per_chunk, on.num_chunks) == (off.kv_bytes_per_chunk, off.num_chunks) == (12288, 85)
+    assert on.config.model.name.endswith(PACKED_NAMESPACE + FP8_NAMESPACE + INTEGRITY_NAMESPACE)
+    assert _root(on) != _root(off)
+
+
+@pytest.mark.parametrize("setting", ["verify", "require"])
+def test_with_the_integrity_checks_a_corrupted_fp8_row_fails_exactly_its_block(setting):
+    """Blocks 3 and 7 stored into chunk 5 with their key's identity: the trailer holds the row marker and checksums
+    over the stored FP8 bytes, an intact load passes (the blocks quantized as without the checks), and a bit flipped
+    in the region (what every tier carries) in block 3's FP8 values, then in block 7's scales, fails exactly that
+    block under either setting, reported as the CPU tier's; restored, the row loads clean again."""
+    kv = _kv(seed=3)
+    spec = _checked_spec(kv, setting)
+    role = OffloadingConnectorWorker(spec, vllm_config({}), kv.config)
+    role.register_kv_caches(dict(kv.views))
+    worker = role.worker
+    chunk = IdentifiedChunks([5], integrity.identities_of_keys([key(0)]))
+    names = kv.names[0]
+    before = {n: kv.views[n].clone() for n in names}
+    try:
+        assert worker.checksums is not None and worker.host.shape == (spec.num_chunks, F * 2 * FP8_PAGE)
+        assert worker.submit_store(0, GPULoadStoreSpec([3, 7], [2], [0]), chunk)
+        assert all(r.success for r in finished(worker))
+        assert worker.checksums.table[5, 0] != 0 and worker.checksums.table[5, 1:].ne(0).all()
+        sub = worker.host.shape[1] // F  # block 7's sub-block starts here
+        for job, at, gpu in ((1, None, None), (2, 5, 10), (3, sub + 1024 + 4, 11), (4, None, None)):
+            if at is not None:
+                worker.host[5, at] ^= 0x10
+            submit_load(worker, job, chunk, GPULoadStoreSpec([10, 11], [2], [0]), expedited=False)
+            assert finished(worker)[0].success
+            errors, unchecked = worker.take_load_errors()
+            assert unchecked == 0
+            if at is None:
+                assert errors == [], job
+            else:
+                assert [(e.gpu_block_ids, e.host_block_ids, e.tier) for e in errors] == [((gpu,), (5,), "CPU tier")]
+                worker.host[5, at] ^= 0x10
+    finally:
+        role.shutdown()
+    for n in names:
+        for src, dst in ((3, 10), (7, 11)):
+            for want, got in zip(_cpu_heads(before[n], src), _cpu_heads(kv.views[n], dst)):
+                codes, scale = quantize_head(want)
+                assert torch.equal(got, dequantize_head(codes, scale, torch.float16)), n
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
         ({"host_layout": "worker_slots"}, r"host_format = 'fp8_e4m3' needs host_layout = 'packed'"),
-        ({"integrity": "verify"}, r"does not work with integrity = 'verify' in TritonTieringOffloadingSpec yet"),
         ({"transfer_path": "dma"}, r"does not work with transfer_path = 'dma' \(the copy engines cannot quantize\)"),
     ],
-    ids=["worker-slots", "integrity", "dma"],
+    ids=["worker-slots", "dma"],
 )
 def test_what_the_rows_cannot_hold_is_refused_naming_the_keys(extra, message):
     from triton_offload.connector.tiering_config import TritonTieringConfig
