@@ -25,6 +25,7 @@ from bench.common.report import say
 from bench.common.results import write_json
 from bench.micro import fp8_cases as cases
 from bench.micro.fp8_cases import FP8, LAYOUTS, PAGES, Group, Page
+from bench.micro.fp8_checked import check_checked, checked_runners
 from triton_offload.kernels.fp8_blocks import DEFAULT_PROGRAMS
 
 TARGET_BYTES = 128 << 20  # bf16 bytes of KV per transfer: layers chosen per page to come near it
@@ -45,7 +46,7 @@ def layers_for(page: Page, blocks: int, target: int = TARGET_BYTES) -> int:
 def make_row(group: Group, direction: str, method: str, num_ctas: int | None, default: bool, timing) -> dict:
     """One measurement: ``method`` bf16 / fp8 / peak, its programs (None: the default), the median device time and
     both rates (logical: the bf16 bytes of the KV; wire: the host rows' bytes, what crosses the link)."""
-    fmt = FP8 if method == "fp8" else None
+    fmt = FP8 if method.startswith("fp8") else None
     logical = group.logical_bytes()
     wire = logical if method == "peak" else group.wire_bytes(fmt)
     fields = timing.fields()
@@ -59,13 +60,17 @@ def make_row(group: Group, direction: str, method: str, num_ctas: int | None, de
 
 
 def measure_group(group: Group, timer, sweep: list[int], budget_ms: float) -> list[dict]:
-    """bf16 and FP8 at their default programs, then FP8 at each of ``sweep``, store and load."""
+    """bf16 and FP8 at their default programs, FP8 with the integrity checks, then FP8 at each of ``sweep``, store
+    and load."""
     rows = []
+    checked = checked_runners(group, FP8)
     for direction, fn in (("store", cases.store), ("load", cases.load)):
         runs = [("bf16", None, None), ("fp8", FP8, None), *(("fp8", FP8, c) for c in sweep)]
         for method, fmt, ctas in runs:
             t = timer(lambda fn=fn, fmt=fmt, ctas=ctas: fn(group, fmt, ctas), budget_ms, min_reps=MIN_REPS)
             rows.append(make_row(group, direction, method, ctas, ctas is None, t))
+        t = timer(checked[direction], budget_ms, min_reps=MIN_REPS)
+        rows.append(make_row(group, direction, "fp8+checks", None, True, t))
     return rows
 
 
@@ -109,7 +114,7 @@ def run_gpu(args, doc: dict, save) -> None:
             break
         group = cases.build_group(page, layout, args.blocks, layers_for(page, args.blocks), device)
         with torch.cuda.stream(stream):
-            problems = cases.check_group(group)
+            problems = cases.check_group(group) + check_checked(group, FP8)
         doc["checks"].append(_check_entry(group, problems))
         if problems:
             say(f"{page.name} {layout}: FAILED its check, not timed: {'; '.join(problems)}", style=STYLES["FAIL"])
@@ -130,7 +135,7 @@ def _print_page(rows: list[dict], page: str, layout: str) -> None:
     for r in rows:
         if r["page"] == page and (r["layout"] == layout or r["method"] == "peak"):
             ctas = "default" if r["default"] else r["num_ctas"]
-            say(f"  {page:>10} {r['layout']:<11} {r['direction']:<5} {r['method']:<4} programs {ctas!s:<7} "
+            say(f"  {page:>10} {r['layout']:<11} {r['direction']:<5} {r['method']:<10} programs {ctas!s:<7} "
                 f"{r['median_ms']:8.3f} ms  logical {r['logical_gbps']:7.1f} GB/s  "
                 f"wire {r['wire_gbps']:7.1f} GB/s")  # fmt: skip
 
@@ -142,7 +147,7 @@ def run_cpu(args, doc: dict, save) -> None:
     doc.update(environment(torch.device("cpu"), "not used"), mode="cpu-check")
     for page, layout in _plan(args.pages, args.layouts):
         group = cases.build_group(page, layout, CPU_BLOCKS, CPU_LAYERS, torch.device("cpu"))
-        problems = cases.check_group(group)
+        problems = cases.check_group(group) + check_checked(group, FP8)
         doc["checks"].append(_check_entry(group, problems))
         say(f"{page.name} {layout}: {'FAILED: ' + '; '.join(problems) if problems else 'round trip ok'}")
         doc["done"].append(f"{page.name}/{layout}")

@@ -215,7 +215,8 @@ def _rate_ratio(a: dict | None, b: dict | None, wire: bool = False) -> float | N
 def ratio_rows(rows: list[dict]) -> list[dict]:
     """Per page, layout and direction: bf16's and FP8's logical GB/s at the default programs, FP8's best tried
     (its programs), their ratios (FP8 / bf16: the same bf16 bytes, so the ratio of times), and each against the run's
-    contiguous peak of the same direction and page (FP8 by its wire bytes)."""
+    contiguous peak of the same direction and page (FP8 by its wire bytes); FP8 with the integrity checks against FP8
+    without them (``checked_of_fp8``: 1.0 is free)."""
     cases: dict[tuple, dict] = defaultdict(dict)
     peaks = {(r["page"], r["direction"]): r for r in rows if r["method"] == "peak"}
     for r in rows:
@@ -229,13 +230,15 @@ def ratio_rows(rows: list[dict]) -> list[dict]:
         default = next((r for r in fp8 if r["default"]), None)
         best = min(fp8, key=lambda r: r["median_ms"], default=None)
         peak = peaks.get((page, direction))
+        checked = next(iter(by.get("fp8+checks", [])), None)
         rate = lambda r: r and r["logical_gbps"]  # noqa: E731
         out.append({"page": page, "page_bytes": page_bytes, "layout": layout, "direction": direction,
                     "bf16_gbps": rate(bf16), "fp8_default_gbps": rate(default), "fp8_best_gbps": rate(best),
                     "fp8_best_num_ctas": best and best["num_ctas"], "ratio_default": _rate_ratio(default, bf16),
                     "ratio_best": _rate_ratio(best, bf16), "peak_gbps": rate(peak),
                     "bf16_of_peak": _rate_ratio(bf16, peak),
-                    "fp8_wire_of_peak": _rate_ratio(default, peak, wire=True)})  # fmt: skip
+                    "fp8_wire_of_peak": _rate_ratio(default, peak, wire=True),
+                    "fp8_checked_gbps": rate(checked), "checked_of_fp8": _rate_ratio(checked, default)})  # fmt: skip
     return out
 
 

@@ -158,3 +158,26 @@ def test_the_gpu_run_has_an_fp8_stage_a_lease_with_time_left_reaches():
     covered = {p.relative_to(ROOT).as_posix() for p in stages.stage_files(stage)}
     assert {"bench/micro/fp8.py", "bench/micro/fp8_cases.py", "kernels/fp8_blocks.py"} <= covered
     assert "tests/gpu/test_gpu_fp8.py" in stages.GPU_TESTS_CORE
+
+
+def test_the_checked_kernel_writes_the_plain_ones_bytes_and_flags_a_changed_row():
+    """fp8+checks (bench/micro/fp8_checked.py): the checked store writes the plain kernel's host rows, the checked
+    load restores the same blocks and flags nothing; a bit flipped in a stored row makes its load raise."""
+    from bench.micro.fp8_checked import check_checked, checked_runners
+
+    group = fp8_cases.build_group(Page(16, 1, 32), "block_first", 4, 1, torch.device("cpu"))
+    assert fp8_cases.check_group(group) == [] and check_checked(group, FP8) == []
+    runners = checked_runners(group, FP8, strict=True)
+    runners["store"]()
+    group.hosts[FP8][group.host_ids[1], 5] ^= 0x04
+    with pytest.raises(RuntimeError, match=r"flagged intact blocks at \[1\]"):
+        runners["load"]()
+
+
+def test_the_checks_cost_is_their_rows_rate_over_plain_fp8s():
+    group = fp8_cases.build_group(Page(16, 2, 64), "block_first", 4, 2, torch.device("cpu"))
+    times = [("bf16", 2.0), ("fp8", 1.25), ("fp8+checks", 1.3)]
+    rows = [fp8.make_row(group, "store", m, None, True, _timing(ms)) for m, ms in times]
+    assert rows[2]["host_format"] == FP8 and rows[2]["wire_bytes"] == rows[1]["wire_bytes"]
+    (ratio,) = fp8_cases.ratio_rows(rows)
+    assert ratio["checked_of_fp8"] == pytest.approx(1.25 / 1.3, abs=1e-3) and ratio["fp8_default_gbps"] is not None

@@ -143,9 +143,9 @@ STAGES: dict[str, Stage] = {
         # Issue 63's speed: after the first lease's priorities, before the long sweeps; short enough that a lease
         # which skips host-memory or gpu-tests-slow for want of time still reaches it.
         Stage("fp8", "python -m bench.micro.fp8: the FP8 host format vs the bf16 copy, store and load, pages 2-256 "
-              "KiB, kv_first and block_first, 512 random blocks; FP8 at its default and a few programs; checked on the "
-              "GPU before timing", "fp8", (("{py}", "-m", "bench.micro.fp8", "--json", "{json}", "--plot", "{plot}"),),
-              FP8_ESTIMATE_S, MICRO),
+              "KiB, kv_first and block_first, 512 random blocks; FP8 at its default and a few programs and with the "
+              "integrity checks; checked on the GPU before timing", "fp8",
+              (("{py}", "-m", "bench.micro.fp8", "--json", "{json}", "--plot", "{plot}"),), FP8_ESTIMATE_S, MICRO),
         _transfer("full-small", "bench.transfer small-page: both layouts, 16/128/1024 blocks, both host formats, "
                   "num_ctas 1-32", 59),
         _transfer("full-70b", "bench.transfer llama3-70b-tp8, the same", 83),
