@@ -51,8 +51,9 @@ class ARCPolicy(SlotState):
 
     name = "arc"
     counts_reuse = True
+    ghosts = True
 
-    def __init__(self, capacity: int, slots: int | None = None) -> None:
+    def __init__(self, capacity: int, slots: int | None = None, keys: KeyTable | None = None, pool: int = 0) -> None:
         self.capacity = c = positive_int(capacity, "eviction policy capacity")
         end = c if slots is None else positive_int(slots, "slots")
         self._t1, self._t2 = end, end + 1  # sentinels
@@ -69,7 +70,11 @@ class ARCPolicy(SlotState):
             self._gprev[g] = self._gnext[g] = g
         self._glist = byte_array(ghosts + 2)  # a live ghost's list: 1: B1, 2: B2
         self._gkeys = SlotKeys(ghosts)
-        self._ghosts = KeyTable(c)  # key -> ghost id (at most c of them while the cache is full)
+        # key -> ghost code: the manager's key table (ready keys there are >= 0), or one of its own (at most c ghosts
+        # while the cache is full). Ghost g's code is code0 - g: the pools' ranges of codes <= -2 never overlap.
+        self._shared = keys is not None
+        self._ghosts = keys if keys is not None else KeyTable(c)
+        self._code0 = -2 - pool * ghosts
         self._gspare = -1  # the first ghost id given back (the rest chained through _gnext; -1: none)
         self._gfresh = 0  # ids from here on were never used
         self._m1 = self._m2 = 0
@@ -79,14 +84,14 @@ class ARCPolicy(SlotState):
             raise ValueError(f"slot {slot} is already resident")
         if self._n1 + self._n2 >= self.capacity:
             raise ValueError(f"cannot insert slot {slot}: {self._n1 + self._n2} resident, capacity {self.capacity}")
-        self.use((slot,), (), {slot: key})
+        code = None if key is None else self._ghosts.get(key)
+        self.use((slot,), (), {slot: -1 if code is None or code >= 0 else code})
 
-    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, Hashable]) -> None:
+    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, int]) -> None:
         # As moving the slots one by one, last slot first, to the most recent end of their lists (and adapting p to
         # ghost hits in that order), but a run of them already linked in that order and going to one list (a call's
         # keys stay together until another call moves some) moves as one: cut out and pasted at the end.
-        prev, nxt, lists = self._prev, self._next, self._list
-        shards, mod, t1, t2 = self._ghosts.shards, self._ghosts.mod, self._t1, self._t2
+        prev, nxt, lists, t1, t2 = self._prev, self._next, self._list, self._t1, self._t2
         chain = slots[::-1]
         count, i, to_t2, new1, new2 = len(chain), 0, 0, 0, 0  # slots promoted from T1, new in T1, new in T2
         while i < count:
@@ -94,14 +99,13 @@ class ARCPolicy(SlotState):
             i += 1
             where = lists[first]
             if not where:  # new: into T1, or into T2 if its key is a ghost
-                key = new[first]
-                ghost = None if key is None else shards[hash(key) % mod].get(key)
-                if ghost is None:
+                code = new[first]
+                if code == -1:
                     lists[first] = 1
                     new1 += 1
                     head = t1
                 else:
-                    self._ghost_hit(ghost)
+                    self._ghost_hit(self._code0 - code)
                     lists[first] = 2
                     new2 += 1
                     head = t2
@@ -160,11 +164,12 @@ class ARCPolicy(SlotState):
 
     def evict(self, slots: Sequence[int], keys: Sequence[Hashable]) -> None:
         # Each slot leaves Ti and its key enters Bi: |T1| + |B1| and the total stay the same, so no trim is needed.
-        # The new ghosts are chained after each list's tail as they come, and the lists closed once at the end.
+        # The new ghosts are chained after each list's tail as they come, and the lists closed once at the end. In
+        # the manager's key table a key's entry only changes its value (slot to ghost code): no entry used up.
         prev, nxt, lists = self._prev, self._next, self._list
         gprev, gnext, glist, chunks = self._gprev, self._gnext, self._glist, self._gkeys.chunks
         table = self._ghosts
-        shards, mod, b1, b2, spare = table.shards, table.mod, self._b1, self._b2, self._gspare
+        shards, mod, b1, b2, spare, code0 = table.shards, table.mod, self._b1, self._b2, self._gspare, self._code0
         tail1, tail2 = gprev[b1], gprev[b2]
         from_t1 = 0
         for slot, key in zip(slots, keys):
@@ -181,7 +186,7 @@ class ARCPolicy(SlotState):
             shard = shards[i]
             if shard is EMPTY:
                 shard = shards[i] = {}
-            shard[key] = ghost
+            shard[key] = code0 - ghost
             if lists[slot] == 1:
                 glist[ghost] = 1
                 gnext[tail1] = ghost
@@ -196,7 +201,8 @@ class ARCPolicy(SlotState):
             lists[slot] = 0
         gnext[tail1], gprev[b1], gnext[tail2], gprev[b2] = b1, tail1, b2, tail2
         self._gspare = spare
-        table.size += len(slots)
+        if not self._shared:
+            table.size += len(slots)
         self._n1 -= from_t1
         self._m1 += from_t1
         self._n2 -= len(slots) - from_t1

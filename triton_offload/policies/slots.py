@@ -125,8 +125,8 @@ class KeyTable:
         self.shards: list[dict] = [EMPTY] * self.mod
         self.size = 0
 
-    def get(self, key: Hashable) -> int | None:
-        return self.shards[hash(key) % self.mod].get(key)
+    def get(self, key: Hashable, default=None):
+        return self.shards[hash(key) % self.mod].get(key, default)
 
     def __contains__(self, key: object) -> bool:
         return key in self.shards[hash(key) % self.mod]
