@@ -67,6 +67,8 @@ class OffloadManager(Eviction, SlotState):
         self._policies: list[EvictionPolicy] = [
             make_policy(eviction_policy, n, pools * n, table.index, pool) for pool in range(pools)
         ]
+        for pool, policy in enumerate(self._policies):
+            table.chain_free(pool, policy.links)
         self._policy = self._policies[0]
         self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always ready
         self._doomed: set[Hashable] = set()  # pinned keys to drop after their last load (failed checks): discard

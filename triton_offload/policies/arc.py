@@ -163,6 +163,10 @@ class ARCPolicy(SlotState):
         gnext[ghost] = self._gspare
         self._gspare = ghost
 
+    @property
+    def links(self) -> memoryview:
+        return self._next
+
     def remove(self, slot: int) -> None:
         prev, nxt = self._prev, self._next
         before, after = prev[slot], nxt[slot]

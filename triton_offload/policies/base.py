@@ -42,6 +42,11 @@ class EvictionPolicy(Protocol):
         up the most recently used; a slot in ``reuse`` counts a reuse (ARC: to T2), the others are only made
         recent."""
 
+    @property
+    def links(self) -> memoryview:
+        """An int32 array over the slots whose entry for a slot that is not resident the policy neither reads nor
+        keeps (it writes a slot's entry when the slot becomes resident): the manager chains its free slots there."""
+
     def stored(self) -> None:
         """Stores completed (called once per call that completed any); their slots' order is unchanged."""
 

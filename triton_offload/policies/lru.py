@@ -65,6 +65,10 @@ class LRUPolicy(SlotState):
             nxt[last] = end
             prev[end] = last
 
+    @property
+    def links(self) -> memoryview:
+        return self._next
+
     def stored(self) -> None:
         pass  # its recency was set when the store was prepared
 
