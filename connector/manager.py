@@ -120,7 +120,7 @@ class TritonOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # The manager's key_state, inlined: vLLM calls this once per key of every request it schedules.
-        if key in self._shards[hash(key) % self._mod]:
+        if self._shards[hash(key) % self._mod].get(key, -1) >= 0:  # ready (ARC's ghosts have negative codes)
             return LookupResult.HIT
         # HIT_PENDING (store in flight) makes vLLM retry the request a step later instead of recomputing it.
         return LookupResult.HIT_PENDING if key in self._storing else LookupResult.MISS

@@ -19,7 +19,7 @@ from triton_offload._checks import positive_int
 from triton_offload.block_table import BlockTable
 from triton_offload.manager_evict import Eviction
 from triton_offload.manager_types import ManagerSnapshot, ManagerStats, OffloadEvent, RequestUse, StoreAllocation
-from triton_offload.policies import EvictionPolicy, make_policy
+from triton_offload.policies import POLICIES, EvictionPolicy, make_policy, policy_name
 from triton_offload.policies.slots import CHUNK_BITS, CHUNK_MASK, SlotState
 
 __all__ = ["OffloadManager", "StoreAllocation", "OffloadEvent", "ManagerStats", "ManagerSnapshot", "RequestUse"]
@@ -61,9 +61,14 @@ class OffloadManager(Eviction, SlotState):
         self._pool_of = pool_of
         # One table of slots for all pools (pool p's blocks are slots [p * n, (p + 1) * n)) and a policy per pool,
         # over the whole slot range: the pages of its arrays outside its pool are never touched.
-        self._table = table = BlockTable(n, pools)
+        ghosts = POLICIES[policy_name(eviction_policy)].ghosts
+        self._table = table = BlockTable(n, pools, ghosts)
         self._shards, self._mod, self._storing = table.shards, table.mod, table.storing
-        self._policies: list[EvictionPolicy] = [make_policy(eviction_policy, n, pools * n) for _ in range(pools)]
+        self._policies: list[EvictionPolicy] = [
+            make_policy(eviction_policy, n, pools * n, table.index, pool) for pool in range(pools)
+        ]
+        for pool, policy in enumerate(self._policies):
+            table.chain_free(pool, policy.links)
         self._policy = self._policies[0]
         self._pins: dict[Hashable, int] = {}  # only keys with loads in flight; always ready
         self._doomed: set[Hashable] = set()  # pinned keys to drop after their last load (failed checks): discard
@@ -84,7 +89,7 @@ class OffloadManager(Eviction, SlotState):
         shards, mod = self._shards, self._mod
         hits = 0
         for key in keys:
-            if key not in shards[hash(key) % mod]:
+            if shards[hash(key) % mod].get(key, -1) < 0:
                 break
             hits += 1
         self._hits += hits
@@ -97,14 +102,15 @@ class OffloadManager(Eviction, SlotState):
         For callers that look keys up one at a time and must tell a pending store from a miss (vLLM's
         ``HIT_PENDING``). Changes nothing: no counter, no policy access.
         """
-        if key in self._shards[hash(key) % self._mod]:
+        if self._shards[hash(key) % self._mod].get(key, -1) >= 0:
             return "ready"
         return "storing" if key in self._storing else None
 
     def lookup_tables(self) -> tuple[list[dict], int, dict]:
         """What :meth:`key_state` reads, for a caller looking keys up one at a time in its own loop (vLLM's adapter):
-        ``(shards, mod, storing)``; a key is ready when ``key in shards[hash(key) % mod]``, storing when ``key in
-        storing``. Changed in place, so valid as long as the manager."""
+        ``(shards, mod, storing)``; a key is ready when ``shards[hash(key) % mod].get(key, -1) >= 0`` (the table
+        holds ARC's ghosts too, with negative codes), storing when ``key in storing``. Changed in place, so valid as
+        long as the manager."""
         return self._shards, self._mod, self._storing
 
     @property
@@ -115,7 +121,7 @@ class OffloadManager(Eviction, SlotState):
     @property
     def num_cached(self) -> int:
         """Ready keys (hits); in-flight stores are not counted."""
-        return len(self._table.ready)
+        return self._table.num_ready
 
     @property
     def num_storing(self) -> int:
@@ -129,7 +135,7 @@ class OffloadManager(Eviction, SlotState):
 
     def __len__(self) -> int:
         """Keys holding a block, ready or storing, so ``len(m) + m.num_free == m.num_blocks * m.num_pools``."""
-        return len(self._table.ready) + len(self._storing)
+        return self._table.num_ready + len(self._storing)
 
     @property
     def stats(self) -> ManagerStats:
@@ -148,9 +154,9 @@ class OffloadManager(Eviction, SlotState):
             ValueError: a key is not ready (not cached, or its store is in flight). Nothing is pinned then.
         """
         shards, mod = self._shards, self._mod
-        slots = [shards[hash(key) % mod].get(key) for key in keys]
-        if None in slots:  # validate everything first so a bad call pins nothing
-            key = keys[slots.index(None)]
+        slots = [shards[hash(key) % mod].get(key, -1) for key in keys]
+        if slots and min(slots) < 0:  # validate everything first so a bad call pins nothing (ghosts are < 0 too)
+            key = keys[next(i for i, slot in enumerate(slots) if slot < 0)]
             state = "still being stored" if key in self._storing else "not cached"
             raise ValueError(f"cannot load key {key!r}: it is {state}")
         pins = self._pins
@@ -207,21 +213,24 @@ class OffloadManager(Eviction, SlotState):
         for key in keys:  # the slot it had when last named if it still holds it (no lookup), else its slot now
             slot = get(key)
             if slot is None or chunks[slot >> CHUNK_BITS][slot & CHUNK_MASK] != key:
-                slot = shards[hash(key) % mod].get(key, storing.get(key))
+                slot = shards[hash(key) % mod].get(key, -1)
+                if slot < 0:
+                    slot = storing.get(key)
             if slot is not None:
                 slots.append(slot)
         self._apply(slots, (), {})
         request.keys.clear()
 
-    def _use(self, pairs: dict, ready, request: RequestUse | None, new: dict | None = None) -> None:
+    def _use(self, pairs: dict, ready, request: RequestUse | None, stored=(), new: dict | None = None) -> None:
         """Applies one call's keys to the policy: ``pairs`` (distinct, in call order, each with its slot), of which
-        ``ready`` are ready and ``new`` (slot -> key) new. A ready key's use is a reuse unless ``request`` stored or
-        reused it already; the keys are applied in reverse, so the first ends up the most recent."""
+        ``ready`` are ready and ``stored`` new (their slots in ``new``, each with its key's ghost code). A ready
+        key's use is a reuse unless ``request`` stored or reused it already; the keys are applied in reverse, so the
+        first ends up the most recent."""
         if request is None:
             reused = ready
         else:
-            if new:
-                request.inserted.update(new.values())
+            if stored:
+                request.inserted.update(stored)
             reused = set(ready).difference(request.inserted, request.reused)
             request.reused |= reused
             # dict.update keeps the first position of a key seen before: the request's prefix order.
@@ -253,8 +262,8 @@ class OffloadManager(Eviction, SlotState):
             The decision, or None when room cannot be made for every key to store; then nothing changed (no
             eviction, no allocation, no counter).
         """
-        table = self._table
-        pairs, ready = table.resolve(keys)
+        table, ghosts = self._table, {}
+        pairs, ready = table.resolve(keys, ghosts)
         to_store = [key for key, slot in pairs.items() if slot is None]
         if not to_store:
             self._use(pairs, ready, request)
@@ -265,7 +274,7 @@ class OffloadManager(Eviction, SlotState):
             got = []
             if short > 0:
                 # Pinned keys are ready and never evictable: reject in O(1) rather than walking a cache full of them.
-                found = self._victims([(0, short)], pairs) if short <= len(table.ready) - len(self._pins) else None
+                found = self._victims([(0, short)], pairs) if short <= table.num_ready - len(self._pins) else None
                 if found is None:
                     return None
                 evicted, got = self._evict(found), found[0][0][::-1]
@@ -280,7 +289,10 @@ class OffloadManager(Eviction, SlotState):
             got = self._blocks([slots[key] for key in to_store])
         table.add(slots)
         pairs.update(slots)
-        self._use(pairs, ready, request, new=dict(zip(slots.values(), slots)))
+        new = dict.fromkeys(slots.values(), -1)  # slot -> its key's ghost code (-1: none)
+        if ghosts:
+            new.update((slots[key], code) for key, code in ghosts.items())
+        self._use(pairs, ready, request, to_store, new)
         return StoreAllocation(to_store, got, evicted)
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> list[Hashable]:
@@ -295,14 +307,14 @@ class OffloadManager(Eviction, SlotState):
         table, one = self._table, self.num_pools == 1
         done, stale = table.end_stores(keys, ready=success and one)  # one pool: straight into the ready table
         for key in stale:
-            state = "already stored" if key in table.ready else "not being stored"
+            state = "already stored" if table.index.get(key, -1) >= 0 else "not being stored"
             logger.debug("complete_store of key %r ignored: it is %s", key, state)
         if not done:
             return []
         if success:
             n = self.num_blocks  # pool by pool, call order in each: the order reset follows
             if not one:
-                table.ready.put_many(sorted(done.items(), key=lambda item: item[1] // n))
+                table.add_ready(sorted(done.items(), key=lambda item: item[1] // n))
             self._stores += len(done)
             for pool in (0,) if one else {slot // n for slot in done.values()}:
                 self._policies[pool].stored()
@@ -324,7 +336,9 @@ class OffloadManager(Eviction, SlotState):
 
     def key_block(self, key: Hashable) -> int | None:
         """The host block of a ready or storing key, or None."""
-        slot = self._shards[hash(key) % self._mod].get(key, self._storing.get(key))
+        slot = self._shards[hash(key) % self._mod].get(key, -1)
+        if slot < 0:
+            slot = self._storing.get(key)
         return None if slot is None else slot % self.num_blocks
 
     def is_pinned(self, key: Hashable) -> bool:
@@ -337,9 +351,9 @@ class OffloadManager(Eviction, SlotState):
         its last one completes; keys not cached (or only being stored) are ignored. Returns the keys dropped now.
         Not an eviction: removed from the policy without a ghost, reported in one ``"removed"`` event."""
         now = []
-        ready = self._table.ready
+        index = self._table.index
         for key in dict.fromkeys(keys):
-            if key not in ready:
+            if index.get(key, -1) < 0:
                 continue
             if key in self._pins:
                 self._doomed.add(key)
@@ -350,8 +364,7 @@ class OffloadManager(Eviction, SlotState):
 
     def _drop(self, keys: list[Hashable]) -> None:
         """Removes ready, unpinned keys from the cache and the policy (no eviction, no ghost) and reports them."""
-        ready = self._table.ready
-        self._release([ready.pop(key) for key in keys])
+        self._release(list(map(self._table.pop_ready, keys)))
         if self._events is not None and keys:
             self._events.append(OffloadEvent("removed", list(keys)))
 
@@ -372,7 +385,7 @@ class OffloadManager(Eviction, SlotState):
         and are reported in one ``"removed"`` event when events are enabled.
         """
         pins = self._pins
-        dropped = [key for key, _ in self._table.ready.items() if key not in pins]
+        dropped = [key for key, _ in self._table.ready_items() if key not in pins]
         self._drop(dropped)
         return dropped
 
@@ -386,7 +399,7 @@ class OffloadManager(Eviction, SlotState):
         n, frees = self.num_blocks, self._table.free_ids()
         key_of = self._table.keys.__getitem__
         return ManagerSnapshot(
-            ready={key: slot % n for key, slot in self._table.ready.items()},
+            ready={key: slot % n for key, slot in self._table.ready_items()},
             storing={key: slot % n for key, slot in self._storing.items()},
             pins=dict(self._pins),
             free_block_ids=frees[0] if self.num_pools == 1 else frees,

@@ -25,7 +25,7 @@ class Eviction:
         victims: dict[int, tuple[list[int], list[Hashable]]] = {}
         evicted = []
         if any(short > 0 for _, short in shortfalls):
-            if sum(max(0, short) for _, short in shortfalls) > len(table.ready) - len(self._pins):
+            if sum(max(0, short) for _, short in shortfalls) > table.num_ready - len(self._pins):
                 return None
             found = self._victims(shortfalls, pairs)
             if found is None:
@@ -72,10 +72,14 @@ class Eviction:
 
     def _evict(self, victims: dict) -> list[Hashable]:
         """Evicts the victims; returns their keys, in eviction order. Their blocks go to the keys being stored."""
-        evicted = []
+        evicted, table = [], self._table
         for pool, (slots, keys) in victims.items():
-            self._table.forget(keys)
-            self._policies[pool].evict(slots, keys)
+            policy = self._policies[pool]
+            if policy.ghosts:  # the policy turns the keys' entries into ghosts
+                table.num_ready -= len(keys)
+            else:
+                table.forget(keys)
+            policy.evict(slots, keys)
             evicted += keys
         self._evictions += len(evicted)
         if self._events is not None:

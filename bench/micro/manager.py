@@ -190,10 +190,12 @@ def _mapped_bytes(manager) -> tuple[int, int]:
     inner = manager._manager
     holders = [inner._table, *inner._policies]
     full = touched = 0
+    seen = set()  # an array held twice (the free slots chained through a policy's links) counts once
     for obj in holders:
         for value in vars(obj).values():
             for view in value if isinstance(value, list) else [value]:
-                if isinstance(view, memoryview):
+                if isinstance(view, memoryview) and id(view) not in seen:
+                    seen.add(id(view))
                     full += view.nbytes
                     touched += _resident_bytes(view)
     return full, touched

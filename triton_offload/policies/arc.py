@@ -10,7 +10,6 @@ from triton_offload._checks import positive_int
 from triton_offload.policies.slots import (
     CHUNK_BITS,
     CHUNK_MASK,
-    EMPTY,
     KeyTable,
     SlotKeys,
     SlotState,
@@ -45,14 +44,16 @@ class ARCPolicy(SlotState):
 
     Layout: ``prev``/``next`` link slots ``[0, slots)`` with sentinels ``slots`` (T1) and ``slots + 1`` (T2); ``list``
     says which list a slot is in (0: not resident). Ghosts have ids ``[0, 2c)`` with their own links (sentinels
-    ``2c``: B1, ``2c + 1``: B2) and list tags, a key per id and key -> id in a :class:`KeyTable`; ids given back are
-    chained through the ghost links (a free list, so that a trim gives its run of ids back in O(1)).
+    ``2c``: B1, ``2c + 1``: B2), a key per id and key -> code in a :class:`KeyTable` (the manager's, shared with its
+    ready keys), the code telling the id and the list; ids given back are chained through the ghost links (a free
+    list, so that a trim gives its run of ids back in O(1)).
     """
 
     name = "arc"
     counts_reuse = True
+    ghosts = True
 
-    def __init__(self, capacity: int, slots: int | None = None) -> None:
+    def __init__(self, capacity: int, slots: int | None = None, keys: KeyTable | None = None, pool: int = 0) -> None:
         self.capacity = c = positive_int(capacity, "eviction policy capacity")
         end = c if slots is None else positive_int(slots, "slots")
         self._t1, self._t2 = end, end + 1  # sentinels
@@ -67,9 +68,13 @@ class ARCPolicy(SlotState):
         self._gprev, self._gnext = int_array(ghosts + 2), int_array(ghosts + 2)
         for g in (ghosts, ghosts + 1):
             self._gprev[g] = self._gnext[g] = g
-        self._glist = byte_array(ghosts + 2)  # a live ghost's list: 1: B1, 2: B2
         self._gkeys = SlotKeys(ghosts)
-        self._ghosts = KeyTable(c)  # key -> ghost id (at most c of them while the cache is full)
+        # key -> ghost code: the manager's key table (ready keys there are >= 0), or one of its own (at most c ghosts
+        # while the cache is full). Ghost g's code is code0 - 2g in B1, code0 - 2g - 1 in B2: the list is in the code,
+        # and the pools' ranges of codes <= -2 never overlap.
+        self._shared = keys is not None
+        self._ghosts = keys if keys is not None else KeyTable(c)
+        self._code0 = -2 - pool * 2 * ghosts
         self._gspare = -1  # the first ghost id given back (the rest chained through _gnext; -1: none)
         self._gfresh = 0  # ids from here on were never used
         self._m1 = self._m2 = 0
@@ -79,14 +84,14 @@ class ARCPolicy(SlotState):
             raise ValueError(f"slot {slot} is already resident")
         if self._n1 + self._n2 >= self.capacity:
             raise ValueError(f"cannot insert slot {slot}: {self._n1 + self._n2} resident, capacity {self.capacity}")
-        self.use((slot,), (), {slot: key})
+        code = None if key is None else self._ghosts.get(key)
+        self.use((slot,), (), {slot: -1 if code is None or code >= 0 else code})
 
-    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, Hashable]) -> None:
+    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, int]) -> None:
         # As moving the slots one by one, last slot first, to the most recent end of their lists (and adapting p to
         # ghost hits in that order), but a run of them already linked in that order and going to one list (a call's
         # keys stay together until another call moves some) moves as one: cut out and pasted at the end.
-        prev, nxt, lists = self._prev, self._next, self._list
-        shards, mod, t1, t2 = self._ghosts.shards, self._ghosts.mod, self._t1, self._t2
+        prev, nxt, lists, t1, t2 = self._prev, self._next, self._list, self._t1, self._t2
         chain = slots[::-1]
         count, i, to_t2, new1, new2 = len(chain), 0, 0, 0, 0  # slots promoted from T1, new in T1, new in T2
         while i < count:
@@ -94,14 +99,13 @@ class ARCPolicy(SlotState):
             i += 1
             where = lists[first]
             if not where:  # new: into T1, or into T2 if its key is a ghost
-                key = new[first]
-                ghost = None if key is None else shards[hash(key) % mod].get(key)
-                if ghost is None:
+                code = new[first]
+                if code == -1:
                     lists[first] = 1
                     new1 += 1
                     head = t1
                 else:
-                    self._ghost_hit(ghost)
+                    self._ghost_hit(self._code0 - code)  # 2 x its ghost id, + 1 in B2
                     lists[first] = 2
                     new2 += 1
                     head = t2
@@ -136,16 +140,32 @@ class ARCPolicy(SlotState):
         self._n1 += new1 - to_t2
         self._n2 += new2 + to_t2
 
-    def _ghost_hit(self, ghost: int) -> None:
-        """A key stored again while a ghost: move ``p`` towards the list it was evicted from, forget the ghost."""
+    def _ghost_hit(self, place: int) -> None:
+        """A key stored again while a ghost (``place``: 2 x its id, + 1 in B2): move ``p`` towards the list it was
+        evicted from, forget the ghost."""
         m1, m2 = self._m1, self._m2
-        if self._glist[ghost] == 1:
+        ghost = place >> 1
+        if not place & 1:
             # Evicted from T1 but wanted again: T1 was too short. Grow its target faster when B1 is the smaller
             # ghost list, since a hit there is then the stronger signal.
             self._p = min(self.capacity, self._p + max(1, m2 // m1))
+            self._m1 -= 1
         else:
             self._p = max(0, self._p - max(1, m1 // m2))
-        self._drop_ghost(ghost)
+            self._m2 -= 1
+        gprev, gnext = self._gprev, self._gnext
+        before, after = gprev[ghost], gnext[ghost]
+        gnext[before] = after
+        gprev[after] = before
+        chunk = self._gkeys.chunks[ghost >> CHUNK_BITS]
+        self._ghosts.pop(chunk[ghost & CHUNK_MASK])
+        chunk[ghost & CHUNK_MASK] = None
+        gnext[ghost] = self._gspare
+        self._gspare = ghost
+
+    @property
+    def links(self) -> memoryview:
+        return self._next
 
     def remove(self, slot: int) -> None:
         prev, nxt = self._prev, self._next
@@ -160,11 +180,14 @@ class ARCPolicy(SlotState):
 
     def evict(self, slots: Sequence[int], keys: Sequence[Hashable]) -> None:
         # Each slot leaves Ti and its key enters Bi: |T1| + |B1| and the total stay the same, so no trim is needed.
-        # The new ghosts are chained after each list's tail as they come, and the lists closed once at the end.
+        # The new ghosts are chained after each list's tail as they come, and the lists closed once at the end. In
+        # the manager's key table a key's entry only changes its value (slot to ghost code): no entry used up.
         prev, nxt, lists = self._prev, self._next, self._list
-        gprev, gnext, glist, chunks = self._gprev, self._gnext, self._glist, self._gkeys.chunks
+        gprev, gnext, chunks, bits, mask = self._gprev, self._gnext, self._gkeys.chunks, CHUNK_BITS, CHUNK_MASK
         table = self._ghosts
-        shards, mod, b1, b2, spare = table.shards, table.mod, self._b1, self._b2, self._gspare
+        shards, mod, b1, b2, spare, code0 = table.shards, table.mod, self._b1, self._b2, self._gspare, self._code0
+        if not self._shared:  # a table of its own: the keys enter it (their codes set below)
+            table.put_many((key, 0) for key in keys)
         tail1, tail2 = gprev[b1], gprev[b2]
         from_t1 = 0
         for slot, key in zip(slots, keys):
@@ -176,27 +199,21 @@ class ARCPolicy(SlotState):
                 spare = gnext[ghost]
             else:
                 ghost = self._new_ghost()
-            chunks[ghost >> CHUNK_BITS][ghost & CHUNK_MASK] = key
-            i = hash(key) % mod
-            shard = shards[i]
-            if shard is EMPTY:
-                shard = shards[i] = {}
-            shard[key] = ghost
+            chunks[ghost >> bits][ghost & mask] = key
             if lists[slot] == 1:
-                glist[ghost] = 1
+                shards[hash(key) % mod][key] = code0 - 2 * ghost
                 gnext[tail1] = ghost
                 gprev[ghost] = tail1
                 tail1 = ghost
                 from_t1 += 1
             else:
-                glist[ghost] = 2
+                shards[hash(key) % mod][key] = code0 - 2 * ghost - 1
                 gnext[tail2] = ghost
                 gprev[ghost] = tail2
                 tail2 = ghost
             lists[slot] = 0
         gnext[tail1], gprev[b1], gnext[tail2], gprev[b2] = b1, tail1, b2, tail2
         self._gspare = spare
-        table.size += len(slots)
         self._n1 -= from_t1
         self._m1 += from_t1
         self._n2 -= len(slots) - from_t1
@@ -209,21 +226,6 @@ class ARCPolicy(SlotState):
         self._gfresh += 1
         self._gkeys.grow(ghost, ghost + 1)
         return ghost
-
-    def _drop_ghost(self, ghost: int) -> None:
-        gprev, gnext = self._gprev, self._gnext
-        before, after = gprev[ghost], gnext[ghost]
-        gnext[before] = after
-        gprev[after] = before
-        if self._glist[ghost] == 1:
-            self._m1 -= 1
-        else:
-            self._m2 -= 1
-        chunk = self._gkeys.chunks[ghost >> CHUNK_BITS]
-        self._ghosts.pop(chunk[ghost & CHUNK_MASK])
-        chunk[ghost & CHUNK_MASK] = None
-        gnext[ghost] = self._gspare
-        self._gspare = ghost
 
     def stored(self) -> None:
         """Stores completed (once per call, whatever its number of keys): trims the ghost lists to the paper's bounds;
@@ -243,13 +245,13 @@ class ARCPolicy(SlotState):
     def _drop_oldest(self, head: int, count: int) -> None:
         """Forgets the ``count`` oldest ghosts of the list at sentinel ``head``; their ids, still chained, join the free
         list as one run."""
-        gprev, gnext, chunks = self._gprev, self._gnext, self._gkeys.chunks
+        gprev, gnext, chunks, bits, mask = self._gprev, self._gnext, self._gkeys.chunks, CHUNK_BITS, CHUNK_MASK
         shards, mod = self._ghosts.shards, self._ghosts.mod
         first = last = ghost = gnext[head]
         for _ in range(count):
-            chunk = chunks[ghost >> CHUNK_BITS]
-            key = chunk[ghost & CHUNK_MASK]
-            chunk[ghost & CHUNK_MASK] = None
+            chunk = chunks[ghost >> bits]
+            key = chunk[ghost & mask]
+            chunk[ghost & mask] = None
             del shards[hash(key) % mod][key]
             last = ghost
             ghost = gnext[ghost]

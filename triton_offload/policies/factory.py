@@ -24,12 +24,13 @@ def policy_name(name: str) -> str:
     return name.lower()
 
 
-def make_policy(name: str, capacity: int, slots: int | None = None) -> EvictionPolicy:
+def make_policy(name: str, capacity: int, slots: int | None = None, keys=None, pool: int = 0) -> EvictionPolicy:
     """Builds the policy registered under ``name`` (see :func:`policy_name`) for ``capacity`` resident slots, the
-    slots being ints in ``[0, slots)`` (default ``[0, capacity)``).
+    slots being ints in ``[0, slots)`` (default ``[0, capacity)``); a policy with ghosts keeps them in ``keys`` (the
+    manager's key table, ``pool`` its pool's index; default: a table of its own).
 
     Raises:
         ValueError: ``name`` is not a supported policy (the message lists them), or ``capacity`` is not a positive
             int.
     """
-    return POLICIES[policy_name(name)](capacity, slots)
+    return POLICIES[policy_name(name)](capacity, slots, keys, pool)

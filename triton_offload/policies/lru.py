@@ -20,8 +20,10 @@ class LRUPolicy(SlotState):
 
     name = "lru"
     counts_reuse = False  # a use and a reuse move a slot alike
+    ghosts = False
 
-    def __init__(self, capacity: int, slots: int | None = None) -> None:
+    def __init__(self, capacity: int, slots: int | None = None, keys: object = None, pool: int = 0) -> None:
+        # keys, pool: the manager's key table and the policy's pool, which a policy with ghosts shares (not LRU)
         self.capacity = positive_int(capacity, "eviction policy capacity")
         end = self.capacity if slots is None else positive_int(slots, "slots")
         self._end = end  # the sentinel
@@ -35,9 +37,9 @@ class LRUPolicy(SlotState):
             raise ValueError(f"slot {slot} is already resident")
         if self._len >= self.capacity:
             raise ValueError(f"cannot insert slot {slot}: {self._len} slots resident, capacity {self.capacity}")
-        self.use((slot,), (), {slot: key})
+        self.use((slot,), (), {slot: -1})
 
-    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, Hashable]) -> None:
+    def use(self, slots: Sequence[int], reuse: Container[int], new: Mapping[int, int]) -> None:
         # As moving the slots one by one, last slot first, to the most recent end, but a run of them already linked
         # in that order (a call's keys stay together until another call moves some) moves as one: cut out and
         # pasted at the end. LRU knows only recency, so ``reuse`` and ``new``'s keys do not matter.
@@ -62,6 +64,10 @@ class LRUPolicy(SlotState):
             prev[first] = tail
             nxt[last] = end
             prev[end] = last
+
+    @property
+    def links(self) -> memoryview:
+        return self._next
 
     def stored(self) -> None:
         pass  # its recency was set when the store was prepared
