@@ -163,6 +163,15 @@ def _cpu_heads(view: torch.Tensor, block: int):
     return [page[h, kv * BLOCK_TOKENS : (kv + 1) * BLOCK_TOKENS] for h in range(HEADS) for kv in (0, 1)]
 
 
+def assert_blocks_quantized(kv: HybridKV, names, before: dict) -> None:
+    """Blocks 10 and 11 of every layer hold the reference's quantize-dequantize of what blocks 3 and 7 held."""
+    for n in names:
+        for src, dst in ((3, 10), (7, 11)):
+            for want, got in zip(_cpu_heads(before[n], src), _cpu_heads(kv.views[n], dst)):
+                codes, scale = quantize_head(want)
+                assert torch.equal(got, dequantize_head(codes, scale, torch.float16)), n
+
+
 def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quantized():
     """Blocks 3 and 7 stored into chunk 5 of the shared region (the worker vLLM's worker role registered), loaded
     into 10 and 11: each
@@ -190,11 +199,7 @@ def test_a_chunk_stored_and_loaded_through_the_region_is_each_heads_k_and_v_quan
         assert [r.transfer_size for r in finished(worker)] == [2 * 2 * FP8_PAGE]
     finally:
         role.shutdown()
-    for n in names:
-        for src, dst in ((3, 10), (7, 11)):
-            for want, got in zip(_cpu_heads(before[n], src), _cpu_heads(kv.views[n], dst)):
-                codes, scale = quantize_head(want)
-                assert torch.equal(got, dequantize_head(codes, scale, torch.float16)), n
+    assert_blocks_quantized(kv, names, before)
 
 
 def _checked_spec(kv: HybridKV, setting: str):
@@ -252,11 +257,7 @@ def test_with_the_integrity_checks_a_corrupted_fp8_row_fails_exactly_its_block(s
                 worker.host[5, at] ^= 0x10
     finally:
         role.shutdown()
-    for n in names:
-        for src, dst in ((3, 10), (7, 11)):
-            for want, got in zip(_cpu_heads(before[n], src), _cpu_heads(kv.views[n], dst)):
-                codes, scale = quantize_head(want)
-                assert torch.equal(got, dequantize_head(codes, scale, torch.float16)), n
+    assert_blocks_quantized(kv, names, before)
 
 
 @pytest.mark.parametrize(
