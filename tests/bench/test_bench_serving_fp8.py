@@ -18,6 +18,7 @@ from bench.common.verify import reference_blocks
 from bench.micro.fp8_cases import fp8_bound_excess
 from bench.serving import cli as serving
 from bench.serving import config, fp8, loop, report
+from tools.gpu import stages
 from triton_offload.kernels.reference_fp8 import gather_fp8_ref
 
 BASE = ["--cpu-check", "--workloads", "small-page", "--shapes", "prefill-heavy"]
@@ -122,6 +123,14 @@ def test_the_reference_rows_are_the_kernel_references(layout):
         assert not torch.equal(restored, exact) and fp8_bound_excess(exact, restored) <= 0
     finally:
         setup.close()
+
+
+def test_the_serving_stage_runs_fp8_beside_bf16():
+    """The GPU run's serving stage has triton_fp8 with triton (the ratio is read from one run); --fp8 adds it once."""
+    plan = serving.run_plan(serving.parse_args(list(stages.SERVING_STAGE)), cuda=True)
+    assert {"triton", "triton_fp8"} <= set(plan.methods) and plan.methods.count("triton_fp8") == 1
+    assert "triton_fp8" not in config.DEFAULT_METHODS + config.PRESETS["decisive"].methods  # on request only
+    assert "bench/accuracy" in stages.SERVING  # its reference codec: a change reruns the stage
 
 
 def _rows(fp8_sync_ms: float, fp8_async_ms: float) -> list[dict]:
