@@ -75,7 +75,8 @@ class Fp8Rows:
 
 
 def _fill_random(spec: to.KVCacheSpec, gpu_ids: np.ndarray, gen: torch.Generator) -> None:
-    """Random finite values (normal, a few outliers per head) into the GPU blocks ``gpu_ids`` of every layer."""
+    """Random finite values into the GPU blocks ``gpu_ids`` of every layer: normal, each token of each head times a
+    power of two from 2**-4 to 2**4, so a head's scale is set by a few of its tokens and the others use fewer bits."""
     block_dim = resolve_layout(spec.layout).dims.block_dim
     g = torch.from_numpy(gpu_ids).to(spec.device)
     for t in spec.kv_caches:
