@@ -2,7 +2,8 @@
 moving KV blocks everywhere, in the transfer benchmark's form (``prepare(case, env, num_ctas) -> Prepared``: one
 transfer, issued on the current stream) and in the serving benchmark's (``engine(target, num_ctas)``: TransferEngine's
 worker API), where it has one. Each is the library itself or an adapter over its seams, never a copy of its logic:
-``triton`` and ``auto`` are the public calls and ``TransferEngine``, ``triton_integrity`` the kernel with the
+``triton`` and ``auto`` are the public calls and ``TransferEngine``, ``triton_fp8`` that engine over the FP8 host
+format (serving loop only; bench/micro/fp8.py measures the transfers), ``triton_integrity`` the kernel with the
 integrity checks (run on request: ``--integrity``); ``memcpy_batch`` is the library's copy-engine
 issuer uncoalesced; ``vllm033`` and ``vllm_native`` are issuers tracked by the library's job tracker
 (:mod:`bench.baselines.tracked`), over the library's descriptors for ``vllm033``.
@@ -29,12 +30,15 @@ class Method:
         engine: the serving benchmark's form, ``(target, num_ctas) -> engine`` with TransferEngine's worker API (an
             engine of None: no offload traffic); None where the serving loop does not run it.
         sweeps_ctas: runs at the kernel's default num_ctas and at each other num_ctas asked for.
+        host_format: what its host rows hold: the serving loop gives a method of ``"fp8_e4m3"`` a target of its own
+            (:mod:`bench.serving.fp8`).
     """
 
     describe: str
     prepare: Callable | None = None
     engine: Callable | None = None
     sweeps_ctas: bool = False
+    host_format: str = "native"
 
 
 METHODS: dict[str, Method] = {
@@ -56,6 +60,13 @@ METHODS: dict[str, Method] = {
         "launches (a checksum per block, written by stores, checked by loads; docs/integrity.md)",
         ours.prepare_triton_integrity,
         ours.triton_integrity_engine,
+    ),
+    "triton_fp8": Method(
+        "TransferEngine(path='kernel') over a spec with host_format='fp8_e4m3': the same kernel launches storing FP8 "
+        "values and per-head scales (about half the bytes) into a host cache of FP8 rows, restoring bf16 on load; "
+        "checked against the reference quantization (bench/serving/fp8.py)",
+        engine=lambda target, num_ctas: ours.triton_engine(target, num_ctas, path="kernel"),
+        host_format="fp8_e4m3",
     ),
     "auto": Method(
         "TransferEngine(path='auto'), the default on CUDA: per transfer the faster of our kernel and one "

@@ -87,6 +87,9 @@ class JobChecks:
         prefix_base: the host id of the first cached prefix block.
         threaded: sum host blocks in a worker thread (on a GPU machine).
         offloaded: the run moves blocks; without offload every checked block must keep the sentinel.
+        store_rows: ``(GPU ids) -> (n, host row bytes)`` on the device: the host rows a store must write, where they
+            are not the blocks' own bytes (the FP8 host format's reference quantization); a store's expected sums are
+            theirs.
     """
 
     spec: object
@@ -95,6 +98,7 @@ class JobChecks:
     prefix_base: int
     threaded: bool
     offloaded: bool
+    store_rows: Callable[[np.ndarray], torch.Tensor] | None = None
     jobs_checked: int = 0
     problem: str | None = None
     _stores: dict[int, _Store] = field(default_factory=dict)
@@ -154,7 +158,9 @@ class JobChecks:
         blocks must keep."""
         st = self._stores.setdefault(job, _Store(gpu_ids, host_ids))
         st.gpu_ids, st.host_ids = gpu_ids, host_ids  # also when the store was reported before its step ended
-        sums = self.gpu_sums(gpu_ids).cpu()  # what the store must hold (computed even without offload: equal work)
+        # What the store must hold (computed even without offload: equal work).
+        want = self.gpu_sums(gpu_ids) if self.store_rows is None else row_sums(self.store_rows(gpu_ids), self.pages)
+        sums = want.cpu()
         st.expected = sums if self.offloaded else self._sentinel.expand_as(sums)
         if not self.offloaded:
             st.done = True  # no store: its host blocks are checked now, as a store's would be once it completed

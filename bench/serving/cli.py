@@ -35,6 +35,7 @@ from bench.serving.config import (
     CPU_SHAPES,
     DUPLEX_METHODS,
     DUPLEX_REPEATS,
+    FP8_METHOD,
     FULL_PLAN,
     LOAD_MODES,
     PRESETS,
@@ -43,7 +44,9 @@ from bench.serving.config import (
     SHAPE_NAMES,
     RunPlan,
     with_integrity,
+    with_method,
 )
+from bench.serving.fp8 import fp8_setup
 from bench.serving.gpu import contiguous_load, duplex
 from bench.serving.loop import LoopRun, Setup, byte_check, host_rows_of, run_loop, setup_workload
 from bench.serving.methods import MethodPoint, build_engine, method_points
@@ -125,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--integrity", action="store_true", help="also run triton_integrity (triton with the integrity "
                    "checks, docs/integrity.md) after the methods (before vllm_native, last in every round): their cost "
                    "per step, beside triton's")  # fmt: skip
+    p.add_argument("--fp8", action="store_true", help=f"also run {FP8_METHOD} (triton over the FP8 host format, its "
+                   "own host cache) after the methods: its load time beside triton's (bf16)")  # fmt: skip
     args = p.parse_args(argv)
     unknown = [w for w in args.workloads or () if w not in SERVING_WORKLOADS]
     if unknown:
@@ -164,6 +169,8 @@ def run_plan(args, cuda: bool) -> RunPlan:
     )
     if args.integrity:
         plan = with_integrity(plan)
+    if args.fp8:
+        plan = with_method(plan, FP8_METHOD)
     given = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None}
     return plan.with_shapes(**given) if given else plan
 
@@ -228,10 +235,21 @@ class _Engines:
         self.setup, self.env = setup, env
         self.engines: dict[MethodPoint, object] = {}
         self.unavailable: dict[MethodPoint, str] = {}
+        self.formats: dict[str, Setup] = {}  # the set-ups of other host formats, made on first use
+
+    def setup_for(self, point: MethodPoint) -> Setup:
+        """The set-up the point runs on: the case's, or for a method of another host format (``triton_fp8``) the
+        same caches and rings with that format's host cache and checks (:func:`bench.serving.fp8.fp8_setup`)."""
+        fmt = METHODS[point.method].host_format
+        if fmt == "native":
+            return self.setup
+        if fmt not in self.formats:
+            self.formats[fmt] = fp8_setup(self.setup)
+        return self.formats[fmt]
 
     def get(self, point: MethodPoint):
         if point not in self.engines:
-            self.engines[point] = build_engine(point, self.setup.target)
+            self.engines[point] = build_engine(point, self.setup_for(point).target)
         return self.engines[point]
 
     def drop(self, point: MethodPoint) -> None:
@@ -254,6 +272,8 @@ class _Engines:
                 engine.shutdown()
             except Exception as exc:
                 errors.append((point, _error(exc)))
+        for fmt in list(self.formats):
+            self.formats.pop(fmt).target.host_cache.close()
         return errors if self.env.alive() else []
 
 
@@ -262,9 +282,9 @@ def _run_point(engines: _Engines, point: MethodPoint, mode: str, defer: bool, ex
     byte-exact check of the final state. ``run`` is None where the method cannot run here (impl says why); any error
     of the method is its ``problem``, but one that leaves the CUDA context dead (or a FatalCudaError), which is
     raised as a FatalCudaError."""
-    setup, env = engines.setup, engines.env
-    impl = METHODS[point.method].describe
+    env, impl = engines.env, METHODS[point.method].describe
     try:
+        setup = engines.setup_for(point)
         engine = engines.get(point)
         run = run_loop(setup, engine, load_mode=mode, defer_stores=defer)
         where = "its descriptors replayed by memmove" if getattr(engine, "path", None) == "dma" else "the interpreter"
@@ -273,6 +293,8 @@ def _run_point(engines: _Engines, point: MethodPoint, mode: str, defer: bool, ex
             jobs = ", ".join(f"{d} {p} x{k}" for (d, p), k in sorted(run.paths.items()))
             cal = engine.calibration
             impl += f"; path {engine.path}: {jobs}" + (f"; calibrated in {cal.seconds:.3f} s" if cal else "")
+        if setup is not engines.setup:  # another host format: its rows beside the native ones
+            impl += f"; host rows of {setup.host.shape[1]} bytes (native: {engines.setup.host.shape[1]})"
         problem = run.check_problem or (byte_check(setup, run, host_rows_of(setup, engine)) if exact else None)
         return run, problem, impl
     except Unavailable as exc:  # cannot run on this machine: said in its row, not a failure
@@ -281,7 +303,7 @@ def _run_point(engines: _Engines, point: MethodPoint, mode: str, defer: bool, ex
         raise
     except Exception as exc:  # reported in its row; a dead CUDA context stops the run
         if not env.alive():
-            raise FatalCudaError(f"{point.label} on {setup.workload.name}: {_error(exc)}") from exc
+            raise FatalCudaError(f"{point.label} on {engines.setup.workload.name}: {_error(exc)}") from exc
         engines.drop(point)
         return None, f"ERROR: {_error(exc)}", impl
 

@@ -23,6 +23,8 @@ __all__ = [
     "CPU_PLAN",
     "PRESETS",
     "with_integrity",
+    "with_method",
+    "FP8_METHOD",
     "h100_step_seconds",
     "SERVING_WORKLOADS",
     "DEFAULT_METHODS",
@@ -234,13 +236,22 @@ PRESETS = {
 }
 
 
+# The FP8 host format's serving method (issue 63), run on request (``--fp8``) beside triton.
+FP8_METHOD = "triton_fp8"
+
+
 def with_integrity(plan: RunPlan) -> RunPlan:
     """``plan`` with the kernel with the integrity checks (``triton_integrity``, docs/integrity.md) run after its
     methods, at the default num_ctas, so its step times stand beside triton's (``--integrity``); unchanged where the
     plan has it."""
-    if INTEGRITY_METHOD in plan.methods:
+    return with_method(plan, INTEGRITY_METHOD)
+
+
+def with_method(plan: RunPlan, method: str) -> RunPlan:
+    """``plan`` with ``method`` run after its methods (``--integrity``, ``--fp8``); unchanged where the plan has it."""
+    if method in plan.methods:
         return plan
-    return dataclasses.replace(plan, methods=(*plan.methods, INTEGRITY_METHOD))
+    return dataclasses.replace(plan, methods=(*plan.methods, method))
 
 
 # Distinct cached prefixes and GPU regions the arrivals rotate through: consecutive loads write different bytes into

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,8 @@ class Setup:
         prefix_dev: (every cached prefix block, bytes_per_block) the cached prefixes' bytes kept on the device, in the
             same order: the byte-exact check compares the load regions with them there.
         seed: the seed of the block plan and the step inputs.
+        store_rows: ``(GPU ids) -> (n, host row bytes)`` on the device, the host rows a store of those blocks must
+            write, where they are not the blocks' own bytes (the FP8 host format: :mod:`bench.serving.fp8`).
     """
 
     workload: Workload
@@ -60,6 +63,7 @@ class Setup:
     prefix_pages: torch.Tensor
     prefix_dev: torch.Tensor
     seed: int
+    store_rows: Callable[[np.ndarray], torch.Tensor] | None = None
 
     @property
     def spec(self) -> to.KVCacheSpec:
@@ -277,7 +281,8 @@ def run_loop(
     blocks = Blocks(shape, setup.sizes, setup.workload.block_size, setup.seed)
     host_rows = host_rows_of(setup, engine)
     checks = JobChecks(setup.spec, host_rows, setup.prefix_pages, setup.sizes.host_ring,
-                       setup.cuda if threaded_checks is None else threaded_checks, offloaded)  # fmt: skip
+                       setup.cuda if threaded_checks is None else threaded_checks, offloaded,
+                       store_rows=setup.store_rows)  # fmt: skip
     run = LoopRun([], {}, {}, {}, blocks, offloaded, load_mode)
     clock = RunClock()
     unfinished: set[int] = set()
@@ -450,7 +455,8 @@ def compare_blocks(setup: Setup, host_ids: np.ndarray, gpu_ids: np.ndarray, what
     first = None
     for start in range(0, host_ids.size, CHECK_CHUNK):
         h, g = host_ids[start : start + CHECK_CHUNK], gpu_ids[start : start + CHECK_CHUNK]
-        want = reference_blocks(spec, g, device)
+        stored = host_rows != "prefixes" and setup.store_rows is not None  # host rows in the FP8 format
+        want = setup.store_rows(g) if stored else reference_blocks(spec, g, device)
         if host_rows == "prefixes":
             got = setup.prefix_dev[torch.from_numpy(h - setup.sizes.host_ring).to(device)]
         else:

@@ -26,9 +26,10 @@ SLOW_TESTS = (
     "tests/bench/test_bench_gpu.py::test_a_small_gpu_run_checks_and_times_every_method",
     "tests/bench/test_bench_serving.py::test_a_short_gpu_serving_run_checks_bytes_and_reports_sane_numbers",
 )
-# The serving stage: issue 39's decisive preset, and triton with the integrity checks after it (issue 41).
+# The serving stage: issue 39's decisive preset, then triton with the integrity checks (issue 41) and triton over the
+# FP8 host format (issue 63: a host hit's load time beside bf16's).
 SERVING_DECISIVE = ("--preset", "decisive")
-SERVING_STAGE = (*SERVING_DECISIVE, "--integrity")
+SERVING_STAGE = (*SERVING_DECISIVE, "--integrity", "--fp8")
 # The call-cost stage: fewer calls per row than the benchmark's default (bench/common/grid.py's CALL_COST_CALLS), so it
 # fits a first, short lease (issue 56), and the engine's submits also with the integrity checks.
 CALL_COST_STAGE_CALLS = 200
@@ -54,7 +55,7 @@ PYTEST_PLUGINS = "tools/gpu/pytest_plugins"  # live_junit.py: the JUnit XML rewr
 LIBRARY = ("triton_offload", "kernels")
 BENCH = ("bench/__init__.py", "bench/common", "bench/baselines")  # what every benchmark imports
 TRANSFER = (*LIBRARY, *BENCH, "bench/transfer")
-SERVING = (*LIBRARY, *BENCH, "bench/serving")
+SERVING = (*LIBRARY, *BENCH, "bench/serving", "bench/accuracy")  # bench/accuracy: the FP8 method's reference codec
 MICRO = (*LIBRARY, *BENCH, "bench/transfer", "bench/micro")
 
 # Until a lease measures a stage: the seconds the time model that sized the stages (retired in issue 57) gave each on an
@@ -126,8 +127,9 @@ STAGES: dict[str, Stage] = {
               "1024 x 80, direct launch vs Triton's dispatch, the engine's submits also with the integrity checks",
               "call-cost", (("{py}", "-m", "bench.micro.call_cost", *CALL_COST_STAGE, "--json", "{json}"),), 46,
               MICRO),
-        _serving("serving", SERVING_STAGE, "the serving benchmark's decisive configuration, and triton with the "
-                 "integrity checks", 91),
+        # 91 s before triton_fp8 joined it: one more run in 13 per load mode, and its FP8 host cache's set-up.
+        _serving("serving", SERVING_STAGE, "the serving benchmark's decisive configuration, triton with the "
+                 "integrity checks, and triton over the FP8 host format", 110),
         _transfer("quick", "bench.transfer --quick --integrity: every workload, 128 blocks, f=4/skip=1, every method "
                   "(auto, vllm033, vllm_native too), the kernel with the integrity checks beside it, short extras", 49),
         _transfer("launch-shape", "bench.transfer: 2 KiB and 8 KiB pages, 128/1024 blocks, num_ctas 4-32, f 1 and "
