@@ -65,8 +65,9 @@ def summary_line(name: str, ref: str, s: dict, top_k: int) -> str:
     )
 
 
-def report_of(args, names: list[str], results: dict) -> dict:
-    """The report of the configurations that finished (the reference first); ``not_finished``: the others."""
+def report_of(args, names: list[str], results: dict, summaries: dict) -> dict:
+    """The report of the configurations that finished (the reference first) and their ``summaries`` against it;
+    ``not_finished``: the others."""
     ref = names[0]
     report = {
         "model": args.model,
@@ -79,7 +80,7 @@ def report_of(args, names: list[str], results: dict) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         **machine_info(),  # where, and from which commit
         "reference": ref,
-        "summaries": {n: compare(results[ref]["rows"], results[n]["rows"]) for n in names[1:] if n in results},
+        "summaries": dict(summaries),
         "not_finished": [n for n in names if n not in results],
     }
     report["seconds"] = {name: r["seconds"] for name, r in results.items()}
@@ -109,16 +110,16 @@ def main(argv=None) -> int:
 
         args.model = str(smollm2())
     configs = [configuration(spec, args.model) for spec in [args.reference, *args.compare]]
-    results = {}
+    names, results, summaries = [c[0] for c in configs], {}, {}
     with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
         for i, (name, extra, engine) in enumerate(configs):
             out = pathlib.Path(tmp) / f"{i}.json"
             results[name] = {"extra_config": extra, "engine": engine, **run_one(args.model, extra, engine, args, out)}
-            if i:
-                print(summary_line(name, configs[0][0], compare(results[configs[0][0]]["rows"], results[name]["rows"]),
-                                   args.top_k), flush=True)  # fmt: skip
+            if i:  # each configuration compared once, as it finishes
+                summaries[name] = compare(results[names[0]]["rows"], results[name]["rows"])
+                print(summary_line(name, names[0], summaries[name], args.top_k), flush=True)
             if args.out:  # after every configuration: a run stopped later keeps what finished
-                report = report_of(args, [c[0] for c in configs], results)
+                report = report_of(args, names, results, summaries)
                 pathlib.Path(args.out).write_text(json.dumps(report) + "\n")
     return 0
 
