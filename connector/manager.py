@@ -119,8 +119,10 @@ class TritonOffloadingManager(OffloadingManager):
     # -- loads ---------------------------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        # The manager's key_state, inlined: vLLM calls this once per key of every request it schedules.
-        if self._shards[hash(key) % self._mod].get(key, -1) >= 0:  # ready (ARC's ghosts have negative codes)
+        # The manager's key_state, inlined: vLLM calls this once per key of every request it schedules. Without
+        # ghosts membership says ready, leaving the slot's int object (a cache miss in a large cache) untouched.
+        shard = self._shards[hash(key) % self._mod]
+        if (key in shard) if self._ready_only else shard.get(key, -1) >= 0:  # ARC's ghosts have negative codes
             return LookupResult.HIT
         # HIT_PENDING (store in flight) makes vLLM retry the request a step later instead of recomputing it.
         return LookupResult.HIT_PENDING if key in self._storing else LookupResult.MISS
@@ -241,7 +243,7 @@ class TritonOffloadingManager(OffloadingManager):
             pools=self._pools,
             pool_of=self._pool_of,
         )
-        self._shards, self._mod, self._storing = self._manager.lookup_tables()
+        self._shards, self._mod, self._storing, self._ready_only = self._manager.lookup_tables()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()

@@ -88,10 +88,16 @@ class OffloadManager(Eviction, SlotState):
         """Returns how many leading keys are ready; a key whose store is in flight ends the run like a missing one."""
         shards, mod = self._shards, self._mod
         hits = 0
-        for key in keys:
-            if shards[hash(key) % mod].get(key, -1) < 0:
-                break
-            hits += 1
+        if not self._policy.ghosts:  # ready keys only: membership, without touching the slot (see lookup_tables)
+            for key in keys:
+                if key not in shards[hash(key) % mod]:
+                    break
+                hits += 1
+        else:
+            for key in keys:
+                if shards[hash(key) % mod].get(key, -1) < 0:
+                    break
+                hits += 1
         self._hits += hits
         self._misses += len(keys) - hits
         return hits
@@ -106,12 +112,14 @@ class OffloadManager(Eviction, SlotState):
             return "ready"
         return "storing" if key in self._storing else None
 
-    def lookup_tables(self) -> tuple[list[dict], int, dict]:
+    def lookup_tables(self) -> tuple[list[dict], int, dict, bool]:
         """What :meth:`key_state` reads, for a caller looking keys up one at a time in its own loop (vLLM's adapter):
-        ``(shards, mod, storing)``; a key is ready when ``shards[hash(key) % mod].get(key, -1) >= 0`` (the table
-        holds ARC's ghosts too, with negative codes), storing when ``key in storing``. Changed in place, so valid as
-        long as the manager."""
-        return self._shards, self._mod, self._storing
+        ``(shards, mod, storing, ready_only)``; a key is ready when ``shards[hash(key) % mod].get(key, -1) >= 0``
+        (ARC's ghosts share the table, with negative codes), or, when ``ready_only`` (a policy without ghosts: the
+        table holds ready keys only), when ``key in shards[hash(key) % mod]``, which leaves the key's slot untouched
+        (reading it, a cold int object in a large cache, costs about as much as the lookup); storing when ``key in
+        storing``. Changed in place, so valid as long as the manager."""
+        return self._shards, self._mod, self._storing, not self._policy.ghosts
 
     @property
     def num_free(self) -> int:
