@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -26,8 +27,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from triton_offload.integrity import identities_of_keys
+from triton_offload.integrity import CarriesIdentities, keep_digests
 from triton_offload.manager import OffloadManager, RequestUse
+from triton_offload.policies.slots import long_array
 
 __all__ = ["HostBlocksSpec", "TritonOffloadingManager", "METRICS", "VLLM_TRANSFER_COUNTERS"]
 
@@ -54,12 +56,13 @@ VLLM_TRANSFER_COUNTERS = (
 )
 
 
-class HostBlocksSpec(BlockIDsLoadStoreSpec):
+class HostBlocksSpec(CarriesIdentities, BlockIDsLoadStoreSpec):
     """Host block ids in our packed host cache, one per offload key, in the keys' order; with the integrity checks,
-    each key's identity too (:func:`triton_offload.integrity.identities_of_keys`), which the workers mix into the
-    blocks' checksums (docs/integrity.md).
+    each key's identity too (:func:`triton_offload.integrity.identities_of_keys`, kept as its digest:
+    :class:`~triton_offload.integrity.CarriesIdentities`), which the workers mix into the blocks' checksums
+    (docs/integrity.md).
 
-    Small and picklable (NumPy arrays): it travels to the workers inside vLLM's connector metadata.
+    Small and picklable: it travels to the workers inside vLLM's connector metadata.
     """
 
     def __init__(self, block_ids, identities=None):
@@ -103,6 +106,12 @@ class TritonOffloadingManager(OffloadingManager):
     ) -> None:
         self.num_blocks = num_blocks
         self.identities = identities
+        # Key slot (:meth:`key_slots`) -> the identity its store gave the key it holds (int64; its digest's 8 bytes),
+        # so that loads read rather than hash them: a ready key's slot was written by its store (every key becomes
+        # ready through prepare_store). Lazily zeroed (O(1) to create); it outlives reset_cache, whose new manager's
+        # stores write it anew.
+        table = long_array(num_blocks * pools if identities else 0)
+        self._identity, self._digest = np.frombuffer(table, np.int64), table.cast("B")  # (a view of it in bytes)
         # Key slot (:meth:`key_slots`) -> key of the blocks pinned by loads: a failed integrity check names them.
         self._loading: dict[int, OffloadKey] = {}
         self.eviction_policy = eviction_policy
@@ -139,8 +148,11 @@ class TritonOffloadingManager(OffloadingManager):
         self._totals["hit_blocks"] += len(keys)
         if not self.identities:
             return HostBlocksSpec(block_ids)
-        self._loading.update(zip(self.key_slots(keys, block_ids), keys))
-        return HostBlocksSpec(block_ids, identities_of_keys(keys))
+        slots = block_ids if self._pools == 1 else self.key_slots(keys, block_ids)  # the manager's ids are ints
+        self._loading.update(zip(slots, keys))
+        if len(slots) == 1:  # a slice for less than take() converting a list
+            return HostBlocksSpec(block_ids, bytes(self._digest[slots[0] * 8 : slots[0] * 8 + 8]))
+        return HostBlocksSpec(block_ids, self._identity.take(slots).tobytes())
 
     def key_slots(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> list[int]:
         """Where each key lives, as one number: its block id, or with several host regions (pools) ``pool x
@@ -193,7 +205,10 @@ class TritonOffloadingManager(OffloadingManager):
             where = dict(zip(keys_to_store, host_ids))
             keys_to_store = [key for key in dict.fromkeys(keys) if key in where]
             host_ids = [where[key] for key in keys_to_store]
-        identities = identities_of_keys(keys_to_store) if self.identities else None
+        identities = None
+        if self.identities:  # the keys' identities (digests), each also kept at its key's slot for the loads to read
+            slots = host_ids if self._pools == 1 else self.key_slots(keys_to_store, host_ids)
+            identities = keep_digests(keys_to_store, slots, self._digest)
         # The allocation's lists are the manager's fresh ones, kept by nobody else: handed over as they are.
         return PrepareStoreOutput(
             keys_to_store=keys_to_store, store_spec=HostBlocksSpec(host_ids, identities), evicted_keys=out.evicted_keys

@@ -39,7 +39,7 @@ from triton_offload.connector.tiering_config import TritonTieringConfig
 from triton_offload.host.budget import check_host_memory
 from triton_offload.host.numa import check_node_memory, choose_node, run_on_node
 from triton_offload.host_format import FORMAT_VERSIONS, FP8_E4M3, NATIVE
-from triton_offload.integrity import OFF, VERSION, identities_of_keys
+from triton_offload.integrity import OFF, VERSION, CarriesIdentities, digests_of_keys
 
 __all__ = ["TIERING_SPEC_NAME", "TritonTieringOffloadingSpec"]
 
@@ -361,7 +361,7 @@ class TritonTieringOffloadingSpec(TieringOffloadingSpec):
             raise
 
 
-class IdentifiedChunks(CPULoadStoreSpec):
+class IdentifiedChunks(CarriesIdentities, CPULoadStoreSpec):
     """vLLM's CPU-tier chunk ids, with the identity of each chunk's key (the integrity checks): what the tiering
     manager's specs become with them, so that the workers mix the keys into the checksums."""
 
@@ -382,22 +382,29 @@ def attach_identities(manager: OffloadingManager, person: bytes = b"") -> None:
     tier has no way to drop one, and would otherwise hand the same bad bytes to the retried request forever), until
     the CPU tier stores them anew (once it evicted the bad chunk, a request's store brings fresh bytes). The
     manager is vLLM's, unchanged otherwise: three of its methods are wrapped on this instance. Each loaded chunk id is
-    remembered with its key and where it was loaded from (``chunk_sources``), for messages about failed checks."""
+    remembered with its key and where it was loaded from (``chunk_sources``), for messages about failed checks.
+    A load hashes only the keys its chunks did not get from this manager's stores (``chunk_digests``: chunk -> its
+    last stored key and that key's digest; chunks promoted from a secondary tier are filled by vLLM's own calls)."""
     prepare_load, prepare_store, lookup = manager.prepare_load, manager.prepare_store, manager.lookup
     sources: dict[int, tuple] = {}
     bad: dict[bytes, None] = {}
+    known: dict[int, tuple] = {}  # at most one entry per CPU chunk
 
     def load(keys, req_context):
         keys = list(keys)
         spec = prepare_load(keys, req_context)
-        identities = identities_of_keys(keys, person)
+        digests = []
         for chunk, key in zip(spec.block_ids.tolist(), keys):
             source = manager.get_load_source(key, req_context)
             sources[chunk] = (key, getattr(source, "value", source))
+            got = known.get(chunk)
+            if got is None or got[0] != key:
+                got = known[chunk] = (key, digests_of_keys((key,), person))
+            digests.append(got[1])
         if len(sources) > 4 * len(keys) + 4096:  # a bound: only the latest loads are ever asked about
             for chunk in list(sources)[: len(sources) // 2]:
                 del sources[chunk]
-        return IdentifiedChunks(spec.block_ids, identities)
+        return IdentifiedChunks(spec.block_ids, b"".join(digests))
 
     def store(keys, req_context):
         out = prepare_store(keys, req_context)
@@ -405,8 +412,10 @@ def attach_identities(manager: OffloadingManager, person: bytes = b"") -> None:
             return None
         for key in out.keys_to_store:  # stored anew (the bad chunk was evicted meanwhile): its fresh bytes may hit
             bad.pop(key, None)
-        spec = IdentifiedChunks(out.store_spec.block_ids, identities_of_keys(out.keys_to_store, person))
-        return replace(out, store_spec=spec)
+        digests = digests_of_keys(out.keys_to_store, person)
+        for i, (chunk, key) in enumerate(zip(out.store_spec.block_ids.tolist(), out.keys_to_store)):
+            known[chunk] = (key, digests[8 * i : 8 * i + 8])
+        return replace(out, store_spec=IdentifiedChunks(out.store_spec.block_ids, digests))
 
     def checked_lookup(key, req_context, *args, **kwargs):
         if key in bad:
@@ -422,4 +431,4 @@ def attach_identities(manager: OffloadingManager, person: bytes = b"") -> None:
         return keys
 
     manager.prepare_load, manager.prepare_store, manager.lookup = load, store, checked_lookup
-    manager.discard_failed, manager.chunk_sources = discard_failed, sources
+    manager.discard_failed, manager.chunk_sources, manager.chunk_digests = discard_failed, sources, known

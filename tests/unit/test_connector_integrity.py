@@ -151,6 +151,52 @@ def test_with_host_regions_a_failed_key_is_named_by_its_region_and_block():
     assert again.keys_to_store == [b] and again.store_spec.block_ids.tolist() == [0], "its block went back to pool 1"
 
 
+@pytest.mark.parametrize("pools, policy", [(1, "lru"), (2, "arc"), (3, "lru")])
+def test_loads_read_the_identities_their_stores_gave_each_slot(pools, policy):
+    """Loads hand out the identities the stores computed, kept per key slot rather than hashed again: after random
+    stores (some failed), evictions, a block reused by another key, discarded keys and resets, with one or several
+    host regions, every load's identities are its keys' (identities_of_keys), in vLLM's order of the keys."""
+    import random
+
+    rng = random.Random(pools * 7 + len(policy))
+    m = TritonOffloadingManager(
+        5, policy, identities=True, pools=pools, pool_of=lambda k: int.from_bytes(k[-4:], "big")
+    )
+    universe = [key(i, group=g) for i in range(12) for g in range(pools)]
+    storing: list = []
+    loading: list = []
+    checked = 0
+    for step in range(400):
+        op = rng.random()
+        if op < 0.35:
+            out = m.prepare_store(rng.sample(universe, rng.randint(1, 4)), ctx(f"s{step}"))
+            if out is not None:
+                want = integrity.identities_of_keys(out.keys_to_store)
+                assert np.array_equal(out.store_spec.identities, want) and type(out.store_spec.identity_bytes) is bytes
+                storing.append(out.keys_to_store)
+        elif op < 0.55 and storing:
+            m.complete_store(storing.pop(rng.randrange(len(storing))), ctx(), success=rng.random() < 0.85)
+        elif op < 0.8:
+            ready = [k for k in universe if m.lookup(k, ctx()) == LookupResult.HIT]
+            if ready:
+                keys = rng.sample(ready, rng.randint(1, min(4, len(ready))))
+                spec = m.prepare_load(keys, ctx(f"l{step}"))
+                assert np.array_equal(spec.identities, integrity.identities_of_keys(keys))
+                assert type(spec.identity_bytes) is bytes and spec.identities.dtype == np.int64, "a copy, not the table"
+                loading.append((keys, spec))
+                checked += len(keys)
+        elif op < 0.93 and loading:
+            keys, spec = loading.pop(rng.randrange(len(loading)))
+            if rng.random() < 0.3:  # a worker failed one of its blocks: that key becomes a miss, its block free
+                m.discard_failed(m.key_slots(keys[:1], spec.block_ids[:1]))
+            m.complete_load(keys, ctx())
+        elif op > 0.98:
+            m.reset_cache()
+            storing.clear()
+            loading.clear()
+    assert checked > 150 and m.counters["evicted_blocks"] >= 10
+
+
 def test_a_failed_block_in_a_host_region_is_reported_by_its_key_slot(caplog):
     """The connector reports the scheduler's names of the failed keys (LoadError.key_slots) and logs the region."""
     from triton_offload.connector.worker import LoadError
@@ -478,3 +524,61 @@ def test_the_tiering_manager_hands_out_identities_and_a_failed_chunk_misses_unti
         out.store_spec.identities, integrity.identities_of_keys([key(5)])
     )
     assert m.lookup(key(5), ctx()) == LookupResult.HIT
+
+
+def test_tiering_loads_hash_only_keys_their_chunks_did_not_get_from_a_store(monkeypatch):
+    """attach_identities keeps each stored chunk's key digest: loading it hashes nothing; a chunk vLLM filled itself
+    (promoted from a secondary tier) or that another key took since is hashed, and every load's identities are its
+    keys', personalised."""
+    from vllm.v1.kv_offload.base import PrepareStoreOutput
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from triton_offload.connector import tiering
+
+    chunk_of: dict = {}
+
+    class Chunks(_FakeTieringManager):  # chunks as the test places them
+        def prepare_load(self, keys, req_context):
+            return CPULoadStoreSpec([chunk_of[k] for k in keys])
+
+        def prepare_store(self, keys, req_context):
+            return PrepareStoreOutput(list(keys), CPULoadStoreSpec([chunk_of[k] for k in keys]), [])
+
+    hashed: list = []
+    real = tiering.digests_of_keys
+    monkeypatch.setattr(tiering, "digests_of_keys", lambda keys, person: hashed.extend(keys) or real(keys, person))
+    person = b"p" * 16
+    m = Chunks()
+    tiering.attach_identities(m, person)
+    a, b, c = key(1), key(2), key(3)
+    chunk_of.update({a: 0, b: 1, c: 2})
+    m.prepare_store([a, b], ctx())
+    hashed.clear()
+    for keys in ([a], [b, a], [a, b, c]):  # c's chunk was promoted: never stored through this manager
+        spec = m.prepare_load(keys, ctx())
+        assert np.array_equal(spec.identities, integrity.identities_of_keys(keys, person))
+    assert hashed == [c], "only the promoted chunk's key is hashed, once"
+    chunk_of[c] = 0  # chunk 0 now holds c (a was evicted), filled by a promotion
+    spec = m.prepare_load([c, b], ctx())
+    assert np.array_equal(spec.identities, integrity.identities_of_keys([c, b], person))
+    assert m.chunk_digests[0][0] == c and len(m.chunk_digests) == 3
+
+
+def test_specs_carry_identities_as_their_digests():
+    """HostBlocksSpec and IdentifiedChunks keep the identities as bytes (what pickles cheaply to the workers) and
+    hand them out as int64; any integers go in (uint64 keeps its bits), anything else is refused."""
+    import pickle
+
+    from triton_offload.connector.manager import HostBlocksSpec
+
+    keys = [key(1), key(2)]
+    ident = integrity.identities_of_keys(keys)
+    for spec in (HostBlocksSpec([3, 4], ident), IdentifiedChunks([3, 4], integrity.digests_of_keys(keys))):
+        assert spec.identity_bytes == integrity.digests_of_keys(keys) == ident.tobytes()
+        back = pickle.loads(pickle.dumps(spec))
+        assert np.array_equal(back.identities, ident) and back.identities.dtype == np.int64
+        assert back.block_ids.tolist() == [3, 4] and type(back) is type(spec)
+    assert HostBlocksSpec([1], [2**64 - 1]).identities.tolist() == [-1]
+    assert HostBlocksSpec([1], [-5]).identities.tolist() == [-5] and HostBlocksSpec([1]).identities is None
+    with pytest.raises(TypeError, match="identities must hold integers, got float64"):
+        HostBlocksSpec([1], [0.5])

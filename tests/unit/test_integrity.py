@@ -428,6 +428,23 @@ def test_settings_and_markers():
     assert integrity.identities_of_keys(keys).tolist() == want and integrity.identities_of_keys([]).size == 0
 
 
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 9, 40])
+def test_a_store_keeps_each_digest_at_its_slot(n):
+    """keep_digests (a store's identities, kept for its loads) returns what digests_of_keys and identities_of_keys
+    give, and writes each key's digest at its slot, in the loop of small calls and the NumPy put of larger ones."""
+    from triton_offload.policies.slots import long_array
+
+    rng = np.random.default_rng(n)
+    keys = [rng.bytes(int(rng.integers(0, 40))) for _ in range(n)]
+    slots = rng.choice(100, n, replace=False).tolist()
+    table = long_array(100)
+    for person in (b"", b"\x07" * 16):
+        digests = integrity.keep_digests(keys, slots, table.cast("B"), person)
+        ident = integrity.identities_of_keys(keys, person)
+        assert digests == integrity.digests_of_keys(keys, person) == ident.tobytes()
+        assert [table[s] for s in slots] == ident.tolist()
+
+
 def test_the_checks_are_one_value_checked_once_and_identities_are_checked_per_call():
     spec = make_spec("mla")
     host = host_buffer(spec, 4, 1)

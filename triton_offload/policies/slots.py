@@ -13,8 +13,8 @@ import copy
 import mmap
 from collections.abc import Hashable, Iterable, Iterator
 
-__all__ = ["SHARD_BITS", "SHARD_KEYS", "CHUNK_BITS", "CHUNK_MASK", "EMPTY", "int_array", "byte_array", "copy_array"]
-__all__ += ["KeyTable", "SlotKeys", "SlotState", "shard_count"]
+__all__ = ["SHARD_BITS", "SHARD_KEYS", "CHUNK_BITS", "CHUNK_MASK", "EMPTY", "int_array", "byte_array", "long_array"]
+__all__ += ["copy_array", "KeyTable", "SlotKeys", "SlotState", "shard_count"]
 
 SHARD_BITS = 12  # a KeyTable holds under 2**12 keys per shard at capacity: about what one rebuild ever copies
 # The most keys per shard at capacity (5 x 2**9). Under churn a dict rebuilds itself when its entry array (2/3 of its
@@ -42,6 +42,11 @@ def int_array(count: int) -> memoryview:
 def byte_array(count: int) -> memoryview:
     """``count`` unsigned byte zeros, like :func:`int_array`."""
     return _zeros(count, "B", 1)
+
+
+def long_array(count: int) -> memoryview:
+    """``count`` int64 zeros, like :func:`int_array` (NumPy can view it: ``np.frombuffer(view, np.int64)``)."""
+    return _zeros(count, "q", 8)
 
 
 def copy_array(view: memoryview) -> memoryview:
