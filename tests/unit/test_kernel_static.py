@@ -61,6 +61,7 @@ def _mutated(tmp_path, replacements: list[tuple[str, str]]):
         "from triton_offload.kernels.copy_blocks import *  # noqa\n"
         "from triton_offload.kernels.copy_blocks import tl, triton, _SUM, FIN  # noqa\n"
         "from triton_offload.kernels.copy_blocks import _lane_step, _finalize_checksums  # noqa\n"
+        "from triton_offload.kernels.copy_blocks import _index_terms, _next_step  # noqa\n"
     )
     path.write_text(header + source)
     spec = importlib.util.spec_from_file_location("mutated_kernel", path)
