@@ -14,7 +14,14 @@ import triton.language as tl
 
 from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM  # noqa: F401 (the mutation tests' import)
 from triton_offload.kernels._triton_compat import compile_variant as _compile_variant
-from triton_offload.kernels.integrity_parts import FIN, _finalize_checksums, _lane_step, interpreted_helpers  # noqa: F401
+from triton_offload.kernels.integrity_parts import (  # noqa: F401
+    FIN,
+    _finalize_checksums,
+    _index_terms,
+    _lane_step,
+    _next_step,
+    interpreted_helpers,
+)
 from triton_offload.kernels.shapes import DEFAULT_NUM_CTAS, LaunchConfig
 from triton_offload.plan import TransferPlan
 
@@ -119,6 +126,8 @@ def _copy_blocks_kernel(
             # running sums take VEC times fewer registers than the tile.
             acc_a = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
             acc_b = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
+            index_terms = _index_terms(seg_word, ROWS, CHUNK, VEC)
+            step_terms = tl.full([], 0, tl.uint32)  # the index terms' part of the step: CHUNK // VEC groups more each
         for k in range(0, n_chunks):
             if INTEGRITY:  # 32-bit columns: fewer registers and compares for the checks' tiles of many rows
                 col0 = tl.cast(k * CHUNK, tl.int32)
@@ -135,7 +144,8 @@ def _copy_blocks_kernel(
                 vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
                 tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
             if INTEGRITY:
-                step_a, step_b = _lane_step(vals, seg_word, col0, seg_len, ROWS, CHUNK, VEC)
+                step_a, step_b = _lane_step(vals, mask, index_terms + step_terms, ROWS, CHUNK, VEC)
+                step_terms = _next_step(step_terms, CHUNK, VEC)
                 acc_a += step_a
                 acc_b += step_b
         if INTEGRITY:

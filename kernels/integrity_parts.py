@@ -28,29 +28,69 @@ FIN = tl.constexpr(512)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _lane_step_fn(vals, seg_word, col0, seg_len, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
-    """The two 32-bit lane terms of the word groups one step moved (``vals`` [ROWS, CHUNK] from column ``col0`` of
-    each row's segment, which starts at word ``seg_word`` of its block's stream and holds ``seg_len`` words): a group
-    is a thread's VEC words of one access, folded into 64 bits with its index in the stream, then mixed once per lane
-    (triton_offload/integrity.py, version 2). Groups past a segment's end give 0: [ROWS, CHUNK // VEC] each."""
+def _first_of_groups_fn(x, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """[ROWS, CHUNK] as [ROWS, CHUNK // VEC, VEC] split into its VEC columns (word 0 of each group first), by
+    register moves: a group is one thread's access."""
+    if VEC == 4:
+        even, odd = tl.split(tl.reshape(x, [ROWS, CHUNK // VEC, 2, 2]))  # words 0, 2 and 1, 3
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
+    elif VEC == 2:
+        x0, x1 = tl.split(tl.reshape(x, [ROWS, CHUNK // VEC, 2]))
+        return x0, x1, x0, x1
+    else:
+        return x, x, x, x
+
+
+def _index_terms_fn(seg_word, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """``j * POS_MUL`` mod 2**32 of each group a tile row's step 0 moves (``seg_word``: each row's first word in its
+    block's stream), [ROWS, CHUNK // VEC] uint32 in the layout of the step's groups (made from the tile's as they
+    are); a later step adds its own (:func:`_lane_step`)."""
+    col = tl.arange(0, CHUNK).to(tl.uint32)
+    terms = ((seg_word // VEC)[:, None] + (col // VEC)[None, :]) * 0x165667B1
+    first, _t1, _t2, _t3 = _first_of_groups(terms, ROWS, CHUNK, VEC)
+    return first
+
+
+def _next_step_fn(step_terms, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """The index terms' part of the next step (uint32): CHUNK // VEC groups on, ``+ CHUNK // VEC * POS_MUL``. Carried
+    from step to step: one add per step, where ``(col0 // VEC) * POS_MUL`` took a shift and a multiply (written with
+    POS_MUL, the compiler also folds it back into each group's multiply)."""
+    return step_terms + ((CHUNK // VEC * 0x165667B1) & 0xFFFFFFFF)
+
+
+def _lane_step_fn(vals, mask, index_terms, ROWS: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """The two 32-bit lane terms of the word groups one step moved (``vals`` [ROWS, CHUNK], loaded where ``mask``;
+    ``index_terms``: :func:`_index_terms` plus the step's part): a group is a thread's VEC words of one access, folded
+    into 64 bits, its index added to the low half, then mixed (triton_offload/integrity.py, version 3). Groups past a
+    segment's end (the load's own predicate) give 0: [ROWS, CHUNK // VEC] each."""
     if vals.dtype == tl.int8:
         w = vals.to(tl.uint8, bitcast=True).to(tl.uint32)
     elif vals.dtype == tl.int16:
         w = vals.to(tl.uint16, bitcast=True).to(tl.uint32)
     else:
         w = vals.to(tl.uint32, bitcast=True)
-    v = tl.arange(0, VEC)  # a word's place in its group: in one thread's registers, so its multiplier is a constant
-    mul = tl.where(v == 0, 0x9E3779B1, tl.where(v == 1, 0x85EBCA77, tl.where(v == 2, 0xC2B2AE3D, 0x27D4EB2F)))
-    prods = tl.reshape(w.to(tl.uint64), [ROWS, CHUNK // VEC, VEC]) * mul.to(tl.uint64)[None, None, :]
-    grp = tl.arange(0, CHUNK // VEC)
-    index = (seg_word // VEC)[:, None] + (grp + col0 // VEC).to(tl.uint32)[None, :]  # the group's index in the stream
-    t = index.to(tl.uint64) * 0x165667B1 + tl.reduce(prods, 2, _SUM)  # 32 x 32 -> 64-bit multiply-adds
-    lo = t.to(tl.uint32)
-    y = lo ^ (t >> 32).to(tl.uint32)
-    a = (lo ^ (lo >> 16)) * 0x7FEB352D
-    b = (y ^ (y >> 16)) * 0x846CA68B
-    live = (col0 + grp * VEC)[None, :] < seg_len[:, None]  # a segment is whole groups: all of a group or none
+    w0, w1, w2, w3 = _first_of_groups(w, ROWS, CHUNK, VEC)
+    t = w0.to(tl.uint64) * 0x9E3779B1  # 32 x 32 -> 64-bit multiply-adds, exact
+    if VEC >= 2:
+        t = t + w1.to(tl.uint64) * 0x85EBCA77
+    if VEC == 4:
+        t = t + w2.to(tl.uint64) * 0xC2B2AE3D
+        t = t + w3.to(tl.uint64) * 0x27D4EB2F
+    a, b = _group_terms(t, index_terms)
+    live, _l1, _l2, _l3 = _first_of_groups(mask, ROWS, CHUNK, VEC)  # the load's predicate: no compare of its own
     return tl.where(live, a, 0), tl.where(live, b, 0)
+
+
+def _group_terms_fn(t, index_term):
+    """The two lane terms of groups folded into ``t`` (uint64) whose index terms are ``index_term`` (uint32, ``j *
+    POS_MUL`` mod 2**32): the index joins the fold's low half; one funnel shift, shared by both lanes, takes the high
+    half's low bits into the low half's top ones (triton_offload/integrity.py, version 3)."""
+    lo = t.to(tl.uint32) + index_term
+    hi = (t >> 32).to(tl.uint32)
+    z = lo ^ ((lo >> 16) | (hi << 16))
+    return z * 0x7FEB352D, (z ^ hi) * 0x846CA68B
 
 
 def _mix64_fn(z):
@@ -118,26 +158,34 @@ def _finalize_checksums_fn(
         tl.store(res_ptr + 1, tl.reduce(n_absent, 0, _SUM))
 
 
+_first_of_groups = JITFunction(_first_of_groups_fn)
+_index_terms = JITFunction(_index_terms_fn)
 _lane_step = JITFunction(_lane_step_fn)
+_group_terms = JITFunction(_group_terms_fn)
+_next_step = JITFunction(_next_step_fn)
 _mix64 = JITFunction(_mix64_fn)
 _finalize_checksums = JITFunction(_finalize_checksums_fn)
 # The helpers' plain functions by the names the kernel (and each other) call them, for the interpreted kernel.
-HELPERS = {"_lane_step": _lane_step_fn, "_mix64": _mix64_fn, "_finalize_checksums": _finalize_checksums_fn}
+HELPERS = {
+    "_first_of_groups": _first_of_groups_fn,
+    "_index_terms": _index_terms_fn,
+    "_lane_step": _lane_step_fn,
+    "_group_terms": _group_terms_fn,
+    "_next_step": _next_step_fn,
+    "_mix64": _mix64_fn,
+    "_finalize_checksums": _finalize_checksums_fn,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The FP8 kernel's terms: groups of one word (G = 1) of W bytes, W <= 4 (triton_offload/integrity.py, version 2)
+# The FP8 kernel's terms: groups of one word (G = 1) of W bytes, W <= 4 (triton_offload/integrity.py, version 3)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _word_terms_fn(w, index, live):
     """The two 32-bit lane terms of one-word groups: words ``w`` (uint32) at word ``index`` (uint32) of their
     block's stream, 0 where not ``live`` (any shapes that broadcast, scalars too)."""
-    t = index.to(tl.uint64) * 0x165667B1 + w.to(tl.uint64) * 0x9E3779B1  # 32 x 32 -> 64-bit multiply-adds
-    lo = t.to(tl.uint32)
-    y = lo ^ (t >> 32).to(tl.uint32)
-    a = (lo ^ (lo >> 16)) * 0x7FEB352D
-    b = (y ^ (y >> 16)) * 0x846CA68B
+    a, b = _group_terms(w.to(tl.uint64) * 0x9E3779B1, index * 0x165667B1)  # a 32 x 32 -> 64-bit product
     return tl.where(live, a, 0), tl.where(live, b, 0)
 
 
@@ -182,8 +230,9 @@ def interpreted_helpers() -> dict:
 
     plain: dict = {"_SUM": INTERPRETED_SUM_COMBINE, "FIN": FIN.value}
     plain.update({name: interpreted_copy(fn, **plain) for name, fn in HELPERS.items()})
-    for name, fn in HELPERS.items():  # a second pass: each helper's copy sees the others' copies
-        plain[name] = interpreted_copy(fn, **plain)
+    for _ in range(2):  # more passes: each helper's copy sees the others' copies, two calls deep
+        for name, fn in HELPERS.items():
+            plain[name] = interpreted_copy(fn, **plain)
     return plain
 
 

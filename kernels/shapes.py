@@ -78,7 +78,8 @@ MAX_ROWS = 32
 # 1-7 KiB per thread (docs/compiler.md). Pages of 4-byte words or wider are unchanged.
 _TILE_ELEM_BYTES = 4
 # Rows a thread of a checked launch moves per step (its tile: 4 x 512 B per warp of 16-byte pages). The sm_90 SASS
-# (Triton 3.9) of the 64 KiB page: 4 rows, 102 registers and 27 instructions per 16 B; 8 rows spill 168 bytes.
+# (Triton 3.9) of the 64 KiB page, integrity v3: 4 rows, 100 registers and 21.75 instructions per 16 B; 8 rows spill
+# 120 bytes (22.0 per 16 B: nothing gained).
 CHECKED_ROWS_PER_THREAD = 4
 _ELEM_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 

@@ -37,7 +37,7 @@ __all__ = [
     "ABSENT",
 ]
 
-VERSION = 2
+VERSION = 3  # 3: the index joins the low half, one funnel shift per group (version 2 rows are absent)
 
 # Per-block status a load reports (the kernel writes it, JobResult carries the failed ones).
 OK, FAILED, ABSENT = 0, 1, 2
@@ -212,11 +212,12 @@ def lane_sums(blocks: np.ndarray, word_bytes: int, group_words: int = 1) -> tupl
         t = (w.reshape(len(w), -1, g).astype(np.uint64) * np.array(GROUP_MUL[:g], dtype=np.uint64)).sum(
             axis=2, dtype=np.uint64
         )
-        t += np.arange(t.shape[1], dtype=np.uint64) * np.uint64(POS_MUL)
-        lo = (t & _U32).astype(np.uint32)
-        y = lo ^ (t >> np.uint64(32)).astype(np.uint32)
-        a = (lo ^ (lo >> np.uint32(16))) * np.uint32(LANE_A)
-        b = (y ^ (y >> np.uint32(16))) * np.uint32(LANE_B)
+        index = (np.arange(t.shape[1], dtype=np.uint64) * np.uint64(POS_MUL)) & _U32
+        lo = ((t & _U32) + index) & _U32
+        hi = t >> np.uint64(32)
+        z = lo ^ ((lo >> np.uint64(16)) | ((hi << np.uint64(16)) & _U32))
+        a = ((z * np.uint64(LANE_A)) & _U32).astype(np.uint32)
+        b = (((z ^ hi) * np.uint64(LANE_B)) & _U32).astype(np.uint32)
         return a.sum(axis=1, dtype=np.uint32), b.sum(axis=1, dtype=np.uint32)
 
 
@@ -236,22 +237,23 @@ def block_checksums(blocks: np.ndarray, word_bytes: int, identities, subs, group
     """The checksum of each block: ``blocks`` (n, bytes) uint8 in stream order, its identity and sub-block index
     (arrays of n, or scalars).
 
-    Definition (version 2). A GPU block's *word stream* is the bytes the transfer moves for it (its KV-cache group's
+    Definition (version 3). A GPU block's *word stream* is the bytes the transfer moves for it (its KV-cache group's
     segments in order, K before V, exactly what the packed host format lays side by side), read as ``W``-byte
     little-endian unsigned words, ``W`` the kernel's element size (1, 2 or 4), in groups of ``G`` consecutive words,
     ``G`` the words one access of the kernel moves (1, 2 or 4: a group is at most 16 bytes; the row marker records
     ``W`` and ``G``). Group ``j`` (words ``w_0 .. w_{G-1}``) folds into 64 bits, then into one term per 32-bit lane::
 
-        t_j = j * POS_MUL + sum_v GROUP_MUL[v] * w_v    (mod 2**64; each product is exact)
-        lo, hi = t_j mod 2**32, t_j >> 32;   y = lo ^ hi
-        a_j = (lo ^ (lo >> 16)) * LANE_A    b_j = (y ^ (y >> 16)) * LANE_B    (mod 2**32)
+        t_j = sum_v GROUP_MUL[v] * w_v    (mod 2**64; each product is exact)
+        lo = (t_j + j * POS_MUL) mod 2**32;   hi = t_j >> 32
+        z = lo ^ ((hi:lo) >> 16 mod 2**32)    (a funnel shift: lo >> 16 | hi << 16)
+        a_j = z * LANE_A    b_j = (z ^ hi) * LANE_B    (mod 2**32)
 
-    The terms of one group are a bijection of ``(lo, hi)``, so any change of one group whose sum
-    ``sum_v GROUP_MUL[v] * delta_v`` is not 0 mod 2**64 (one word, or 1-3 flipped bits of a group: tested exhaustively)
-    changes a lane. The lanes are plain sums mod 2**32: associative and commutative, so partial sums of any tiles
-    and programs combine to the same value (integer atomics), under Triton's interpreter and on a GPU alike. The
-    block's checksum mixes the lanes with its identity (a 64-bit value naming the block: the key's hash), its
-    sub-block index in the host block and its number of words ``N``::
+    The terms of one group are a bijection of ``(lo, hi)``, and so of ``t_j`` (given ``j``), so any change of one
+    group whose sum ``sum_v GROUP_MUL[v] * delta_v`` is not 0 mod 2**64 (one word, or 1-3 flipped bits of a group:
+    tested exhaustively) changes a lane. The lanes are plain sums mod 2**32: associative and commutative, so partial
+    sums of any tiles and programs combine to the same value (integer atomics), under Triton's interpreter and on a
+    GPU alike. The block's checksum mixes the lanes with its identity (a 64-bit value naming the block: the key's
+    hash), its sub-block index in the host block and its number of words ``N``::
 
         h = mix64(identity ^ mix64(sub * 0x9E3779B97F4A7C15 ^ N * 0xC2B2AE3D27D4EB4F))
         checksum = mix64(h ^ (lane_b << 32 | lane_a))

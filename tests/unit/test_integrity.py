@@ -415,7 +415,9 @@ def test_settings_and_markers():
         integrity.integrity_setting("on")
     mark = integrity.marker(3, 4, 4)
     fields = {"version": integrity.VERSION, "blocks_per_host_block": 3, "group": 4, "word": 4}
-    assert integrity.parse_marker(mark) == fields and integrity.VERSION == 2
+    assert integrity.parse_marker(mark) == fields and integrity.VERSION == 3
+    older = mark - (1 << 24)  # the same row's version 2 marker: not this one, so its row is "absent"
+    assert integrity.parse_marker(older)["version"] == 2 and older != mark
     assert integrity.parse_marker(0) is None
     assert len({mark, integrity.marker(3, 2, 4), integrity.marker(2, 4, 4), integrity.marker(3, 4, 1)}) == 4
     with pytest.raises(ValueError, match="group_words = 3, expected 1, 2 or 4"):
