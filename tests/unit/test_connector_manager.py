@@ -54,6 +54,29 @@ def test_complete_store_of_a_key_not_in_flight_is_a_no_op(policy):
     assert (m.lookup(key(0), rc), m.lookup(key(5), rc)) == (LookupResult.HIT, LookupResult.MISS)
 
 
+@BOTH
+def test_lookup_tells_each_state_apart(policy):
+    """vLLM's per-key lookup in every state a key can be in: ready (HIT), being stored (HIT_PENDING), never stored,
+    evicted (for ARC a ghost, which shares the key table with a negative code), dropped after a failed check, or
+    failed to store (MISS). LRU answers from membership alone (its table holds ready keys only), ARC from the code."""
+    m = TritonOffloadingManager(2, policy)
+    rc = ctx("r")
+    store(m, [key(0), key(1)], rc)
+    pending = m.prepare_store([key(2)], rc)  # evicts key(1), the older of the two
+    assert pending.evicted_keys == [key(1)]
+    assert m._manager.key_state(key(1)) is None  # an ARC ghost is not cached
+    got = {i: m.lookup(key(i), rc) for i in range(4)}
+    assert got == {0: LookupResult.HIT, 1: LookupResult.MISS, 2: LookupResult.HIT_PENDING, 3: LookupResult.MISS}
+    m.complete_store({key(2)}, rc, success=False)
+    assert m.lookup(key(2), rc) is LookupResult.MISS
+    m._manager.discard([key(0)])
+    assert m.lookup(key(0), rc) is LookupResult.MISS
+    if policy == "arc":  # the ghost stays one until it is stored again: a ready key then
+        assert m._manager.snapshot().policy["b1"] == (key(1),)
+        store(m, [key(1)], rc)
+        assert m.lookup(key(1), rc) is LookupResult.HIT
+
+
 _EVICTION_ORDER = textwrap.dedent(
     """
     import json
