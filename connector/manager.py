@@ -148,7 +148,7 @@ class TritonOffloadingManager(OffloadingManager):
         self._totals["hit_blocks"] += len(keys)
         if not self.identities:
             return HostBlocksSpec(block_ids)
-        slots = block_ids if self._pools == 1 else self.key_slots(keys, block_ids)  # the manager's ids are ints
+        slots = self.key_slots(keys, block_ids)
         self._loading.update(zip(slots, keys))
         if len(slots) == 1:  # a slice for less than take() converting a list
             return HostBlocksSpec(block_ids, bytes(self._digest[slots[0] * 8 : slots[0] * 8 + 8]))
@@ -157,9 +157,10 @@ class TritonOffloadingManager(OffloadingManager):
     def key_slots(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> list[int]:
         """Where each key lives, as one number: its block id, or with several host regions (pools) ``pool x
         num_blocks + block id`` (the same block id in two pools is two keys of one row). The workers name the host
-        blocks of a failed integrity check so (``LoadError.key_slots``)."""
+        blocks of a failed integrity check so (``LoadError.key_slots``). With one pool, a list (the manager's ids are
+        ints) is returned as it is, not copied: the store and load paths pass theirs."""
         if self._pools == 1:
-            return [int(b) for b in block_ids]
+            return block_ids if type(block_ids) is list else [int(b) for b in block_ids]
         pool_of, n = self._pool_of, self.num_blocks
         return [pool_of(key) * n + int(b) for key, b in zip(keys, block_ids)]
 
@@ -207,8 +208,7 @@ class TritonOffloadingManager(OffloadingManager):
             host_ids = [where[key] for key in keys_to_store]
         identities = None
         if self.identities:  # the keys' identities (digests), each also kept at its key's slot for the loads to read
-            slots = host_ids if self._pools == 1 else self.key_slots(keys_to_store, host_ids)
-            identities = keep_digests(keys_to_store, slots, self._digest)
+            identities = keep_digests(keys_to_store, self.key_slots(keys_to_store, host_ids), self._digest)
         # The allocation's lists are the manager's fresh ones, kept by nobody else: handed over as they are.
         return PrepareStoreOutput(
             keys_to_store=keys_to_store, store_spec=HostBlocksSpec(host_ids, identities), evicted_keys=out.evicted_keys
