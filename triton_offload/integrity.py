@@ -30,6 +30,7 @@ __all__ = [
     "CarriesIdentities",
     "slot_identity",
     "lane_sums",
+    "lane_terms",
     "finalize",
     "block_checksums",
     "OK",
@@ -207,18 +208,22 @@ def lane_sums(blocks: np.ndarray, word_bytes: int, group_words: int = 1) -> tupl
     w = _words(blocks, word_bytes)
     if w.shape[1] % group_words:
         raise ValueError(f"a block of {w.shape[1]} words does not split into groups of {group_words}")
-    g = group_words
+    groups = w.reshape(len(w), -1, group_words).astype(np.uint64)
+    a, b = lane_terms(groups, np.arange(groups.shape[1], dtype=np.uint64))
+    return a.astype(np.uint32).sum(axis=1, dtype=np.uint32), b.astype(np.uint32).sum(axis=1, dtype=np.uint32)
+
+
+def lane_terms(groups: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two lane terms of word groups: ``groups`` uint64 words below 2**32, the last axis a group's words, at
+    group positions ``index`` (uint64, broadcast against the groups' other axes). Returns (a, b), uint64 values below
+    2**32, one per group: what :func:`lane_sums` adds up (and the detection experiment, bench/micro/integrity_lanes.py,
+    compares before and after a change)."""
     with np.errstate(over="ignore"):
-        t = (w.reshape(len(w), -1, g).astype(np.uint64) * np.array(GROUP_MUL[:g], dtype=np.uint64)).sum(
-            axis=2, dtype=np.uint64
-        )
-        index = (np.arange(t.shape[1], dtype=np.uint64) * np.uint64(POS_MUL)) & _U32
-        lo = ((t & _U32) + index) & _U32
+        t = (groups * np.array(GROUP_MUL[: groups.shape[-1]], dtype=np.uint64)).sum(axis=-1, dtype=np.uint64)
+        lo = ((t & _U32) + index * np.uint64(POS_MUL)) & _U32
         hi = t >> np.uint64(32)
         z = lo ^ ((lo >> np.uint64(16)) | ((hi << np.uint64(16)) & _U32))
-        a = ((z * np.uint64(LANE_A)) & _U32).astype(np.uint32)
-        b = (((z ^ hi) * np.uint64(LANE_B)) & _U32).astype(np.uint32)
-        return a.sum(axis=1, dtype=np.uint32), b.sum(axis=1, dtype=np.uint32)
+        return (z * np.uint64(LANE_A)) & _U32, ((z ^ hi) * np.uint64(LANE_B)) & _U32
 
 
 def finalize(lane_a, lane_b, identities, subs, num_words) -> np.ndarray:

@@ -70,14 +70,10 @@ def terms_hi_top(words, j):
 
 
 def terms_v3(words, j):
-    """Version 3 (triton_offload/integrity.py, the one in force): as :func:`terms_lo_xs16`, but the shared shift is a
-    funnel shift taking the high half's low bits into the low half's top ones (the same cost):
-    z = lo ^ ((hi:lo) >> 16 mod 2**32); a = z * A, b = (z ^ hi) * B."""
-    with np.errstate(over="ignore"):
-        t = _fold(words)
-        lo, hi = (t + j * _P) & _U32, t >> np.uint64(32)
-        z = lo ^ (((hi << np.uint64(32) | lo) >> np.uint64(16)) & _U32)
-        return (z * _A) & _U32, ((z ^ hi) * _B) & _U32
+    """Version 3, the one in force: the reference's own terms (:func:`triton_offload.integrity.lane_terms`), as
+    :func:`terms_lo_xs16` but the shared shift a funnel shift taking the high half's low bits into the low half's top
+    ones (the same cost): z = lo ^ ((hi:lo) >> 16 mod 2**32); a = z * A, b = (z ^ hi) * B."""
+    return integrity.lane_terms(words, j)
 
 
 # Version 2, version 3 (in force) and the candidates measured against them (docs/integrity.md).
