@@ -21,7 +21,7 @@ SLACK = 1.15
 # The checks may at most double the instructions a tile of 16-byte pages takes per 16 bytes moved (issue 59).
 CHECKED_OVER_PLAIN = 2.0
 # ... and those of its steady copy loop (issue 59: the checked loop at most 2x the plain loop's, per 16 bytes; each
-# loop in its own launch shape). Written into each checked variant's budget (max_loop_over_plain).
+# loop in its own launch shape).
 CHECKED_LOOP_OVER_PLAIN = 2.0
 
 
@@ -63,8 +63,6 @@ def make(rows: list[dict], arch: str = "sm_90") -> dict:
             "max_stack_bytes": max(r["stack_bytes"] for r in rs),
             "ptx_atomics": {k: max(_atomics(r).get(k, 0) for r in rs) for k in sorted(atomics)},
         }
-        if rs[0]["mode"] != "plain":
-            budgets[vid]["max_loop_over_plain"] = CHECKED_LOOP_OVER_PLAIN
     return {
         "about": "per variant: what tests/unit/test_kernel_static.py holds the kernel to (bench/static/budget.py)",
         "arch": arch,
@@ -78,17 +76,16 @@ def problems(row: dict, budget: dict, plain: dict | None = None) -> list[str]:
     """What a measured variant (a report row) breaks in its budget (and, without the checks, the default path's
     rules: no spill, 16-byte data accesses). With the checks, ``plain`` (the same page and direction without them)
     bounds the tile loop (at most :data:`CHECKED_OVER_PLAIN` times its instructions per 16 bytes) and the copy loop
-    (at most the budget's ``max_loop_over_plain`` times)."""
+    (at most :data:`CHECKED_LOOP_OVER_PLAIN` times)."""
     out = []
-    if plain is not None and row.get("tile_loop") and plain.get("tile_loop"):
-        got, base = row["tile_loop"]["instructions_per_16B"], plain["tile_loop"]["instructions_per_16B"]
-        if got > CHECKED_OVER_PLAIN * base:
-            out.append(f"{row['variant']}: tile loop {got} instructions per 16 B > {CHECKED_OVER_PLAIN} x plain {base}")
-    ratio = budget.get("max_loop_over_plain")
-    if plain is not None and ratio is not None and row.get("loop") and plain.get("loop"):
-        got, base = row["loop"]["instructions_per_16B"], plain["loop"]["instructions_per_16B"]
-        if got > ratio * base:
-            out.append(f"{row['variant']}: copy loop {got} instructions per 16 B > {ratio} x plain {base}")
+    for loop, what, ratio in (
+        ("tile_loop", "tile loop", CHECKED_OVER_PLAIN),
+        ("loop", "copy loop", CHECKED_LOOP_OVER_PLAIN),
+    ):
+        if plain is not None and row.get(loop) and plain.get(loop):
+            got, base = row[loop]["instructions_per_16B"], plain[loop]["instructions_per_16B"]
+            if got > ratio * base:
+                out.append(f"{row['variant']}: {what} {got} instructions per 16 B > {ratio} x plain {base}")
     name = row["variant"]
     if row["stack_bytes"] or row["spill_stores"] or row["spill_loads"]:  # no variant may spill
         out.append(f"{name}: spills ({row['stack_bytes']} stack bytes, {row['spill_stores']} STL, "
