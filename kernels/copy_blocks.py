@@ -16,7 +16,7 @@ from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM  # noqa: F
 from triton_offload.kernels._triton_compat import compile_variant as _compile_variant
 from triton_offload.kernels.integrity_parts import (  # noqa: F401
     FIN,
-    _finalize_checksums,
+    _finish_program,
     _index_terms,
     _lane_step,
     _next_step,
@@ -55,7 +55,8 @@ def _copy_blocks_kernel(
     ck_ptr,  # int64* (groups * n_segs, 3): per (group, segment) the segment's first word in its block's word stream,
     # the group's words per block, and the host region of the group's keys (its marker and checksums in the table)
     ident_ptr,  # int64*: the identity of each host id of the plan (ids order)
-    sums_ptr,  # int64*, zeroed: two lane sums per GPU block of the plan, then the programs-done counter
+    sums_ptr,  # int64*, zeroed: two lane sums and a counter per GPU block of the plan, then the programs-done counter
+    # and a load's two totals (kernels/packing.py)
     res_ptr,  # int64* (host memory): a load's number of failed and of absent blocks, then each block's status
     tab_ptr,  # int64* (host memory): the checksum table, per host row and region a marker then f checksums
     tab_row: tl.int64,  # elements between the table's rows
@@ -68,7 +69,8 @@ def _copy_blocks_kernel(
     INTEGRITY: tl.constexpr,  # also checksum every block moved (stores: write it; loads: check it)
     COPY: tl.constexpr,  # False: move nothing, only checksum the GPU side (the copy-engine path's check)
 ):
-    """Moves every (GPU block, segment) item of one transfer; a program walks tiles ``pid, pid + nprog, ...``.
+    """Moves every (GPU block, segment) item of one transfer; a program walks tiles ``pid, pid + nprog, ...``
+    (with the checks, ``pid * tiles_per_program ..``, contiguous).
 
     Position rule (docs/design.md, "The packed host format"): GPU block ``i`` of a group lands at position
     ``p = skip + i``, i.e. host block ``host_ids[first_host + p // blocks_per_host_block]``, sub-block
@@ -88,7 +90,10 @@ def _copy_blocks_kernel(
     # A fixed trip count rather than range(pid, n_tiles, nprog): older Triton interpreters cannot take a program id
     # as a Python range bound, and a round past the last tile is simply all masked.
     for i in range(0, tiles_per_program):
-        tile = (pid + i * nprog).to(tl.int32)  # i is int64 compiled (its bound is), a Python int interpreted
+        if INTEGRITY:  # contiguous tiles: a program holds all of most of its blocks' items (_finish_program)
+            tile = (pid * tiles_per_program + i).to(tl.int32)
+        else:
+            tile = (pid + i * nprog).to(tl.int32)  # i is int64 compiled (its bound is), a Python int interpreted
         item = tile * ROWS + rows  # [ROWS]
         live = item < n_items  # [ROWS]
         blk = item // n_segs32
@@ -150,8 +155,9 @@ def _copy_blocks_kernel(
                 acc_b += step_b
         if INTEGRITY:
             # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order. The
-            # adds are relaxed (no fence per row and tile): the programs-done counter below orders them all. With the
-            # checked launch shape (a row per warp, shapes.launch_config) the reduction stays within a warp.
+            # adds are relaxed (no fence per row and tile): a program's count into a shared block's counter orders
+            # them (_finish_program). With the checked launch shape (a row per warp, shapes.launch_config) the
+            # reduction stays within a warp.
             part_a = tl.reduce(acc_a, 1, _SUM).to(tl.int64)
             part_b = tl.reduce(acc_b, 1, _SUM).to(tl.int64)
             # Added from the sums' own [ROWS, CHUNK // VEC] layout, first column only: pointers contiguous along the
@@ -163,15 +169,11 @@ def _copy_blocks_kernel(
             tl.atomic_add(sums_ptr + odd - 1, part_a[:, None], mask=once, sem="relaxed", scope="gpu")
             tl.atomic_add(sums_ptr + odd, part_b[:, None], mask=once, sem="relaxed", scope="gpu")
     if INTEGRITY:
-        # The last program to finish finalises every block's checksum: each program's sums are complete before its
-        # count (every thread's relaxed adds precede the barrier, and the count is an acquire-release atomic at GPU
-        # scope, cumulative over them), so the program that counts last sees all of them. This is the only barrier
-        # of a checked launch outside its reductions.
-        tl.debug_barrier()
-        done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
-        if done == nprog - 1:
-            _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks,
-                                n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP, FIN)  # fmt: skip
+        # Each program finalises the blocks it holds all of and the shared ones it adds to last
+        # (integrity_parts.py); the barriers there are the only ones of a checked launch outside its reductions.
+        _finish_program(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks, n_host,
+                        n_segs, skip, blocks_per_host_block, pid * tiles_per_program * ROWS, tiles_per_program * ROWS,
+                        n_segs, STORE, MULTI_GROUP, FIN)  # fmt: skip
 
 
 _NOT_SPECIALIZED = [

@@ -18,7 +18,7 @@ from triton.runtime.jit import JITFunction
 
 from triton_offload.kernels._triton_compat import interpreted_copy
 from triton_offload.kernels.integrity_parts import (
-    _finalize_checksums,
+    _finish_program,
     _flush_block,
     _head_terms,
     _scale_terms,
@@ -202,7 +202,8 @@ def _fp8_blocks_kernel(
     W: tl.constexpr,  # the checks' word: bytes, 1, 2 or 4, dividing every head_dim and stride (fp8_word_bytes)
 ):  # fmt: skip
     """Moves every (GPU block, run, head) item of one transfer; program ``pid`` takes items ``pid, pid + nprog, ...``
-    (the copy kernel's position rule: docs/design.md, "Block-size factor and skip")."""
+    (with the checks, ``pid * items_per_program ..``, contiguous; the copy kernel's position rule: docs/design.md,
+    "Block-size factor and skip")."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     toks = tl.arange(0, TOK)[:, None]
@@ -217,7 +218,10 @@ def _fp8_blocks_kernel(
     else:
         acc_a, acc_b = tl.full([], 0, tl.uint32), tl.full([], 0, tl.uint32)  # unused: compiled out
     for i in range(0, items_per_program):
-        item = (pid + i * nprog).to(tl.int32)
+        if INTEGRITY:  # contiguous items: a program holds all of most of its blocks' (the copy kernel's tiles)
+            item = (pid * items_per_program + i).to(tl.int32)
+        else:
+            item = (pid + i * nprog).to(tl.int32)
         live = item < n_items
         head = item % n_heads.to(tl.int32)
         blk = item // n_heads.to(tl.int32) // n_segs.to(tl.int32)
@@ -254,17 +258,13 @@ def _fp8_blocks_kernel(
             scale_bits = scale.to(tl.int32, bitcast=True)
         if INTEGRITY:
             s_a, s_b = _scale_terms(scale_bits.to(tl.uint32), scale_word, live, W)
-            next_blk = (item + nprog) // n_heads.to(tl.int32) // n_segs.to(tl.int32)
+            next_blk = (item + 1) // n_heads.to(tl.int32) // n_segs.to(tl.int32)
             acc_a, acc_b, sc_a, sc_b = _flush_block(sums_ptr, acc_a, acc_b, sc_a + s_a, sc_b + s_b, blk, next_blk,
                                                     i == items_per_program - 1, n_blocks, TOK, DIM, VEC, W)  # fmt: skip
-    if INTEGRITY:  # the copy kernel's hand-off: the last program to count itself done finalises every block, about
-        # one per thread at a time (a thread holds 16 elements of a tile)
-        tl.debug_barrier()
-        done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
-        if done == nprog - 1:
-            _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks,
-                                n_host, n_segs, skip, blocks_per_host_block, STORE, MULTI_GROUP,
-                                TOK * DIM // 16 if TOK * DIM > 512 else 32)  # fmt: skip
+    if INTEGRITY:  # the copy kernel's end; blocks a step: about one a thread (a thread holds 16 elements of a tile)
+        _finish_program(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks, n_host, n_segs,
+                        skip, blocks_per_host_block, pid * items_per_program, items_per_program, n_segs * n_heads,
+                        STORE, MULTI_GROUP, TOK * DIM // 16 if TOK * DIM > 512 else 32)  # fmt: skip
 
 
 _max_combine = JITFunction(_max_combine_fn)

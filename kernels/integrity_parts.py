@@ -1,9 +1,10 @@
 """The integrity checks' parts of the kernels (docs/integrity.md; triton_offload/integrity.py is their NumPy
 reference), shared by the copy kernel (:mod:`.copy_blocks`) and the FP8 kernel (:mod:`.fp8_blocks`): the lane terms of
-the word groups a step moved, and the last program's finalisation of every block (its checksum from the lane sums,
-identity, sub-block and length: a store writes it into the checksum table, a load compares). @jit helpers of the
-kernels (inlined when compiled), JITFunction objects whatever TRITON_INTERPRET says, so a compiled kernel can call
-them; :data:`HELPERS` holds their plain functions for the interpreted kernels (:func:`interpreted_helpers`).
+the word groups a step moved, and each program's finalisation of its share of the blocks (a block's checksum from
+its lane sums, identity, sub-block and length: a store writes it into the checksum table, a load compares). @jit
+helpers of the kernels (inlined when compiled), JITFunction objects whatever TRITON_INTERPRET says, so a compiled
+kernel can call them; :data:`HELPERS` holds their plain functions for the interpreted kernels
+(:func:`interpreted_helpers`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from triton_offload.kernels._triton_compat import SUM_COMBINE as _SUM
 
 __all__ = ["FIN", "HELPERS", "interpreted_helpers"]
 
-# Blocks the finalising program handles per step of the integrity checks: one per thread at 16 warps (each step
-# waits on a few dependent reads, some from host memory: a launch of 1000 blocks takes 2 steps).
+# Blocks a program finalises per step of the integrity checks: one per thread at 16 warps (each step waits on a few
+# dependent reads, some from host memory; a program finalises its share of a launch's blocks, mostly in one step).
 FIN = tl.constexpr(512)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The integrity checks' parts of the kernel (docs/integrity.md; triton_offload/integrity.py is their NumPy
-# reference): the per-step lane sums of the words a tile moved, and the last program's finalisation of every block.
+# reference): the per-step lane sums of the words a tile moved, and each program's finalisation of its blocks.
 # @jit helpers of the kernel (inlined when compiled); JITFunction objects whatever TRITON_INTERPRET says, so a
 # compiled kernel can call them, and replaced by plain copies of themselves in the interpreted kernel.
 # ---------------------------------------------------------------------------------------------------------------
@@ -104,18 +105,21 @@ def _mix64_fn(z):
 
 def _finalize_checksums_fn(
     ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks, n_host, n_segs, skip,
-    blocks_per_host_block, STORE: tl.constexpr, MULTI_GROUP: tl.constexpr, STEP: tl.constexpr,
+    blocks_per_host_block, first, last, first_ok, last_ok, STORE: tl.constexpr, MULTI_GROUP: tl.constexpr,
+    STEP: tl.constexpr,
 ):  # fmt: skip
-    """Every block's checksum from its lane sums, identity, sub-block and length: a store writes it (and its row's
-    marker) into the checksum table, a load compares it with the table's and writes its status and the counts.
-    ``STEP`` blocks at a time (a power of two): FIN, one per thread at the copy kernel's 16 warps, or fewer for a
-    kernel of fewer threads."""
+    """The checksums of blocks ``first`` to ``last`` (``first`` only where ``first_ok``, ``last`` where ``last_ok``)
+    from their lane sums, identity, sub-block and length: a store writes each (and its row's marker) into the checksum
+    table, a load compares it with the table's and writes its status. ``STEP`` blocks at a time (a power of two):
+    FIN, one per thread at the copy kernel's 16 warps, or fewer for a kernel of fewer threads. Returns a load's
+    numbers of failed and of absent blocks among them (0 for a store)."""
     fins = tl.arange(0, STEP).to(tl.int64)
     n_fail = tl.full([STEP], 0, tl.int64)
     n_absent = tl.full([STEP], 0, tl.int64)
-    for i in range(0, (n_blocks + STEP - 1) // STEP):
-        fblk = i * STEP + fins
-        flive = fblk < n_blocks
+    for i in range(0, (last - first + STEP) // STEP):
+        fblk = first + i * STEP + fins
+        # (!= 0: the interpreter's & of a block's and a scalar's int1 is int32, which its masks refuse)
+        flive = ((fblk <= last) & ((fblk != first) | first_ok) & ((fblk != last) | last_ok)) != 0
         # Read through the atomics' own path (L2), never a cache line of this program's.
         lane_a = tl.atomic_add(sums_ptr + 2 * fblk, 0, mask=flive, sem="acq_rel", scope="gpu")
         lane_b = tl.atomic_add(sums_ptr + 2 * fblk + 1, 0, mask=flive, sem="acq_rel", scope="gpu")
@@ -153,9 +157,60 @@ def _finalize_checksums_fn(
             tl.store(res_ptr + 2 + fblk, status, mask=flive)
             n_fail += tl.where(flive & (status == 1), 1, 0)
             n_absent += tl.where(flive & (status == 2), 1, 0)
+    return tl.reduce(n_fail, 0, _SUM), tl.reduce(n_absent, 0, _SUM)
+
+
+def _last_to_add_fn(counts_ptr, blk, lo, hi, span, per_block, count):
+    """Whether this program, whose items are ``lo .. hi - 1`` of programs of ``span`` items each, finalises block
+    ``blk`` (items ``blk * per_block ..``): it does where it holds all of the block's items, and where it shares them,
+    if it is the last of the block's programs to count itself in its counter (an acquire-release atomic at GPU scope,
+    after the barrier that follows every thread's sums: so the last sees every program's sums). ``count`` False:
+    counts nothing (the block was counted by this program already)."""
+    b_lo = blk * per_block
+    b_hi = b_lo + per_block
+    shared = (b_lo < lo) | (b_hi > hi)
+    before = tl.full([], -1, tl.int64)
+    if shared & count:
+        before = tl.atomic_add(counts_ptr + blk, 1, sem="acq_rel", scope="gpu")
+    sharers = (b_hi - 1) // span - b_lo // span + 1  # the programs whose items meet the block's
+    return (~shared) | (before == sharers - 1)
+
+
+def _finish_program_fn(
+    ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark, n_blocks, n_host, n_segs, skip,
+    blocks_per_host_block, lo, span, per_block, STORE: tl.constexpr, MULTI_GROUP: tl.constexpr, STEP: tl.constexpr,
+):  # fmt: skip
+    """A program's end of the integrity checks, once it has added its sums (relaxed atomics, any order): it walked
+    items ``lo .. lo + span - 1`` (contiguous; a block's are ``per_block`` items) and finalises the blocks whose items
+    it holds all of, and the shared ones (at most its first and last) it is the last to count itself into
+    (:func:`_last_to_add`): every program finalises its share, at the same time. A load's last program to count
+    itself done (acquire-release, GPU scope) writes the launch's numbers of failed and absent blocks, which the
+    programs add up in device memory. The id buffer's sums part: two lane sums per block, a counter per block, the
+    programs-done counter, the two numbers (kernels/packing.py)."""
+    tl.debug_barrier()  # every thread's sums added before the program counts itself in or reads them back
+    n_items = n_blocks * per_block
+    hi = tl.minimum(lo + span, n_items)
+    n_fail = tl.full([], 0, tl.int64)
+    n_absent = tl.full([], 0, tl.int64)
+    if lo < hi:  # a program past the last item holds no block
+        first = lo // per_block
+        last = (hi - 1) // per_block
+        counts = sums_ptr + 2 * n_blocks
+        first_ok = _last_to_add(counts, first, lo, hi, span, per_block, True)
+        last_ok = _last_to_add(counts, last, lo, hi, span, per_block, last != first)
+        last_ok = tl.where(last == first, first_ok, last_ok)
+        n_fail, n_absent = _finalize_checksums(ids_ptr, ck_ptr, ident_ptr, sums_ptr, res_ptr, tab_ptr, tab_row, mark,
+                                               n_blocks, n_host, n_segs, skip, blocks_per_host_block, first, last,
+                                               first_ok, last_ok, STORE, MULTI_GROUP, STEP)  # fmt: skip
     if not STORE:
-        tl.store(res_ptr, tl.reduce(n_fail, 0, _SUM))
-        tl.store(res_ptr + 1, tl.reduce(n_absent, 0, _SUM))
+        totals = sums_ptr + 3 * n_blocks + 1
+        tl.atomic_add(totals, n_fail, sem="relaxed", scope="gpu")
+        tl.atomic_add(totals + 1, n_absent, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        done = tl.atomic_add(sums_ptr + 3 * n_blocks, 1, sem="acq_rel", scope="gpu")  # the programs-done counter
+        if done == tl.num_programs(0) - 1:
+            tl.store(res_ptr, tl.atomic_add(totals, 0, sem="acq_rel", scope="gpu"))
+            tl.store(res_ptr + 1, tl.atomic_add(totals + 1, 0, sem="acq_rel", scope="gpu"))
 
 
 _first_of_groups = JITFunction(_first_of_groups_fn)
@@ -165,6 +220,8 @@ _group_terms = JITFunction(_group_terms_fn)
 _next_step = JITFunction(_next_step_fn)
 _mix64 = JITFunction(_mix64_fn)
 _finalize_checksums = JITFunction(_finalize_checksums_fn)
+_last_to_add = JITFunction(_last_to_add_fn)
+_finish_program = JITFunction(_finish_program_fn)
 # The helpers' plain functions by the names the kernel (and each other) call them, for the interpreted kernel.
 HELPERS = {
     "_first_of_groups": _first_of_groups_fn,
@@ -174,6 +231,8 @@ HELPERS = {
     "_next_step": _next_step_fn,
     "_mix64": _mix64_fn,
     "_finalize_checksums": _finalize_checksums_fn,
+    "_last_to_add": _last_to_add_fn,
+    "_finish_program": _finish_program_fn,
 }
 
 

@@ -17,15 +17,16 @@ def packed_size(plan: TransferPlan, integrity: bool = False) -> int:
     (:func:`integrity_offsets`)."""
     n, m = plan.n_blocks, plan.n_host
     size = n + m if len(plan.sizes) == 1 else 2 * n + m + 3 * len(plan.sizes)
-    return size + m + 2 * n + 1 if integrity else size
+    return size + m + 3 * n + 3 if integrity else size
 
 
 def integrity_offsets(plan: TransferPlan) -> tuple[int, int, int]:
     """Where the integrity checks' parts of an id buffer start (elements): the identities (one per host id), the
-    lane sums (two per GPU block, then the programs-done counter), and the end of what is uploaded."""
+    lane sums and counters (two sums and a counter per GPU block, then the programs-done counter and a load's two
+    totals), and the end of what is uploaded."""
     ident = packed_size(plan)
     sums = ident + plan.n_host
-    return ident, sums, sums + 2 * plan.n_blocks + 1
+    return ident, sums, sums + 3 * plan.n_blocks + 3
 
 
 def result_size(plan: TransferPlan) -> int:
@@ -53,7 +54,7 @@ def pack_ids(plan: TransferPlan, out: np.ndarray | None = None) -> np.ndarray:
 
 def pack_integrity(plan: TransferPlan, out: np.ndarray) -> np.ndarray:
     """Packs what the integrity checks add to ``plan``'s id buffer into ``out`` after :func:`pack_ids`' part: each
-    host id's identity (the plan's, or the host id itself where it has none) and zeroed lane sums and counter.
+    host id's identity (the plan's, or the host id itself where it has none) and zeroed lane sums, counters and totals.
     Returns the packed prefix of ``out`` (what is uploaded)."""
     ident, sums, end = integrity_offsets(plan)
     out[ident:sums] = plan.host_ids if plan.identities is None else plan.identities

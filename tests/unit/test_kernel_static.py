@@ -4,7 +4,7 @@ the checks it must not spill and must move its data in 16-byte accesses; its loo
 instructions per 16 bytes, nor gain a barrier in either loop; with the checks, no spill and a copy loop and a tile loop
 of at most twice the plain ones' instructions per 16 bytes; its PTX atomics must keep their semantics. Each gate is
 shown to fail on a mutation of the kernel: work added to the copy loop or the checks, a spill, a barrier back in the
-tile loop, a relaxed programs-done counter."""
+tile loop, a relaxed programs-done or shared-block counter."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytest.importorskip("triton.backends.compiler")
 
 from bench.static import budget, report  # noqa: E402
 from bench.static.variants import variants  # noqa: E402
-from triton_offload.kernels import copy_blocks  # noqa: E402
+from triton_offload.kernels import copy_blocks, integrity_parts  # noqa: E402
 
 BUDGET = json.loads(budget.BUDGET_PATH.read_text())
 GATED = [v for v in variants() if budget.gated(v)]
@@ -50,19 +50,29 @@ def test_the_compiled_kernel_keeps_its_budget(variant):
     assert budget.problems(row, BUDGET["variants"][variant.id], _plain(variant)) == []
 
 
-def _mutated(tmp_path, replacements: list[tuple[str, str]]):
-    """The kernel with ``replacements`` made in its source (each must match once), as a function to compile."""
-    source = textwrap.dedent(inspect.getsource(copy_blocks._copy_blocks_kernel))
+def _replaced(source: str, replacements: list[tuple[str, str]]) -> str:
     for old, new in replacements:
         assert source.count(old) == 1, f"the kernel's source changed: update the mutation ({old!r})"
         source = source.replace(old, new)
+    return source
+
+
+def _mutated(tmp_path, replacements: list[tuple[str, str]], helpers: dict | None = None):
+    """The kernel with ``replacements`` made in its source (each must match once), as a function to compile; with
+    ``helpers``, also these helpers of kernels/integrity_parts.py (by name, each with its replacements; a helper
+    that calls a mutated one is named too, with none, so that it calls the mutation)."""
+    source = _replaced(textwrap.dedent(inspect.getsource(copy_blocks._copy_blocks_kernel)), replacements)
     path = tmp_path / "mutated_kernel.py"
     header = (
         "from triton_offload.kernels.copy_blocks import *  # noqa\n"
         "from triton_offload.kernels.copy_blocks import tl, triton, _SUM, FIN  # noqa\n"
-        "from triton_offload.kernels.copy_blocks import _lane_step, _finalize_checksums  # noqa\n"
+        "from triton_offload.kernels.copy_blocks import _lane_step, _finish_program  # noqa\n"
         "from triton_offload.kernels.copy_blocks import _index_terms, _next_step  # noqa\n"
+        "from triton_offload.kernels.integrity_parts import _finalize_checksums, _last_to_add, JITFunction  # noqa\n"
     )
+    for name, changes in (helpers or {}).items():
+        fn = getattr(integrity_parts, f"{name}_fn")
+        header += _replaced(inspect.getsource(fn), changes) + f"\n{name} = JITFunction({name}_fn)\n"
     path.write_text(header + source)
     spec = importlib.util.spec_from_file_location("mutated_kernel", path)
     module = importlib.util.module_from_spec(spec)
@@ -70,9 +80,9 @@ def _mutated(tmp_path, replacements: list[tuple[str, str]]):
     return module._copy_blocks_kernel
 
 
-def _problems(tmp_path, variant_id: str, replacements) -> list[str]:
+def _problems(tmp_path, variant_id: str, replacements, helpers: dict | None = None) -> list[str]:
     variant = next(v for v in GATED if v.id == variant_id)
-    kernel = _mutated(tmp_path, replacements)
+    kernel = _mutated(tmp_path, replacements, helpers)
     return budget.problems(report.measure(variant, 90, kernel=kernel), BUDGET["variants"][variant_id], _plain(variant))
 
 
@@ -103,10 +113,27 @@ def test_a_spill_breaks_the_default_path(tmp_path):
     assert any("spills" in p for p in found), found
 
 
-def test_a_relaxed_programs_done_counter_breaks_the_atomics(tmp_path):
-    relaxed = [('done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="acq_rel", scope="gpu")',
-                'done = tl.atomic_add(sums_ptr + 2 * n_blocks, 1, sem="relaxed", scope="gpu")')]  # fmt: skip
-    found = _problems(tmp_path, "small-page.kv_first/store/1group/checked", relaxed)
+_DONE = 'done = tl.atomic_add(sums_ptr + 3 * n_blocks, 1, sem="acq_rel", scope="gpu")'
+_BLOCK = 'before = tl.atomic_add(counts_ptr + blk, 1, sem="acq_rel", scope="gpu")'
+
+
+@pytest.mark.parametrize(
+    "variant_id,helpers",
+    [
+        (
+            "small-page.kv_first/load/1group/checked",
+            {"_finish_program": [(_DONE, _DONE.replace("acq_rel", "relaxed"))]},
+        ),
+        (
+            "small-page.kv_first/store/1group/checked",
+            {"_last_to_add": [(_BLOCK, _BLOCK.replace("acq_rel", "relaxed"))], "_finish_program": []},
+        ),
+    ],
+    ids=["programs-done", "shared-block"],
+)
+def test_a_relaxed_counter_breaks_the_atomics(tmp_path, variant_id, helpers):
+    """The load's programs-done counter, or a shared block's counter, relaxed: the PTX atomics' semantics differ."""
+    found = _problems(tmp_path, variant_id, [], helpers)
     assert any("PTX atomics" in p and "relaxed" in p for p in found), found
 
 
