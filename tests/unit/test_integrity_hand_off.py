@@ -103,10 +103,15 @@ def test_a_shared_block_is_finalised_once_by_the_last_program_to_add_to_it(monke
     two tiles each (the fourth past the last item); 130 rows, each block over three programs of one tile. Then each
     shared block's stored checksum is changed: a load fails exactly those, and the launch's totals (which the host
     reads first) count each once."""
-    (sharers, idle, shared), (spec, host, checks, (rows, cols), (dst, h, kw)) = hand_off(
-        "cpu", n, programs, 1, layout="kv_first", layers=layers
-    )
+    (sharers, idle, shared), state = hand_off("cpu", n, programs, 1, layout="kv_first", layers=layers)
     assert (sharers, idle) == want and shared
+    load_with_shared_blocks_changed(monkeypatch, programs, shared, state)
+
+
+def load_with_shared_blocks_changed(monkeypatch, programs: int, shared: list[int], state) -> None:
+    """Each shared block's stored checksum changed (``state``: what :func:`hand_off` returned after its geometry): a
+    load fails exactly those, and the launch's totals (which the host reads first) count each once."""
+    spec, host, checks, (rows, cols), (dst, h, kw) = state
     totals = []
     real = kernel_issuer.load_check
     monkeypatch.setattr(kernel_issuer, "load_check", lambda keep: totals.append(keep.res[:2].tolist()) or real(keep))
@@ -119,9 +124,18 @@ def test_a_shared_block_is_finalised_once_by_the_last_program_to_add_to_it(monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs", [8, 16, 32])
-def test_on_a_gpu_the_hand_off_holds_over_many_programs_and_repeats(make_host_cache, programs):
-    """1000 blocks of 4 layers (8000 rows of 2 KiB), 100 repeats of a store and a load."""
+@pytest.mark.parametrize(
+    "layout,layers,n,programs,sharers",
+    [("block_first", 3, 1100, 8, 2), ("block_first", 3, 1100, 16, 2), ("block_first", 3, 1100, 32, 2),
+     ("kv_first", 65, 15, 32, 3)],
+    ids=["1100x3-8", "1100x3-16", "1100x3-32", "15x65-32"],
+)  # fmt: skip
+def test_on_a_gpu_the_hand_off_holds_over_many_programs_and_repeats(
+    monkeypatch, make_host_cache, layout, layers, n, programs, sharers
+):
+    """1100 blocks of 3 layers (6600 rows of 2 KiB; 6 rows a block, so programs' tiles end mid-block), and 15
+    blocks of 130 rows each over three programs: 100 repeats of a store and a load, then a load with each shared
+    block's checksum changed."""
 
     def pinned(spec, m, f):
         cache = make_host_cache(
@@ -129,4 +143,6 @@ def test_on_a_gpu_the_hand_off_holds_over_many_programs_and_repeats(make_host_ca
         )
         return cache.buffer, cache.checksums
 
-    hand_off("cuda", 1000, programs, 100, host=pinned)
+    (most, _, shared), state = hand_off("cuda", n, programs, 100, host=pinned, layout=layout, layers=layers)
+    assert most >= sharers and shared
+    load_with_shared_blocks_changed(monkeypatch, programs, shared, state)
