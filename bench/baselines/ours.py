@@ -75,8 +75,8 @@ def prepare_triton_integrity(case: TransferCase, env: Env, num_ctas: int | None 
     """The kernel with the integrity checks (``"verify"``), issued as the public call issues ``triton``'s
     launch (a plan, the ids packed into a pinned slot and uploaded, one launch, the slot given back behind an event),
     with the checks added: each host block named by its id, a checksum table, and one launch that copies and
-    checksums, its last program writing a store's checksums into the table or checking a load's. So the two rows
-    differ by the checks alone, in device time and in host time per call.
+    checksums, each program writing its blocks' checksums into the table (a store) or checking them (a load). So the
+    two rows differ by the checks alone, in device time and in host time per call.
 
     A load case's table holds no checksums (the byte check writes the host bytes directly), so every block is
     "absent" rather than "verified": the kernel does the same work either way (each block's checksum is computed,

@@ -1,7 +1,7 @@
 """The FP8 benchmark's kernel with the integrity checks (bench/micro/fp8.py's ``fp8+checks`` rows): a store or load of
 a :class:`~bench.micro.fp8_cases.Group` issued as ``bench.baselines.ours``' ``triton_integrity`` issues the copy
 kernel's (a plan naming each host row by its id, the ids in a staged slot, one launch that moves, quantizes and
-checksums, its last program writing a store's checksums or checking a load's, the slot given back behind an event),
+checksums, each program writing its blocks' checksums or checking them, the slot given back behind an event),
 so the rows differ from plain FP8 by the checks alone. ``"verify"``: a load of rows this group stored finds their
 checksums; on CPU the outcome is read at once and a flagged block raises.
 """

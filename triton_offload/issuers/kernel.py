@@ -94,7 +94,7 @@ class KernelIssuer:
                 return None
             packing.pack_integrity(plan, buf)
             res = buf[size:]
-            res[0] = -1  # until the last program writes the results
+            res[0] = -1  # until the load's last program writes its totals
             self.launcher.launch(plan, torch.from_numpy(buf[:size]), self.num_ctas, torch.from_numpy(res), copy)
             return _Checked(None, res, plan, self.launcher.blocks_per_host_block)
         size = packing.packed_size(plan, checks)
