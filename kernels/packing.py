@@ -17,16 +17,21 @@ def packed_size(plan: TransferPlan, integrity: bool = False) -> int:
     (:func:`integrity_offsets`)."""
     n, m = plan.n_blocks, plan.n_host
     size = n + m if len(plan.sizes) == 1 else 2 * n + m + 3 * len(plan.sizes)
-    return size + m + 3 * n + 3 if integrity else size
+    return size + m + _sums_size(n) if integrity else size
+
+
+def _sums_size(n_blocks: int) -> int:
+    """Elements of the integrity checks' sums part (zeroed): two lane sums and a counter per GPU block, then the
+    programs-done counter and a load's two totals (the kernels' _finish_program reads them at these offsets)."""
+    return 3 * n_blocks + 3
 
 
 def integrity_offsets(plan: TransferPlan) -> tuple[int, int, int]:
     """Where the integrity checks' parts of an id buffer start (elements): the identities (one per host id), the
-    lane sums and counters (two sums and a counter per GPU block, then the programs-done counter and a load's two
-    totals), and the end of what is uploaded."""
+    lane sums and counters (:func:`_sums_size`), and the end of what is uploaded."""
     ident = packed_size(plan)
     sums = ident + plan.n_host
-    return ident, sums, sums + 3 * plan.n_blocks + 3
+    return ident, sums, sums + _sums_size(plan.n_blocks)
 
 
 def result_size(plan: TransferPlan) -> int:
