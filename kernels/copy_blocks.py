@@ -50,8 +50,8 @@ def _copy_blocks_kernel(
     blocks_per_host_block: tl.int64,
     host_row_stride: tl.int64,  # elements between host blocks
     n_chunks: tl.int64,  # CHUNK-sized steps of the longest segment; shorter ones are masked
-    # The integrity checks (docs/integrity.md); all None without INTEGRITY, which Triton then drops from the compiled
-    # signature: the kernel without checks is the same code as before they existed.
+    # The integrity checks (docs/integrity.md); without INTEGRITY the pointers are None, which Triton drops from the
+    # compiled signature, and the two scalars 0 (NO_INTEGRITY): the kernel without checks never reads them.
     ck_ptr,  # int64* (groups * n_segs, 3): per (group, segment) the segment's first word in its block's word stream,
     # the group's words per block, and the host region of the group's keys (its marker and checksums in the table)
     ident_ptr,  # int64*: the identity of each host id of the plan (ids order)
@@ -247,7 +247,10 @@ class IntegrityArgs(NamedTuple):
     mark: int
 
 
-_NO_INTEGRITY = (None,) * len(IntegrityArgs._fields)
+# Without the checks: the pointers None (Triton drops them from the compiled signature), the two int64-typed scalars 0
+# (a typed parameter stays in the signature whatever its value, and Triton's compiled launcher cannot convert None
+# to an integer: it raised TypeError on every launch of the 11-28 H200 run).
+NO_INTEGRITY = IntegrityArgs(None, None, None, None, None, 0, 0)
 
 
 def arguments(
@@ -268,8 +271,8 @@ def arguments(
     """(programs, every kernel argument in signature order, constexprs included) of one launch moving ``plan``, as
     Triton's dispatch hands them to the compiled kernel's launcher. The pointers are tensors, or device addresses
     for a direct launch; ``host_row`` is the host buffer's row stride in elements. With ``checks``, the launch also
-    checksums every block (``copy`` False: only that, over the GPU side); without, the integrity arguments are None,
-    which Triton compiles out."""
+    checksums every block (``copy`` False: only that, over the GPU side); without, :data:`NO_INTEGRITY` (the pointers
+    None, which Triton compiles out)."""
     n_tiles = triton.cdiv(plan.n_blocks * n_segs, cfg.rows)
     programs = max(1, min(num_ctas or DEFAULT_NUM_CTAS, n_tiles))
     multi_group = len(plan.sizes) > 1
@@ -287,7 +290,7 @@ def arguments(
         blocks_per_host_block,
         host_row,
         cfg.n_chunks,
-        *(_NO_INTEGRITY if checks is None else checks),
+        *(NO_INTEGRITY if checks is None else checks),
         store,
         multi_group,
         cfg.rows,

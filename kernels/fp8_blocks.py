@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from triton_offload.kernels._triton_compat import interpreted_copy
+from triton_offload.kernels.copy_blocks import NO_INTEGRITY
 from triton_offload.kernels.integrity_parts import (
     _finish_program,
     _flush_block,
@@ -393,7 +394,8 @@ def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_s
     """(programs, every kernel argument in signature order, constexprs last) of one launch moving ``plan``;
     ``host_row`` is the host buffer's row stride in bytes. With ``checks`` (the copy kernel's
     :class:`~.copy_blocks.IntegrityArgs`; ``word``: :func:`fp8_word_bytes`), the launch also checksums the stored
-    bytes of every block; without, the integrity arguments are None, which Triton compiles out."""
+    bytes of every block; without, the integrity pointers are None, which Triton compiles out
+    (:data:`~.copy_blocks.NO_INTEGRITY`)."""
     tok, dim, n_tchunks, heads, bf16, vec, _ = cfg
     n_items = plan.n_blocks * n_segs * heads
     if n_items >= 2**31:  # the kernel counts items in 32 bits
@@ -402,7 +404,7 @@ def fp8_arguments(cfg, anchor, host, scales, table, ids, plan: TransferPlan, n_s
     multi_group = len(plan.sizes) > 1
     args = (
         anchor, host, scales, table, ids, plan.n_blocks, plan.n_host, n_segs, heads, triton.cdiv(n_items, programs),
-        0 if multi_group else plan.skips[0], f, host_row, n_tchunks, *((None,) * 7 if checks is None else checks),
+        0 if multi_group else plan.skips[0], f, host_row, n_tchunks, *(NO_INTEGRITY if checks is None else checks),
         plan.direction == "store", multi_group, tok, dim, bf16, vec, checks is not None, word if checks else 1,
     )  # fmt: skip
     return programs, args

@@ -6,6 +6,7 @@ arguments None (compiled out) without the checks."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 
@@ -21,8 +22,33 @@ __all__ = ["ARCHES", "compile_variant", "signature", "tool"]
 
 # Hopper (H100, H200) and Blackwell (B200).
 ARCHES = (90, 100)
-_CHECK_POINTERS = ("ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr")
-_CHECK_SCALARS = ("tab_row", "mark")
+CHECK_POINTERS = ("ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr")
+CHECK_SCALARS = ("tab_row", "mark")
+
+
+def without_checks(sig: dict, constexprs: dict) -> None:
+    """Adds to ``sig`` and ``constexprs`` what a launch without the checks passes for their arguments
+    (copy_blocks.NO_INTEGRITY, the FP8 kernel's too), as Triton's dispatch types it: a None pointer is specialised
+    away (a constexpr), a typed scalar keeps its annotation whatever its value."""
+    for name, value in zip(CHECK_POINTERS + CHECK_SCALARS, copy_blocks.NO_INTEGRITY, strict=True):
+        if value is None:
+            constexprs[name], sig[name] = None, "constexpr"
+        else:
+            sig[name] = "i64"
+
+
+def drop_unused_check_scalars(ptx: str, kernel: str, first: int) -> str:
+    """``ptx`` of a variant without the checks, as the kernel of the same arguments without them would read: the
+    typed check scalars (parameters ``first``, ``first + 1`` of ``kernel``) removed and Triton's scratch pointers
+    after them renumbered. Raises AssertionError if the code reads either scalar (it must not: NO_INTEGRITY's 0)."""
+    n = len(CHECK_SCALARS)
+    for i in range(n):
+        decl = f"\t.param .u64 {kernel}_param_{first + i},\n"
+        assert ptx.count(f"{kernel}_param_{first + i}") == 1 and decl in ptx, f"{kernel} reads check scalar {i}"
+        ptx = ptx.replace(decl, "")
+    for i in range(2):  # the global and profile scratch pointers
+        ptx = re.sub(rf"\b{kernel}_param_{first + n + i}\b", f"{kernel}_param_{first + i}", ptx)
+    return ptx
 
 
 def signature(cfg: LaunchConfig, store: bool, grouped: bool, integrity: bool, copy: bool, plain_kernel: bool = False):
@@ -30,13 +56,12 @@ def signature(cfg: LaunchConfig, store: bool, grouped: bool, integrity: bool, co
     arguments without the integrity ones at all (tests/unit/golden_copy_kernel.py)."""
     ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
     sig = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
-    sig |= {name: "i64" for name in copy_blocks._NOT_SPECIALIZED if name not in _CHECK_SCALARS}
+    sig |= {name: "i64" for name in copy_blocks._NOT_SPECIALIZED if name not in CHECK_SCALARS}
     constexprs: dict = {}
     if integrity:
-        sig |= {name: "*i64" for name in _CHECK_POINTERS} | {name: "i64" for name in _CHECK_SCALARS}
-    elif not plain_kernel:  # what a launch without the checks passes: None, which Triton specialises away
-        constexprs |= dict.fromkeys(_CHECK_POINTERS + _CHECK_SCALARS)
-        sig |= dict.fromkeys(_CHECK_POINTERS + _CHECK_SCALARS, "constexpr")
+        sig |= {name: "*i64" for name in CHECK_POINTERS} | {name: "i64" for name in CHECK_SCALARS}
+    elif not plain_kernel:
+        without_checks(sig, constexprs)
     shape = {"STORE": store, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
     flags = {} if plain_kernel else {"INTEGRITY": integrity, "COPY": copy}
     constexprs |= shape | flags

@@ -17,6 +17,7 @@ from triton.runtime.jit import JITFunction
 
 import triton_offload as to
 from bench.static import sass
+from bench.static.compile import CHECK_POINTERS, CHECK_SCALARS, without_checks
 from bench.static.variants import PAGES, _layer
 from triton_offload.kernels import fp8_blocks
 
@@ -58,10 +59,6 @@ def fp8_variants(pages=FP8_PAGES, checked: bool = False) -> list[Fp8Variant]:
     return out
 
 
-_CHECK_POINTERS = ("ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr")
-_CHECK_SCALARS = ("tab_row", "mark")
-
-
 def compile_fp8(v: Fp8Variant, arch: int = 90, kernel=None):
     """The compiled variant for ``arch``: the scalars int64 and unspecialised, the three data pointers 16-byte
     aligned (torch allocations), as a real launch binds them; without the checks their arguments None, as a launch
@@ -71,18 +68,17 @@ def compile_fp8(v: Fp8Variant, arch: int = 90, kernel=None):
     fn = JITFunction(kernel or fp8_blocks._fp8_blocks_kernel, do_not_specialize=fp8_blocks._NOT_SPECIALIZED,
                      do_not_specialize_on_alignment=fp8_blocks._ALIGNMENT_NOT_SPECIALIZED)  # fmt: skip
     sig = {"anchor_ptr": _ELEM[bf16], "host_ptr": "*u8", "scale_ptr": "*fp32", "table_ptr": "*i64", "ids_ptr": "*i64"}
-    sig |= {name: "i64" for name in fp8_blocks._NOT_SPECIALIZED if name not in _CHECK_SCALARS}
+    sig |= {name: "i64" for name in fp8_blocks._NOT_SPECIALIZED if name not in CHECK_SCALARS}
     constexprs = {}
     if v.word:
-        sig |= {name: "*i64" for name in _CHECK_POINTERS} | {name: "i64" for name in _CHECK_SCALARS}
+        sig |= {name: "*i64" for name in CHECK_POINTERS} | {name: "i64" for name in CHECK_SCALARS}
     elif kernel is None:
-        constexprs |= dict.fromkeys(_CHECK_POINTERS + _CHECK_SCALARS)
-        sig |= dict.fromkeys(_CHECK_POINTERS + _CHECK_SCALARS, "constexpr")
+        without_checks(sig, constexprs)
     constexprs |= {"STORE": v.direction == "store", "MULTI_GROUP": v.grouped, "TOK": tok, "DIM": dim, "BF16": bf16,
                    "VEC": vec}  # fmt: skip
     if kernel is None:
         constexprs |= {"INTEGRITY": bool(v.word), "W": v.word or 1}
-    sig |= {name: "constexpr" for name in constexprs if name not in _CHECK_POINTERS + _CHECK_SCALARS}
+    sig |= {name: "constexpr" for name in constexprs if name not in sig}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
     source = ASTSource(fn, sig, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})

@@ -7,6 +7,7 @@ On CPU there is no compiled variant, so the proof is exercised with runners that
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import numpy as np
@@ -19,7 +20,7 @@ from triton_offload.engine import TransferEngine
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import copy_blocks, packing
 from triton_offload.kernels.reference import gather_blocks_ref
-from triton_offload.plan import Direction
+from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import SENTINEL, host_buffer, make_caches, random_transfer
 
@@ -276,3 +277,63 @@ def test_gpu_public_calls_reuse_staging_only_after_their_launch(make_host_cache)
     assert torch.equal(host, want)
     verdict = CopyLauncher(spec, host, 1, STORE).direct_verdict(STORE)
     assert verdict is not None and not isinstance(verdict, str), "the public call did not launch directly"
+
+
+def _typed_but_none(fn, args: tuple) -> list[str]:
+    """The parameters of kernel function ``fn`` that carry a (non-constexpr) type annotation but get None in ``args``.
+    Triton types such a parameter by its annotation whatever the value, and its compiled launcher cannot convert None
+    to an integer: every launch raised TypeError on the 11-28 H200 run (the interpreter accepts it)."""
+    params = list(inspect.signature(fn).parameters.values())
+    assert len(params) == len(args)
+    return [
+        p.name
+        for p, a in zip(params, args)
+        if a is None and p.annotation is not inspect.Parameter.empty and "constexpr" not in str(p.annotation)
+    ]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["copy", "fp8"])
+def test_a_launch_without_the_checks_gives_every_typed_parameter_a_value(fp8):
+    from triton_offload.issuers.fp8_launcher import Fp8Launcher
+    from triton_offload.kernels import fp8_blocks
+
+    caches = make_caches("kv_first", 2, 12, dict(block_size=2, heads=2, head_dim=8), torch.bfloat16, seed=5)
+    spec = to.KVCacheSpec(caches, "kv_first", host_format="fp8_e4m3" if fp8 else "native")
+    host = host_buffer(spec, 10, 2)
+    launcher = (Fp8Launcher if fp8 else CopyLauncher)(spec, host, 2)
+    for d in Direction:
+        plan = TransferPlanner(spec, 10, 2).plan(np.array([3, 1, 4]), np.array([5, 2]), direction=d, skip=1)
+        ids = torch.from_numpy(packing.pack_ids(plan))
+        _, args = launcher.arguments(plan, ids)
+        kernel = fp8_blocks._fp8_blocks_kernel if fp8 else copy_blocks._copy_blocks_kernel
+        assert _typed_but_none(kernel, args) == []
+
+
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "checks"])
+@pytest.mark.parametrize("groups", [None, [[0, 2], [1]]], ids=["1group", "groups"])
+def test_the_direct_launchs_variant_is_the_one_live_launches_dispatch_to(monkeypatch, groups, integrity):
+    """The compiled variant a direct runner launches bakes in the constexprs of the launch it was compiled from: they
+    must be the live launches' (a several-group spec always launches MULTI_GROUP; the 11-28 H200 run's canary refused
+    a one-group variant offered for a grouped spec), and so must the arguments Triton compiles out (None)."""
+    from triton_offload.checksums import Checksums
+
+    _, spec, host = setup(groups=groups)
+    checks = Checksums.allocate("verify", 10, 2, pin=False, regions=spec.num_regions) if integrity else None
+    launcher = CopyLauncher(spec, host, 2, checksums=checks)
+    compiled_from = []
+    monkeypatch.setattr(copy_blocks, "compile_variant", lambda args, num_warps: compiled_from.append(args))
+    sizes = None if groups is None else [2, 1]
+    for d in Direction:
+        for copy in (True, False) if integrity else (True,):
+            launcher.compile_variant(d, copy)
+            variant = compiled_from.pop()
+            plan = TransferPlanner(spec, 10, 2).plan(
+                np.array([3, 1, 4]), np.array([5, 2, 7, 6][: 2 if groups is None else 3]), direction=d, skip=1,
+                group_sizes=sizes,
+            )  # fmt: skip
+            size = packing.packed_size(plan, integrity)
+            ids = torch.zeros(size, dtype=torch.int64)
+            res = torch.zeros(packing.result_size(plan), dtype=torch.int64) if integrity else None
+            _, live = launcher.arguments(plan, ids, res=res, copy=copy)
+            assert copy_blocks._constexprs(variant) == copy_blocks._constexprs(live)
+            assert [a is None for a in variant] == [a is None for a in live]

@@ -12,54 +12,23 @@ import pytest
 import torch
 
 import triton_offload as to
+
+# bench/static/compile.py lowers through Triton's AOT entry points (ASTSource, GPUTarget), in every supported Triton.
+from bench.static import compile as static_compile
 from triton_offload.kernels import copy_blocks, shapes, tables
 from triton_offload.plan import Direction
 
 from kv_factory import host_buffer, make_caches
 
-triton = pytest.importorskip("triton")
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-except ImportError as e:  # pragma: no cover - a Triton without the AOT entry points
-    pytest.skip(f"this Triton has no ASTSource/GPUTarget: {e}", allow_module_level=True)
-
-HOPPER = GPUTarget("cuda", 90, 32)
 _SCALARS = copy_blocks._NOT_SPECIALIZED  # the launch's runtime scalars, in signature order
-
-
-CHECK_POINTERS = ("ck_ptr", "ident_ptr", "sums_ptr", "res_ptr", "tab_ptr")
-CHECK_SCALARS = ("tab_row", "mark")
 
 
 def compile_ptx(
     cfg: shapes.LaunchConfig, store: bool, grouped: bool, integrity: bool = False, copy=True, kernel=None
 ) -> str:
-    """The kernel lowered to sm_90 PTX; ``kernel``: another version of it (same arguments, without the checks')."""
-    # A fresh JITFunction: the test session may have TRITON_INTERPRET=1, which turns triton.jit into the interpreter.
-    fn = JITFunction(kernel or copy_blocks._copy_blocks_kernel, **copy_blocks._JIT_OPTIONS)
-    ptr = {1: "*i8", 2: "*i16", 4: "*i32"}[cfg.elem]
-    signature = {"anchor_ptr": ptr, "host_ptr": ptr, "table_ptr": "*i64", "ids_ptr": "*i64"}
-    # The scalars are annotated int64 (one variant for every value), which is what a real launch passes.
-    signature |= {name: "i64" for name in _SCALARS if name not in CHECK_SCALARS}
-    constexprs = {}
-    if integrity:
-        signature |= {name: "*i64" for name in CHECK_POINTERS} | {name: "i64" for name in CHECK_SCALARS}
-    elif kernel is None:  # what a launch without the checks passes: None, which Triton specialises away
-        constexprs |= dict.fromkeys(CHECK_POINTERS + CHECK_SCALARS)
-        signature |= dict.fromkeys(CHECK_POINTERS + CHECK_SCALARS, "constexpr")
-    shape = {"STORE": store, "MULTI_GROUP": grouped, "ROWS": cfg.rows, "CHUNK": cfg.chunk, "VEC": cfg.vec}
-    flags = {"INTEGRITY": integrity, "COPY": copy} if kernel is None else {}
-    constexprs |= shape | flags
-    signature |= {name: "constexpr" for name in (*shape, *flags)}
-    # torch allocations are at least 64-byte aligned: Triton specialises the KV anchor and the host buffer as 16-byte
-    # divisible (not the table and id pointers: _ALIGNMENT_NOT_SPECIALIZED).
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
-    kernel = triton.compile(
-        ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options={"num_warps": cfg.num_warps}
-    )
-    return kernel.asm["ptx"]
+    """The kernel lowered to sm_90 PTX as a launch compiles it (bench/static/compile.py builds the signature from
+    what the launch passes); ``kernel``: another version of it (same arguments, without the checks')."""
+    return static_compile.compile_variant(cfg, store, grouped, integrity, copy, kernel=kernel).asm["ptx"]
 
 
 # (id, layout, page, dtype, expected access width in bytes)
@@ -125,8 +94,9 @@ def _code_only(ptx: str) -> str:
 @pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 @pytest.mark.parametrize("layout,page,dtype", [pytest.param(*s[1:4], id=s[0]) for s in SHAPES[:3]])
 def test_without_the_integrity_checks_the_kernel_is_the_same_code_as_before_them(layout, page, dtype, store, grouped):
-    """The integrity arguments are None and INTEGRITY False: Triton drops them, and the compiled kernel is the one of
-    the commit before the checks existed (tests/unit/golden_copy_kernel.py), instruction for instruction."""
+    """Without the checks (NO_INTEGRITY, INTEGRITY False) Triton drops their pointers, and the compiled kernel is the
+    one of the commit before the checks existed (tests/unit/golden_copy_kernel.py), instruction for instruction; only
+    the two typed scalars stay in its parameter list, and nothing reads them."""
     import golden_copy_kernel
 
     spec = to.KVCacheSpec(make_caches(layout, 2, 4, page, dtype), layout)
@@ -135,7 +105,9 @@ def test_without_the_integrity_checks_the_kernel_is_the_same_code_as_before_them
     ours = compile_ptx(cfg, store, grouped)
     before = compile_ptx(cfg, store, grouped, kernel=golden_copy_kernel._copy_blocks_kernel)
     assert "atom" not in ours
-    assert _code_only(ours) == _code_only(before)
+    # The golden kernel's parameters: the 4 pointers and the scalars but the checks' two.
+    ours = static_compile.drop_unused_check_scalars(_code_only(ours), "_copy_blocks_kernel", 4 + len(_SCALARS) - 2)
+    assert ours == _code_only(before)
 
 
 @pytest.mark.parametrize("copy", [True, False], ids=["fused", "checksum-only"])

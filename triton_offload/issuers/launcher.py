@@ -208,10 +208,15 @@ class CopyLauncher:
     def compile_variant(self, direction: Direction, copy: bool = True):
         """The compiled kernel this launcher's launches in one direction use (compiled now if Triton's cache does
         not hold it yet); CUDA only."""
-        one = np.zeros(1, dtype=np.int64)
-        plan = TransferPlan(direction, one, one, 1, 1, (1,), (0,), (1,), 0)
+        # One block per group: a spec with several groups always plans them all, so its launches are MULTI_GROUP
+        # (a constexpr the compiled variant bakes in; the 11-28 H200 run's canary caught a one-group variant).
+        groups = self.spec.num_groups
+        zeros = np.zeros(groups, dtype=np.int64)
+        plan = TransferPlan(direction, zeros, zeros, groups, groups, (1,) * groups, (0,) * groups, (1,) * groups, 0)
         ids = torch.zeros(packing.packed_size(plan, self.integrity), dtype=torch.int64, device=self.spec.device)
-        res = torch.zeros(packing.result_size(plan), dtype=torch.int64, pin_memory=True) if self.integrity else None
+        res = (
+            torch.zeros(packing.result_size(plan), dtype=torch.int64, pin_memory=self.cuda) if self.integrity else None
+        )
         _, args = self.arguments(plan, ids, res=res, copy=copy)
         return copy_blocks.compile_variant(args, self.config(direction).num_warps)
 
