@@ -47,7 +47,7 @@ from bench.serving.config import (
     with_method,
 )
 from bench.serving.fp8 import fp8_setup
-from bench.serving.gpu import contiguous_load, duplex
+from bench.serving.gpu import contiguous_load, duplex, duplex_row
 from bench.serving.loop import LoopRun, Setup, byte_check, host_rows_of, run_loop, setup_workload
 from bench.serving.methods import MethodPoint, build_engine, method_points
 from bench.serving.report import (
@@ -316,9 +316,7 @@ def _duplex_row(setup: Setup, point: MethodPoint, env: Env, repeats: int, contig
     except Exception as exc:  # reported in its row, as a run's
         if not env.alive():
             raise FatalCudaError(f"duplex {point.label} on {setup.workload.name}: {_error(exc)}") from exc
-        note = f"ERROR: {_error(exc)}"
-        return {"workload": setup.workload.name, "method": point.method, "num_ctas": point.num_ctas,
-                "byte_check": "fail", "byte_check_note": note, "ratio": None}  # fmt: skip
+        return duplex_row(setup, point, f"ERROR: {_error(exc)}", contiguous_gbps)
 
 
 def _say_row(r: dict) -> None:

@@ -45,6 +45,21 @@ def contiguous_load(setup: Setup, nbytes: int, repeats: int) -> dict:
             "gbps": round(gbps(nbytes, dev_ms), 2)}  # fmt: skip
 
 
+def duplex_row(setup, point, problem: str | None, contiguous_gbps: float | None = None) -> dict:
+    """A duplex row with every figure None (what a failed point reports; a measured one fills them in)."""
+    return {
+        "workload": setup.workload.name,
+        "method": point.method,
+        "num_ctas": point.num_ctas,
+        "bytes_each": None,
+        "byte_check": "fail" if problem else "pass",
+        "byte_check_note": problem,
+        "samples": 0,
+        "contiguous_gbps": contiguous_gbps,
+        **dict.fromkeys(("store_alone_gbps", "load_alone_gbps", "duplex_gbps", "ratio", "ratio_vs_contiguous")),
+    }
+
+
 def duplex(setup: Setup, point: MethodPoint, repeats: int, contiguous_gbps: float | None = None) -> dict:
     """A store and a load of one prefix's blocks each, alone and both at once, with ``point``'s engine.
 
@@ -91,17 +106,7 @@ def duplex(setup: Setup, point: MethodPoint, repeats: int, contiguous_gbps: floa
     problem = compare_blocks(setup, store_h, store_g, "duplex store") or compare_blocks(
         setup, load_h, load_g, "duplex load"
     )
-    row = {
-        "workload": setup.workload.name,
-        "method": point.method,
-        "num_ctas": point.num_ctas,
-        "bytes_each": nbytes,
-        "byte_check": "fail" if problem else "pass",
-        "byte_check_note": problem,
-        "samples": repeats,
-        "contiguous_gbps": contiguous_gbps,
-        **dict.fromkeys(("store_alone_gbps", "load_alone_gbps", "duplex_gbps", "ratio", "ratio_vs_contiguous")),
-    }
+    row = duplex_row(setup, point, problem, contiguous_gbps) | {"bytes_each": nbytes, "samples": repeats}
     if problem is None:  # wrong bytes are reported, never timed
         alone = (gbps(nbytes, store_ms), gbps(nbytes, load_ms))
         both = gbps(2 * nbytes, both_ms)

@@ -201,3 +201,25 @@ def test_the_plot_has_a_panel_per_group(tmp_path):
     else:
         assert why is None and png.stat().st_size > 10_000
     assert report.timing_fields([], 0)["step_ms_mean"] is None
+
+
+def test_a_duplex_point_that_raised_is_reported_in_a_full_row(monkeypatch):
+    """A duplex point whose transfers raised (every launch did, on the 11-28 H200 run) gives a failed row with every
+    figure None, which the table prints and the targets skip (it raised KeyError there, ending the serving run)."""
+    from types import SimpleNamespace
+
+    from bench.serving import cli
+
+    def broken(*args):
+        raise RuntimeError("transfer job 0 (store) failed")
+
+    monkeypatch.setattr(cli, "duplex", broken)
+    setup = SimpleNamespace(workload=SimpleNamespace(name="llama3-8b"))
+    point = SimpleNamespace(method="triton", num_ctas=4, label="triton@4")
+    row = cli._duplex_row(setup, point, SimpleNamespace(alive=lambda: True), 2, 52.1)
+    assert row["byte_check"] == "fail" and "transfer job 0 (store) failed" in row["byte_check_note"]
+    assert row["store_alone_gbps"] is None and row["contiguous_gbps"] == 52.1
+    report.print_duplex([row])
+    rows, duplex = _passing_rows(report)
+    verdicts = {t["name"]: t["verdict"] for t in report.evaluate_targets(rows, [row])}
+    assert verdicts["triton@4 duplex >= 1.7x the faster direction alone"] != "PASS"

@@ -220,8 +220,10 @@ def test_without_vllm_033_the_method_says_why(mods, monkeypatch):
 def test_on_cuda_vllms_paths_and_the_callers_stream_waits_for_vllms(mods):
     """On the GPU: stores are one STREAM batch, loads of 2 KiB pages vLLM's Triton kernel, of 64 KiB pages one ANY
     batch, each byte-checked; and a timed call ends only when vLLM's own stream has finished the copy."""
+    from bench.common.env import open_gpu, release
+
     session, baselines = mods["session"], mods["baselines"]
-    device, stream, env, meta = session.open_gpu()
+    device, stream, env, meta = open_gpu()
     run = session.Session(meta, env, [session.MethodSpec("vllm_native")], stream)
     impls = {}
     for name, layout in (("small-page", "kv_first"), ("llama3-8b", "block_first")):
@@ -244,6 +246,6 @@ def test_on_cuda_vllms_paths_and_the_callers_stream_waits_for_vllms(mods):
         done.synchronize()
         assert len(worker.poll()) == 1, "the caller's stream finished before vLLM's transfer"
         del group, case, prepared, worker
-        session.release(device)
+        release(device)
     assert "STREAM" in impls["small-page", True] and "STREAM" in impls["llama3-8b", True]
     assert "Triton" in impls["small-page", False] and "ANY" in impls["llama3-8b", False], impls
