@@ -19,7 +19,7 @@ from triton_offload import fast_launch
 from triton_offload.engine import TransferEngine
 from triton_offload.issuers.launcher import CopyLauncher
 from triton_offload.kernels import copy_blocks, packing
-from triton_offload.kernels.reference import gather_blocks_ref
+from triton_offload.kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from triton_offload.plan import Direction, TransferPlanner
 
 from kv_factory import SENTINEL, host_buffer, make_caches, random_transfer
@@ -191,7 +191,7 @@ def test_gpu_engine_launches_direct_and_moves_the_same_bytes(make_host_cache):
     the same bytes through the direct launch as through Triton's, both ways, and as the reference."""
     caches, spec, fast_cache, fast = gpu_engine(make_host_cache)
     assert fast.launch_paths == {"store": "direct", "load": "direct"}
-    _, _, slow_cache, slow = gpu_engine(make_host_cache, fast=False)
+    slow_caches, _, slow_cache, slow = gpu_engine(make_host_cache, fast=False)  # caches of its own, the same bytes
     rng = np.random.default_rng(0)
     job = 0
     for n, skip in [(1, 0), (1, 1), (2, 1), (333, 1), (600, 0)]:
@@ -206,18 +206,15 @@ def test_gpu_engine_launches_direct_and_moves_the_same_bytes(make_host_cache):
         gather_blocks_ref(caches, "kv_first", g, want, h, blocks_per_host_block=2, skip=skip)
         assert torch.equal(fast_cache.buffer, want)
         dst = rng.permutation(spec.num_blocks)[:n]
-        before = [c.clone() for c in caches]
-        fast.submit_load(job + 1000, dst, h, skip=skip)
-        fast.wait([job + 1000])
-        assert all(r.ok for r in fast.get_finished())
-        loaded = [c.clone() for c in caches]
-        for c, b in zip(caches, before):
-            c.copy_(b)
-        slow.submit_load(job + 2000, dst, h, skip=skip)
-        slow.wait([job + 2000])
-        assert all(r.ok for r in slow.get_finished())
-        for a, b in zip(loaded, caches):
+        want_caches = [c.clone() for c in caches]
+        scatter_blocks_ref(want, h, want_caches, "kv_first", dst, blocks_per_host_block=2, skip=skip)
+        for eng, offset in ((fast, 1000), (slow, 2000)):  # each into its own caches (the same bytes so far)
+            eng.submit_load(job + offset, dst, h, skip=skip)
+            eng.wait([job + offset])
+            assert all(r.ok for r in eng.get_finished())
+        for a, b, w in zip(caches, slow_caches, want_caches):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"load n={n} skip={skip}"
+            assert torch.equal(a.view(torch.uint8), w.view(torch.uint8)), f"load n={n} skip={skip} vs the reference"
     fast.shutdown()
     slow.shutdown()
 
