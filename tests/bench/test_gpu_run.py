@@ -668,10 +668,21 @@ def test_the_integrity_host_cost_compares_only_like_launches(m, tmp_path):
         ({"tests/a.py::t": ("failure", "assert 1 == 2"), "tests/a.py::u": None}, True, "miss"),
         ({"tests/a.py::t": ("error", "RuntimeError"), "tests/a.py::u": None}, True, "miss"),
         ({"tests/a.py::t": ("skipped", "needs 2 GPUs"), "tests/a.py::u": None}, True, "pass"),
+        # A lease has one GPU (the 11-28 H200 run counted this skip as a miss).
+        ({"tests/a.py::t": ("skipped", "Skipped: needs two CUDA devices"), "tests/a.py::u": None}, True, "pass"),
         ({"tests/a.py::t": None}, False, "not measured"),
         ({}, True, "not measured"),
     ],
-    ids=["skipped-for-vllm", "skipped-for-cuda", "failed", "errored", "other-skip", "cut-short", "no-tests"],
+    ids=[
+        "skipped-for-vllm",
+        "skipped-for-cuda",
+        "failed",
+        "errored",
+        "other-skip",
+        "two-gpus",
+        "cut-short",
+        "no-tests",
+    ],  # fmt: skip
 )
 def test_the_gpu_test_target(m, tmp_path, cases, complete, verdict):
     slow = ("pytest", ({"tests/bench/test_bench_gpu.py::t": None},))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import xml.etree.ElementTree as ET
 
 from bench.common import targets
@@ -23,6 +24,8 @@ CALL_COST_SHAPE = "1024 blocks x 80 layers"
 # A GPU test skipped for one of these did not run where it should have: vLLM's code missing (the bundle), or no
 # CUDA device (tests/conftest.py's skip). Other skips (say, a test that needs two GPUs) are listed, not counted.
 SKIPS_THAT_MISS = ("vllm", "cuda device")
+# ... except a test that needs more GPUs than a lease has (one): "needs two CUDA devices" is another skip.
+_NEEDS_MORE_GPUS = re.compile(r"needs (two|three|four|\d+) cuda devices")
 # Together the whole `pytest -m gpu` (tools/gpu/stages.py): the target passes only when both ran to the end.
 TEST_STAGES = ("gpu-tests", "gpu-tests-slow")
 
@@ -193,7 +196,7 @@ def _tests_target(stages: list[dict]) -> dict:
         modules += [f"{tid} ({msg[:100]})" for tid, msg in t["modules_skipped"]]
         bad += [f"{tid} ({kind}: {msg[:160]})" for kind in ("failure", "error") for tid, msg in t[kind]]
         for tid, msg in t["skipped"]:
-            missed = any(k in msg.lower() for k in SKIPS_THAT_MISS)
+            missed = any(k in msg.lower() for k in SKIPS_THAT_MISS) and not _NEEDS_MORE_GPUS.search(msg.lower())
             (bad if missed else other_skips).append(f"{tid} (skipped: {msg[:160]})")
     detail = f"{passed} passed; {len(bad)} failed, errored or skipped for lack of vLLM or CUDA"
     detail += "".join(f"; {m}" for m in missing) + (f"; other skips: {len(other_skips)}" if other_skips else "")
