@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import shlex
+import subprocess
 
 from doc_recipes import README, ROOT, TIERING, block, recipe_env, recipe_json
 
@@ -238,12 +239,35 @@ def test_the_readme_names_the_supported_vllm_versions_per_feature():
     assert "## vLLM versions" in VLLM_DOC.read_text()
 
 
+def _ran(named: str, recorded, dirty) -> bool:
+    """Whether a results file recording ``recorded`` (and ``dirty``) can be of commit ``named``: the same commit, or,
+    dirty, one of its ancestors (the GPU machine's git may know only an older commit: its working tree is the newer
+    one's). Without git history (an archive) only the first."""
+    recorded = str(recorded or "").split("+")[0]
+    if recorded and recorded.startswith(named) or named.startswith(recorded or "-"):
+        return True
+    if not dirty or not (ROOT / ".git").exists():
+        return False
+    ancestor = ["git", "merge-base", "--is-ancestor", recorded, named]
+    return subprocess.run(ancestor, cwd=ROOT, capture_output=True).returncode == 0
+
+
 def test_the_measured_table_names_its_device_date_driver_and_commit():
-    section = README.read_text().split("## What it measured", 1)[1].split("\n## ", 1)[0]
-    for fact in ("NVIDIA H100 80GB HBM3", "2026-11-22", "driver 580.159.04", "the commit measured is not recorded"):
-        assert fact in section
+    """The README's measured table names the device, driver, date and commit of a run whose files are committed
+    (bench/results/<device>-<date>-*, recording that driver and commit), and docs/benchmarks.md's newest section is
+    that run's."""
+    section = " ".join(README.read_text().split("## What it measured", 1)[1].split("\n## ", 1)[0].split())
+    m = re.search(r"One (NVIDIA [\w ]+?) \(.*?driver ([\d.]+) .*?(\d{4}-\d\d-\d\d), commit ([0-9a-f]{7,40})\b", section)
+    assert m, section[:300]
+    device, driver, date, commit = m.groups()
+    runs = []
+    for path in (ROOT / "bench" / "results").glob(f"{device.lower().replace(' ', '-')}-{date}-*.json"):
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and doc.get("driver") == driver and _ran(commit, doc.get("commit"), doc.get("dirty")):
+            runs.append(path.name)
+    assert runs, f"no committed {device} results of {date} with driver {driver} and commit {commit}"
     measured = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split("## Measured", 1)[1].split())
-    assert "NVIDIA H100 80GB HBM3" in measured and "the commit measured is not recorded" in measured
+    assert measured.startswith(f": {device}, {date}") and commit in measured
 
 
 def test_the_obj_recipe_starts_the_server_the_tier_entry_names():
