@@ -133,7 +133,34 @@ def _copy_blocks_kernel(
             acc_b = tl.full([ROWS, CHUNK // VEC], 0, tl.uint32)
             index_terms = _index_terms(seg_word, ROWS, CHUNK, VEC)
             step_terms = tl.full([], 0, tl.uint32)  # the index terms' part of the step: CHUNK // VEC groups more each
-        for k in range(0, n_chunks):
+        if INTEGRITY and COPY and not STORE:
+            # A checked load: each step's host words are read a step before they are written and summed, two steps
+            # a trip (no register copies between trips). Reads of host memory wait a PCIe round trip, and a checked
+            # step holds half a plain step's bytes (rows at most a warp wide): read one step at a time, a program
+            # kept half the plain kernel's bytes in flight (docs/integrity.md). Steps past the longest segment (an
+            # odd count's last) are fully masked: they read nothing and sum to 0.
+            vals_a = tl.load(host_ptr + host_off[:, None] + cols[None, :], mask=cols[None, :] < seg_len[:, None])
+            for t in range(0, (n_chunks + 1) // 2):
+                # Masks recomputed from the trip's first column rather than carried: carried, they cost register
+                # moves and predicate spills each trip (sm_90 SASS).
+                col_a = tl.cast(t * (2 * CHUNK), tl.int32) + cols
+                col_b = col_a + CHUNK
+                col_c = col_b + CHUNK
+                mask_a = col_a[None, :] < seg_len[:, None]
+                mask_b = col_b[None, :] < seg_len[:, None]
+                vals_b = tl.load(host_ptr + host_off[:, None] + col_b[None, :], mask=mask_b)
+                tl.store(anchor_ptr + gpu_off[:, None] + col_a[None, :], vals_a, mask=mask_a)
+                step_a, step_b = _lane_step(vals_a, mask_a, index_terms + step_terms, ROWS, CHUNK, VEC)
+                step_terms = _next_step(step_terms, CHUNK, VEC)
+                acc_a += step_a
+                acc_b += step_b
+                vals_a = tl.load(host_ptr + host_off[:, None] + col_c[None, :], mask=col_c[None, :] < seg_len[:, None])
+                tl.store(anchor_ptr + gpu_off[:, None] + col_b[None, :], vals_b, mask=mask_b)
+                step_a, step_b = _lane_step(vals_b, mask_b, index_terms + step_terms, ROWS, CHUNK, VEC)
+                step_terms = _next_step(step_terms, CHUNK, VEC)
+                acc_a += step_a
+                acc_b += step_b
+        for k in range(0, 0 if INTEGRITY and COPY and not STORE else n_chunks):
             if INTEGRITY:  # 32-bit columns: fewer registers and compares for the checks' tiles of many rows
                 col0 = tl.cast(k * CHUNK, tl.int32)
                 col = col0 + cols

@@ -614,3 +614,53 @@ def test_a_plan_names_the_host_block_of_each_gpu_block_by_the_position_rule():
         1,
         1,
     ]
+
+
+# 1.5 KiB segments: several steps a tile at the checked shapes, odd and even counts.
+LONG_PAGE = dict(block_size=16, heads=3, head_dim=16)
+
+
+@pytest.mark.parametrize("groups", [None, [[0, 2], [1]]], ids=["1group", "groups"])
+def test_a_checked_load_reads_ahead_over_any_number_of_steps(groups):
+    """A checked load reads each step's host words a step before it writes and sums them, two steps a trip
+    (kernels/copy_blocks.py): with 1 to 24 steps a segment (odd counts leave a trip's second step empty) and 1 to 5
+    programs, an intact load passes with the stored bytes, and a bit flipped in a block's last step fails it alone."""
+    spec = to.KVCacheSpec(make_caches("kv_first", 3, 12, LONG_PAGE, torch.bfloat16, seed=3), "kv_first", groups=groups)
+    f, skip, n = 2, 1, 5
+    sizes, group_of = group_layout(spec, n)
+    idx, sub, m = positions(n, f, skip, sizes)
+    g, dst, h = np.array([9, 2, 11, 0, 5]), np.array([1, 3, 4, 6, 7]), np.arange(m)
+    ident = np.arange(m, dtype=np.int64) + 7
+    host = host_buffer(spec, m, f)
+    checks = Checksums.allocate("verify", m, f, pin=False, regions=spec.num_regions)
+    planner = TransferPlanner(spec, m, f)
+    store = planner.plan(g, h, direction=Direction.STORE, skip=skip, group_sizes=sizes, identities=ident)
+    KernelIssuer(CopyLauncher(spec, host, f, Direction.STORE, checksums=checks), None, 2).issue(store)
+    plan = planner.plan(dst, h, direction=Direction.LOAD, skip=skip, group_sizes=sizes, identities=ident)
+    width = tables.access_width(spec, host)
+    steps = []
+    for tile, ctas in [(64, 1), (128, 5), (512, 2), (2048, 3), (64 * 1024, 4)]:
+        cfg = shapes.launch_config(spec, width, shapes.LaunchTuning(tile, 4), True)
+        steps.append(cfg.n_chunks)
+        launcher = CopyLauncher(spec, host, f, Direction.LOAD, configs={Direction.LOAD: cfg}, checksums=checks)
+        issuer = KernelIssuer(launcher, None, ctas)
+
+        def checked_load(issuer=issuer) -> list[int]:
+            for t in spec.kv_caches:  # kv_first: (K/V, blocks, ...)
+                t[:, dst] = 0
+            keep = issuer.issue(plan)
+            check = issuer.outcome(keep)
+            issuer.release(keep)
+            assert check.absent.size == 0
+            return check.failed.tolist()
+
+        assert checked_load() == [], cfg
+        for i in range(n):
+            for layer in spec.groups[group_of[i]]:
+                t = spec.kv_caches[layer]
+                assert torch.equal(index_block(spec, t, dst[i]), index_block(spec, t, g[i])), (cfg, i)
+        row, col = int(h[idx[3]]), int(block_columns(spec, f, int(sub[3]), int(group_of[3]))[-1])
+        host[row, col] ^= 0x10
+        assert checked_load() == [3], cfg
+        host[row, col] ^= 0x10
+    assert max(steps) >= 4 and any(s > 1 and s % 2 for s in steps), steps

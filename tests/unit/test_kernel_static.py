@@ -159,9 +159,11 @@ def test_a_barrier_back_in_the_tile_loop_breaks_the_checks_budget(tmp_path):
 def test_work_added_to_the_checks_breaks_twice_the_plain_tile(tmp_path):
     """The checked tile loop is held to twice the plain one's instructions per 16 bytes (the budget itself was made
     from the kernel as it is): six xor-shifts per word before the checksum's step break it."""
-    old, pad = _kernel_lines("step_a, step_b = _lane_step(", "step_a, step_b = _lane_step(")
-    busy = "".join(f"{pad}vals = vals ^ (vals >> {k})\n" for k in (3, 5, 7, 11, 13, 17)) + old
-    found = _problems(tmp_path, "deepseek-v3-mla.mla/load/1group/checked", [(old, busy)])
+    changes = []
+    for vals in ("vals_a", "vals_b"):  # a checked load's two steps a trip
+        old, pad = _kernel_lines(f"step_a, step_b = _lane_step({vals},", "step_a, step_b = _lane_step(")
+        changes.append((old, "".join(f"{pad}{vals} = {vals} ^ ({vals} >> {k})\n" for k in (3, 5, 7, 11, 13, 17)) + old))
+    found = _problems(tmp_path, "deepseek-v3-mla.mla/load/1group/checked", changes)
     assert any("x plain" in p for p in found), found
 
 
@@ -169,7 +171,7 @@ def test_work_added_to_the_checks_breaks_twice_the_plain_copy_loop(tmp_path):
     """The checked copy loop is held to twice the plain one's instructions per 16 bytes (issue 59): a lane term xored
     with a constant on the 8B model's pages (the shortest plain loop: 11.12 per 16 B, the checked 21.75; mutated 24.75)
     breaks it, within the slack of the loop's own budget, which alone would let it pass."""
-    old, pad = _kernel_lines("step_a, step_b = _lane_step(", "step_a, step_b = _lane_step(")
+    old, pad = _kernel_lines("step_a, step_b = _lane_step(vals,", "step_a, step_b = _lane_step(")  # the stores' loop
     busy = f"{old}\n{pad}step_b = step_b ^ 0x5555"
     found = _problems(tmp_path, "llama3-8b.kv_first/store/1group/checked", [(old, busy)])
     assert any("copy loop" in p and "x plain" in p for p in found), found
