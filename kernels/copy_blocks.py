@@ -160,26 +160,27 @@ def _copy_blocks_kernel(
                 step_terms = _next_step(step_terms, CHUNK, VEC)
                 acc_a += step_a
                 acc_b += step_b
-        for k in range(0, 0 if INTEGRITY and COPY and not STORE else n_chunks):
-            if INTEGRITY:  # 32-bit columns: fewer registers and compares for the checks' tiles of many rows
-                col0 = tl.cast(k * CHUNK, tl.int32)
-                col = col0 + cols
-            else:
-                col = k * CHUNK + cols  # [CHUNK]
-            mask = col[None, :] < seg_len[:, None]  # [ROWS, CHUNK]
-            if not COPY:  # only read the GPU side: the copy engines moved (or will move) the bytes
-                vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)
-            elif STORE:
-                vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)  # [ROWS, CHUNK]
-                tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)
-            else:
-                vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
-                tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
-            if INTEGRITY:
-                step_a, step_b = _lane_step(vals, mask, index_terms + step_terms, ROWS, CHUNK, VEC)
-                step_terms = _next_step(step_terms, CHUNK, VEC)
-                acc_a += step_a
-                acc_b += step_b
+        else:  # one step at a time: stores (GPU reads are near), plain loads, the checksum-only launch
+            for k in range(0, n_chunks):
+                if INTEGRITY:  # 32-bit columns: fewer registers and compares for the checks' tiles of many rows
+                    col0 = tl.cast(k * CHUNK, tl.int32)
+                    col = col0 + cols
+                else:
+                    col = k * CHUNK + cols  # [CHUNK]
+                mask = col[None, :] < seg_len[:, None]  # [ROWS, CHUNK]
+                if not COPY:  # only read the GPU side: the copy engines moved (or will move) the bytes
+                    vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)
+                elif STORE:
+                    vals = tl.load(anchor_ptr + gpu_off[:, None] + col[None, :], mask=mask)  # [ROWS, CHUNK]
+                    tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)
+                else:
+                    vals = tl.load(host_ptr + host_off[:, None] + col[None, :], mask=mask)
+                    tl.store(anchor_ptr + gpu_off[:, None] + col[None, :], vals, mask=mask)
+                if INTEGRITY:
+                    step_a, step_b = _lane_step(vals, mask, index_terms + step_terms, ROWS, CHUNK, VEC)
+                    step_terms = _next_step(step_terms, CHUNK, VEC)
+                    acc_a += step_a
+                    acc_b += step_b
         if INTEGRITY:
             # Sums mod 2**32 are associative and commutative: tiles and programs add their parts in any order. The
             # adds are relaxed (no fence per row and tile): a program's count into a shared block's counter orders

@@ -91,7 +91,7 @@ _STORE = "tl.store(host_ptr + host_off[:, None] + col[None, :], vals, mask=mask)
 
 def test_work_added_to_the_copy_loop_breaks_its_budget(tmp_path):
     """Six integer operations per word moved, in the loop that moves them (a stand-in for a costlier checksum)."""
-    indent = "\n" + " " * 16
+    indent = "\n" + " " * 20  # the stores' loop body
     busy = indent.join(["vals = vals * 3 + 1", "vals = vals * 5 + 7", "vals = vals * 9 + 3", ""])
     found = _problems(tmp_path, "llama3-8b.kv_first/store/1group/plain", [(_STORE, busy + _STORE)])
     assert any("loop instructions per 16 B" in p for p in found), found

@@ -244,7 +244,7 @@ def _ran(named: str, recorded, dirty) -> bool:
     dirty, one of its ancestors (the GPU machine's git may know only an older commit: its working tree is the newer
     one's). Without git history (an archive) only the first."""
     recorded = str(recorded or "").split("+")[0]
-    if recorded and recorded.startswith(named) or named.startswith(recorded or "-"):
+    if recorded and (recorded.startswith(named) or named.startswith(recorded)):
         return True
     if not dirty or not (ROOT / ".git").exists():
         return False
